@@ -1,0 +1,63 @@
+# deconv: one source of truth for installing, testing and serving (the Dockerfile runs these same targets).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Pins applied on top of pyproject's ranges (torch: the CPU build here; the image passes its own).
+CONSTRAINTS ?= constraints.txt
+# Extra pip arguments, e.g. an index for a CUDA build of torch in the image.
+PIP_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# Architectures for `make nvcc-check` (CI compiles every kernel source for these).
+NVCC_ARCHS ?= 80 90
+
+.PHONY: install install-dev test lint format serve nvcc-check kernels bench clean
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed: pyproject.toml client/pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e . -e ./client
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e ".[test,bench]" -e "./client[torch]"
+	touch $@
+
+test: install-dev
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+lint: install-dev
+	$(PY) -m ruff check .
+
+format: install-dev
+	$(PY) -m ruff format .
+
+serve: install
+	$(PY) -m service --host $(HOST) --port $(PORT)
+
+# Compile every kernel source with nvcc alone (no torch headers), keeping ptxas' register/spill report.
+nvcc-check:
+	@command -v nvcc >/dev/null || { echo "nvcc not found: the CUDA toolkit is needed for nvcc-check"; exit 1; }
+	@set -e; for f in kernels/csrc/*.cu; do \
+	  for a in $(NVCC_ARCHS); do \
+	    echo "== nvcc $$f sm_$$a"; \
+	    nvcc -std=c++17 -O3 -Ikernels/csrc -gencode arch=compute_$$a,code=sm_$$a -Xptxas -v \
+	      -c $$f -o /tmp/deconv-nvcc-check-$$a.o 2>&1; \
+	  done; \
+	done
+
+# Build the CUDA kernels into the build cache now (needs a CUDA build of torch; DECONV_CUDA_ARCH without a GPU).
+kernels: install
+	$(PY) -m kernels.build
+
+bench: install-dev
+	$(PY) bench/kernelbench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info client/*.egg-info

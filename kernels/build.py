@@ -1,0 +1,170 @@
+"""Run-time build of the CUDA kernels: the one place that calls ``torch.utils.cpp_extension.load_inline``.
+
+The sources are the real files in ``kernels/csrc``; their text is handed to ``load_inline``. Builds are cached
+in a stable directory (``DECONV_KERNEL_CACHE``, default ``~/.cache/deconv/kernels``) under a key made of the
+sources, the torch version, the CUDA version (torch's and nvcc's), the target architectures and the compiler
+flags: a change to any of them builds anew, anything else loads the cached library in about a second.
+
+Target architectures: ``DECONV_CUDA_ARCH`` (for example ``"8.0;9.0"``, as in ``TORCH_CUDA_ARCH_LIST``) or,
+when unset, those of the visible GPUs. Naming them explicitly lets an image be built on a machine without a GPU:
+``python -m kernels.build --arch "8.0;9.0"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("deconv.kernels")
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+MIN_ARCH = (8, 0)  # mma.sync with TF32/BF16 operands needs sm_80
+
+# Flags that change the generated code, and so belong in the cache key. No fast-math: exact fp32 must stay exact.
+CXX_FLAGS = ["-O3", "-std=c++17"]
+CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The CUDA kernels could not be built or loaded."""
+
+
+def _parse_arch(text: str) -> tuple[int, int, str]:
+    """'8.0' / '80' / '9.0a' / 'sm_90' -> (8, 0, '') / (9, 0, 'a')."""
+    m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([a-z]?)(?:\+PTX)?", text.strip())
+    if m is None:
+        raise KernelBuildError(f"cannot read CUDA architecture {text!r}; write it like '8.0', '9.0' or '9.0a'")
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
+def cuda_archs() -> list[tuple[int, int, str]]:
+    """The architectures to build for: ``DECONV_CUDA_ARCH`` if set, else every visible GPU's."""
+    env = os.environ.get("DECONV_CUDA_ARCH", "").strip()
+    if env:
+        archs = [_parse_arch(a) for a in re.split(r"[;, ]+", env) if a]
+    elif torch.cuda.is_available():
+        archs = [(*torch.cuda.get_device_capability(i), "") for i in range(torch.cuda.device_count())]
+    else:
+        raise KernelBuildError(
+            "no CUDA GPU is visible and DECONV_CUDA_ARCH is not set; set it (e.g. '8.0;9.0') to build without a GPU"
+        )
+    for major, minor, _ in archs:
+        if (major, minor) < MIN_ARCH:
+            raise KernelBuildError(
+                f"compute capability {major}.{minor} is too old: the kernels need sm_80 (Ampere) or newer"
+            )
+    return sorted(set(archs))
+
+
+def gencode_flags(archs: list[tuple[int, int, str]]) -> list[str]:
+    """SASS for every architecture plus PTX for the newest, so that newer GPUs can still JIT the kernels."""
+    flags = [f"-gencode=arch=compute_{ma}{mi}{s},code=sm_{ma}{mi}{s}" for ma, mi, s in archs]
+    ma, mi, s = archs[-1]
+    flags.append(f"-gencode=arch=compute_{ma}{mi}{s},code=compute_{ma}{mi}{s}")
+    return flags
+
+
+def cache_root() -> Path:
+    """Directory that holds one sub-directory per build key."""
+    env = os.environ.get("DECONV_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "deconv" / "kernels"
+
+
+def _sources() -> dict[str, str]:
+    files = sorted(CSRC.glob("*.h")) + sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp"))
+    return {f.name: f.read_text() for f in files}
+
+
+def _nvcc_version() -> str:
+    nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"nvcc was not found or failed ({exc}); the kernels are compiled at run time") from exc
+    return out.strip().splitlines()[-1]
+
+
+def build_key(archs: list[tuple[int, int, str]]) -> str:
+    """Hash of everything that changes the built library."""
+    h = hashlib.sha256()
+    for name, text in _sources().items():
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    for part in (torch.__version__, str(torch.version.cuda), _nvcc_version(), *gencode_flags(archs),
+                 *CXX_FLAGS, *CUDA_FLAGS):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Build (first time) or load (cache hit) the kernels extension; thread-safe, once per process."""
+    global _module
+    with _lock:
+        if _module is not None:
+            return _module
+        from torch.utils.cpp_extension import load_inline
+
+        archs = cuda_archs()
+        key = build_key(archs)
+        name = f"deconv_kernels_{key}"
+        build_dir = cache_root() / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cached = any(build_dir.glob(f"{name}*.so"))
+        arch_text = ", ".join(f"sm_{ma}{mi}{s}" for ma, mi, s in archs)
+        if not cached:
+            log.info("compiling kernels (first time takes about a minute) for %s into %s", arch_text, build_dir)
+        t0 = time.perf_counter()
+        src = _sources()
+        try:
+            module = load_inline(
+                name=name,
+                cpp_sources=[src["binding.cpp"]],
+                cuda_sources=[text for fname, text in src.items() if fname.endswith(".cu")],
+                extra_cflags=CXX_FLAGS,
+                extra_cuda_cflags=[*CUDA_FLAGS, *gencode_flags(archs)],
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
+        except Exception as exc:  # compiler output is in the exception text
+            raise KernelBuildError(f"building the CUDA kernels failed: {exc}") from exc
+        dt = time.perf_counter() - t0
+        if cached:
+            log.info("loaded kernels for %s from the build cache in %.2f s", arch_text, dt)
+        else:
+            log.info("compiled kernels for %s in %.1f s", arch_text, dt)
+        _module = module
+        return module
+
+
+def main() -> None:
+    """``python -m kernels.build [--arch LIST]``: build the kernels now (e.g. while building an image)."""
+    parser = argparse.ArgumentParser(description="Build the deconv CUDA kernels into the build cache.")
+    parser.add_argument("--arch", help="architectures, e.g. '8.0;9.0' (default: DECONV_CUDA_ARCH or the GPUs')")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's command lines")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.arch:
+        os.environ["DECONV_CUDA_ARCH"] = args.arch
+    load(verbose=args.verbose)
+    log.info("build cache: %s", cache_root())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+// ConvTranspose2d forward as an implicit GEMM over stride phases.
+//
+// The output is split into stride_h x stride_w phases: the output rows ho with (ho + pad_h) % stride_h == r_h
+// (and likewise columns). Inside one phase every output pixel sees the same set of kernel taps, and those taps
+// form an arithmetic progression (a = a0, a0 + step, ...), so each phase is a dense GEMM with no multiply on an
+// inserted zero:
+//   M = N * rows_in_phase * cols_in_phase   (output pixels)
+//   N = C_out / groups                      (output channels of one group)
+//   K = C_in / groups * taps_h * taps_w     (input channels x valid taps)
+// A[m, k] = x[n, ci, hi, wi] (zero outside the input), B[k, co] = w[ci, co, a, b].
+// A phase with no valid tap on an axis writes the bias (or zeros).
+//
+// This file holds the phase arithmetic, the portable SIMT kernel (every dtype, exact fp32 and fp64) and the
+// launcher that picks a kernel. It needs nothing newer than sm_80 and builds with CUDA 11.8.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "conv_transpose2d.h"
+
+namespace deconv {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// Phase arithmetic, one axis.
+//
+// Output positions o of residue r: o = o0 + q * stride, q in [0, count).
+// Valid taps: a = a0 + t * step, t in [0, taps); then i = q + base - t * dstep reads input position i.
+struct AxisPhase {
+  int64_t o0;     // first output position of this phase
+  int64_t count;  // output positions in this phase
+  int64_t base;   // input position read by q = 0, t = 0
+  int64_t a0;     // first valid tap (meaningless when taps == 0)
+  int64_t step;   // tap step: stride / gcd(stride, dilation)
+  int64_t dstep;  // input step per tap: dilation / gcd(stride, dilation)
+  int64_t taps;   // number of valid taps
+};
+
+__host__ __device__ inline int64_t gcd64(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+__host__ __device__ inline AxisPhase make_axis_phase(int64_t r, int64_t out_size, int64_t stride, int64_t pad,
+                                                     int64_t dil, int64_t k) {
+  AxisPhase ax;
+  // (o + pad) % stride == r  <=>  o == (r - pad) mod stride; compute a non-negative residue explicitly,
+  // since C's % keeps the sign of the dividend.
+  const int64_t o0 = ((r - pad) % stride + stride) % stride;
+  ax.o0 = o0;
+  ax.count = o0 < out_size ? (out_size - o0 + stride - 1) / stride : 0;
+  const int64_t g = gcd64(stride, dil);
+  ax.step = stride / g;
+  ax.dstep = dil / g;
+  ax.a0 = 0;
+  ax.taps = 0;
+  ax.base = 0;
+  // a * dil == r (mod stride) has a solution in [0, step) iff it has one at all; it repeats every `step`.
+  const int64_t lim = k < ax.step ? k : ax.step;
+  for (int64_t a = 0; a < lim; ++a) {
+    if ((a * dil) % stride == r) {
+      ax.a0 = a;
+      ax.taps = (k - 1 - a) / ax.step + 1;
+      // o0 + pad - a0 * dil is an exact multiple of stride (both sides are == r mod stride), so the
+      // division is exact even when negative.
+      ax.base = (o0 + pad - a * dil) / stride;
+      break;
+    }
+  }
+  return ax;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Element conversions.
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(float v);
+template <>
+__device__ __forceinline__ float from_acc<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename T, typename Acc>
+__device__ __forceinline__ T store_cast(Acc v) {
+  if constexpr (sizeof(Acc) == 8) {
+    return static_cast<T>(v);
+  } else {
+    return from_acc<T>(v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// SIMT implicit GEMM. One block computes a BM (pixels) x BN (output channels) tile of one (phase, group);
+// K is walked in BK slices staged through shared memory; each thread owns TM x TN accumulators, strided by
+// the thread-grid size so that neighbouring threads write neighbouring output pixels.
+template <typename T, int BM, int BN, int BK, int TM, int TN>
+__global__ void __launch_bounds__((BM / TM) * (BN / TN))
+    conv_transpose2d_simt_kernel(const ConvTranspose2dParams p) {
+  using Acc = typename AccType<T>::type;
+  constexpr int kThreadsM = BM / TM;
+  constexpr int kThreadsN = BN / TN;
+  constexpr int kThreads = kThreadsM * kThreadsN;
+  static_assert(kThreads % BM == 0 && kThreads % BN == 0, "loader mapping needs BM, BN | threads");
+  static_assert((BK * BM) % kThreads == 0 && (BK * BN) % kThreads == 0, "tile must split evenly");
+  constexpr int kRowsA = kThreads / BM;  // k rows of A loaded per pass
+  constexpr int kRowsB = kThreads / BN;
+
+  __shared__ Acc As[BK][BM];
+  __shared__ Acc Bs[BK][BN];
+
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const T* __restrict__ w = static_cast<const T*>(p.w);
+  const T* __restrict__ bias = static_cast<const T*>(p.bias);
+  T* __restrict__ y = static_cast<T*>(p.y);
+
+  const int tid = threadIdx.x;
+  const int64_t cin_g = p.C_in / p.groups;
+  const int64_t cout_g = p.C_out / p.groups;
+  const int64_t hw_in = p.H_in * p.W_in;
+  const int64_t khw = p.kH * p.kW;
+  const int64_t num_z = p.stride_h * p.stride_w * p.groups;
+
+  for (int64_t z = blockIdx.z; z < num_z; z += gridDim.z) {
+    const int64_t grp = z % p.groups;
+    const int64_t phase = z / p.groups;
+    const AxisPhase ah = make_axis_phase(phase / p.stride_w, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
+    const AxisPhase aw = make_axis_phase(phase % p.stride_w, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
+    const int64_t pix_per_img = ah.count * aw.count;
+    const int64_t M = p.N * pix_per_img;
+    const int64_t taps = ah.taps * aw.taps;
+    const int64_t K = cin_g * taps;
+
+    for (int64_t nt = blockIdx.y; nt * BN < cout_g; nt += gridDim.y) {
+      for (int64_t mt = blockIdx.x; mt * BM < M; mt += gridDim.x) {
+        // This thread's A-load row: one output pixel, decoded once per tile.
+        const int lm = tid % BM;
+        const int64_t m_load = mt * BM + lm;
+        const bool m_ok = m_load < M;
+        int64_t x_img = 0, hbase = 0, wbase = 0;
+        if (m_ok) {
+          const int64_t n = m_load / pix_per_img;
+          const int64_t rem = m_load - n * pix_per_img;
+          const int64_t qh = rem / aw.count;
+          const int64_t qw = rem - qh * aw.count;
+          x_img = (n * p.C_in + grp * cin_g) * hw_in;
+          hbase = qh + ah.base;
+          wbase = qw + aw.base;
+        }
+        // This thread's B-load column: one output channel.
+        const int lc = tid % BN;
+        const int64_t co_load = nt * BN + lc;
+        const bool co_ok = co_load < cout_g;
+
+        Acc acc[TM][TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < TN; ++j) acc[i][j] = Acc(0);
+
+        for (int64_t k0 = 0; k0 < K; k0 += BK) {
+#pragma unroll
+          for (int r = 0; r < BK; r += kRowsA) {
+            const int kk = r + tid / BM;
+            const int64_t k = k0 + kk;
+            Acc v = Acc(0);
+            if (m_ok && k < K) {
+              // k -> (tap_h, tap_w, ci), ci fastest.
+              const int64_t tap = k / cin_g;
+              const int64_t ci = k - tap * cin_g;
+              const int64_t th = tap / aw.taps;
+              const int64_t tw = tap - th * aw.taps;
+              const int64_t hi = hbase - th * ah.dstep;
+              const int64_t wi = wbase - tw * aw.dstep;
+              if (hi >= 0 && hi < p.H_in && wi >= 0 && wi < p.W_in) {
+                v = to_acc(x[x_img + ci * hw_in + hi * p.W_in + wi]);
+              }
+            }
+            As[kk][lm] = v;
+          }
+#pragma unroll
+          for (int r = 0; r < BK; r += kRowsB) {
+            const int kk = r + tid / BN;
+            const int64_t k = k0 + kk;
+            Acc v = Acc(0);
+            if (co_ok && k < K) {
+              const int64_t tap = k / cin_g;
+              const int64_t ci = k - tap * cin_g;
+              const int64_t th = tap / aw.taps;
+              const int64_t tw = tap - th * aw.taps;
+              const int64_t a = ah.a0 + th * ah.step;
+              const int64_t b = aw.a0 + tw * aw.step;
+              v = to_acc(w[((grp * cin_g + ci) * cout_g + co_load) * khw + a * p.kW + b]);
+            }
+            Bs[kk][lc] = v;
+          }
+          __syncthreads();
+#pragma unroll
+          for (int kk = 0; kk < BK; ++kk) {
+            Acc av[TM], bv[TN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) av[i] = As[kk][tid % kThreadsM + i * kThreadsM];
+#pragma unroll
+            for (int j = 0; j < TN; ++j) bv[j] = Bs[kk][tid / kThreadsM + j * kThreadsN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+              for (int j = 0; j < TN; ++j) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+          }
+          __syncthreads();
+        }
+
+        // Epilogue: bias, convert, scatter this phase's pixels back to NCHW.
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+          const int64_t m = mt * BM + tid % kThreadsM + i * kThreadsM;
+          if (m >= M) continue;
+          const int64_t n = m / pix_per_img;
+          const int64_t rem = m - n * pix_per_img;
+          const int64_t qh = rem / aw.count;
+          const int64_t qw = rem - qh * aw.count;
+          const int64_t ho = ah.o0 + qh * p.stride_h;
+          const int64_t wo = aw.o0 + qw * p.stride_w;
+#pragma unroll
+          for (int j = 0; j < TN; ++j) {
+            const int64_t co = nt * BN + tid / kThreadsM + j * kThreadsN;
+            if (co >= cout_g) continue;
+            const int64_t cog = grp * cout_g + co;
+            Acc v = acc[i][j];
+            if (bias != nullptr) v += to_acc(bias[cog]);
+            y[((n * p.C_out + cog) * p.H_out + ho) * p.W_out + wo] = store_cast<T, Acc>(v);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+cudaError_t launch_simt(const ConvTranspose2dParams& p, cudaStream_t stream) {
+  constexpr int BM = 64, BN = 64, BK = 16, TM = 4, TN = 4;
+  constexpr int kThreads = (BM / TM) * (BN / TN);
+  // Largest phase: ceil(H_out / stride_h) x ceil(W_out / stride_w) pixels per image.
+  const int64_t max_m = p.N * ((p.H_out + p.stride_h - 1) / p.stride_h) * ((p.W_out + p.stride_w - 1) / p.stride_w);
+  const int64_t m_tiles = (max_m + BM - 1) / BM;
+  const int64_t n_tiles = (p.C_out / p.groups + BN - 1) / BN;
+  const int64_t z = p.stride_h * p.stride_w * p.groups;
+  // The kernel loops over tiles past the grid's limits, so clamping only costs parallelism, never coverage.
+  const dim3 grid(static_cast<unsigned>(m_tiles < 0x7fffffff ? m_tiles : 0x7fffffff),
+                  static_cast<unsigned>(n_tiles < 65535 ? n_tiles : 65535),
+                  static_cast<unsigned>(z < 65535 ? z : 65535));
+  conv_transpose2d_simt_kernel<T, BM, BN, BK, TM, TN><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
+  if (path_out != nullptr) *path_out = KernelPath::kSimt;
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return launch_simt<float>(p, stream);
+    case DType::kFloat16:
+      return launch_simt<__half>(p, stream);
+    case DType::kBFloat16:
+      return launch_simt<__nv_bfloat16>(p, stream);
+    case DType::kFloat64:
+      return launch_simt<double>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace deconv

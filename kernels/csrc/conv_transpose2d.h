@@ -1,0 +1,48 @@
+// Shared declarations between the CUDA kernels (conv_transpose2d.cu) and the torch binding (binding.cpp).
+// Plain C++ and CUDA runtime only: no torch headers, so that the .cu files compile with nvcc alone.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace deconv {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+
+// How float32 operands may be multiplied. bf16/fp16 always multiply natively and accumulate in fp32;
+// float64 is always exact.
+enum class Precision : int {
+  kExactFp32 = 0,  // IEEE fp32 products and sums (FFMA)
+  kTF32 = 1,       // tensor cores with operands rounded to TF32 (what cuDNN does with allow_tf32)
+};
+
+// One transposed convolution, already validated by the caller. All tensors contiguous NCHW.
+// Gather form (ARCHITECTURE.md): y[n, co, ho, wo] = bias[co] + sum over ci in co's group and taps (a, b) of
+// x[n, ci, hi, wi] * w[ci, co % (C_out / groups), a, b], with hi = (ho + pad_h - a * dil_h) / stride_h
+// when the division is exact and 0 <= hi < H_in (same for wi).
+struct ConvTranspose2dParams {
+  const void* x;     // x: [N, C_in, H_in, W_in]
+  const void* w;     // w: [C_in, C_out / groups, kH, kW]
+  const void* bias;  // bias: [C_out], or nullptr for none
+  void* y;           // y: [N, C_out, H_out, W_out]
+  int64_t N, C_in, H_in, W_in;
+  int64_t C_out, H_out, W_out;
+  int64_t kH, kW;
+  int64_t stride_h, stride_w;
+  int64_t pad_h, pad_w;
+  int64_t dil_h, dil_w;
+  int64_t groups;
+  DType dtype;
+  Precision precision;
+};
+
+// Which kernel family ran; reported back to Python for tests and benchmarks.
+enum class KernelPath : int { kSimt = 0, kTensorCore = 1 };
+
+// Launches the forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
+// `path_out`, when not null, receives the kernel family chosen for this problem.
+cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream,
+                                     KernelPath* path_out);
+
+}  // namespace deconv

@@ -1,0 +1,281 @@
+"""``conv_transpose2d``: the CUDA kernels behind PyTorch's exact semantics, with autograd.
+
+Layers, bottom up: the extension's raw forward (``_forward_cuda``) -> ``_ConvTranspose2dFunction``
+(autograd) -> ``conv_transpose2d`` (argument checks, precision, dtype/device routing).
+
+CPU tensors take the PyTorch reference (``torch.nn.functional.conv_transpose2d``), so every call works on a
+machine without a GPU. CUDA tensors run our forward kernels; the backward pass uses PyTorch's own
+``aten.convolution_backward`` (cuDNN on GPUs) for the input, weight and bias gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IntPair = int | Sequence[int]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+PRECISIONS = ("fp32", "tf32")
+
+# Which kernel family ran, as the extension reports it.
+KERNEL_PATHS = {0: "simt", 1: "tensor_core"}
+
+
+class ConvTranspose2dArgumentError(ValueError, RuntimeError):
+    """Invalid arguments to conv_transpose2d.
+
+    A ``ValueError``, and also a ``RuntimeError`` so that code written against PyTorch's errors still catches it.
+    """
+
+
+@dataclass(frozen=True)
+class ConvArgs:
+    """Normalised convolution arguments: every field a (height, width) pair except groups."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    output_padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+
+def _pair(value: IntPair, name: str) -> tuple[int, int]:
+    if isinstance(value, bool):
+        raise ConvTranspose2dArgumentError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ConvTranspose2dArgumentError(f"{name} must be an int or a pair of ints, got {value!r}") from None
+    if len(items) == 1:
+        items = items * 2
+    if len(items) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise ConvTranspose2dArgumentError(
+            f"{name} must be an int or a pair of ints (height, width), got {value!r}"
+        )
+    return (int(items[0]), int(items[1]))
+
+
+def output_size(
+    in_size: int, kernel: int, stride: int = 1, padding: int = 0, output_padding: int = 0, dilation: int = 1
+) -> int:
+    """One axis of the output: ``(in - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1``."""
+    return (in_size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
+
+
+def normalize_args(
+    stride: IntPair = 1, padding: IntPair = 0, output_padding: IntPair = 0, groups: int = 1, dilation: IntPair = 1
+) -> ConvArgs:
+    """Parse and range-check the non-tensor arguments (PyTorch's rules)."""
+    s = _pair(stride, "stride")
+    p = _pair(padding, "padding")
+    op = _pair(output_padding, "output_padding")
+    d = _pair(dilation, "dilation")
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise ConvTranspose2dArgumentError(f"groups must be an int, got {groups!r}")
+    if min(s) <= 0:
+        raise ConvTranspose2dArgumentError(f"stride must be positive, got {s}")
+    if min(d) <= 0:
+        raise ConvTranspose2dArgumentError(f"dilation must be positive, got {d}")
+    if min(p) < 0:
+        raise ConvTranspose2dArgumentError(f"padding must be non-negative, got {p}")
+    if groups <= 0:
+        raise ConvTranspose2dArgumentError(f"groups must be positive, got {groups}")
+    for axis, (o, st, di) in enumerate(zip(op, s, d, strict=True)):
+        if o < 0 or o >= max(st, di):
+            name = ("height", "width")[axis]
+            raise ConvTranspose2dArgumentError(
+                f"output_padding must be non-negative and smaller than max(stride, dilation) in each axis; "
+                f"got output_padding={op}, stride={s}, dilation={d} ({name}: {o} >= max({st}, {di}))"
+            )
+    return ConvArgs(s, p, op, d, groups)
+
+
+def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs) -> None:
+    """Check shapes, dtypes and devices of the tensors against each other and the arguments."""
+    if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise ConvTranspose2dArgumentError("input and weight must be tensors")
+    if input.dim() not in (3, 4):
+        raise ConvTranspose2dArgumentError(
+            f"expected a 3-D (unbatched) [C_in, H, W] or 4-D (batched) [N, C_in, H, W] input, "
+            f"got shape {list(input.shape)}"
+        )
+    if weight.dim() != 4:
+        raise ConvTranspose2dArgumentError(
+            f"expected a 4-D weight [C_in, C_out/groups, kH, kW], got shape {list(weight.shape)}"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != input.device:
+            raise ConvTranspose2dArgumentError(
+                f"{name} is on {t.device} but input is on {input.device}; move both to the same device"
+            )
+        if t is not None and t.dtype != input.dtype:
+            raise ConvTranspose2dArgumentError(
+                f"{name} dtype {t.dtype} differs from input dtype {input.dtype}; cast one of them"
+            )
+    c_in = input.shape[-3]
+    if weight.shape[0] != c_in:
+        raise ConvTranspose2dArgumentError(
+            f"input has {c_in} channels but weight {list(weight.shape)} expects {weight.shape[0]} "
+            f"(weight is [C_in, C_out/groups, kH, kW])"
+        )
+    if c_in == 0 or c_in % args.groups != 0:
+        raise ConvTranspose2dArgumentError(
+            f"input channels ({c_in}) must be a positive multiple of groups ({args.groups})"
+        )
+    if min(weight.shape[1:]) <= 0:
+        raise ConvTranspose2dArgumentError(
+            f"weight {list(weight.shape)} must have at least one output channel and a kernel of at least 1x1"
+        )
+    if input.shape[-1] == 0 or input.shape[-2] == 0:
+        raise ConvTranspose2dArgumentError(
+            f"input height and width must be positive, got shape {list(input.shape)} "
+            f"(an empty batch, N = 0, is allowed)"
+        )
+    c_out = weight.shape[1] * args.groups
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != c_out):
+        raise ConvTranspose2dArgumentError(f"bias must have shape [{c_out}] (C_out), got {list(bias.shape)}")
+    h_out, w_out = _out_hw(input, weight, args)
+    if h_out <= 0 or w_out <= 0:
+        raise ConvTranspose2dArgumentError(
+            f"output size {h_out} x {w_out} is not positive for input {input.shape[-2]} x {input.shape[-1]}, "
+            f"kernel {tuple(weight.shape[2:])}, stride {args.stride}, padding {args.padding}, "
+            f"dilation {args.dilation}, output_padding {args.output_padding}"
+        )
+
+
+def _out_hw(input: torch.Tensor, weight: torch.Tensor, args: ConvArgs) -> tuple[int, int]:
+    return tuple(  # type: ignore[return-value]
+        output_size(input.shape[-2 + i], weight.shape[2 + i], args.stride[i], args.padding[i],
+                    args.output_padding[i], args.dilation[i])
+        for i in range(2)
+    )
+
+
+def resolve_precision(dtype: torch.dtype, precision: str | None) -> str:
+    """The multiply precision for a float32 problem: explicit, else PyTorch's ``cudnn.allow_tf32`` setting.
+
+    Other dtypes ignore it: bf16/fp16 multiply natively and accumulate in fp32, float64 is exact.
+    """
+    if precision is not None and precision not in PRECISIONS:
+        raise ConvTranspose2dArgumentError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
+    if dtype != torch.float32:
+        return "fp32"
+    if precision is not None:
+        return precision
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
+
+
+def _load_extension() -> Any:
+    from kernels.build import load
+
+    return load(verbose=os.environ.get("DECONV_BUILD_VERBOSE", "") == "1")
+
+
+def _forward_cuda(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str
+) -> tuple[torch.Tensor, str]:
+    """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran."""
+    ext = _load_extension()
+    y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
+                          list(args.dilation), args.groups, precision)
+    return y, KERNEL_PATHS[path]
+
+
+class _ConvTranspose2dFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str
+    ) -> torch.Tensor:
+        y, _ = _forward_cuda(x, weight, bias, args, precision)
+        ctx.save_for_backward(x, weight)
+        ctx.args = args
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        a: ConvArgs = ctx.args
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        # PyTorch's own backward of a transposed convolution (cuDNN on GPUs): exactly the gradients that
+        # F.conv_transpose2d would produce.
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad_y, x, weight, [weight.shape[1] * a.groups] if ctx.has_bias else None,
+            list(a.stride), list(a.padding), list(a.dilation), True, list(a.output_padding), a.groups, mask,
+        )
+        return gx, gw, gb, None, None
+
+
+def conv_transpose2d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: IntPair = 1,
+    padding: IntPair = 0,
+    output_padding: IntPair = 0,
+    groups: int = 1,
+    dilation: IntPair = 1,
+    *,
+    precision: str | None = None,
+) -> torch.Tensor:
+    """2-D transposed convolution with ``torch.nn.functional.conv_transpose2d``'s signature and semantics.
+
+    Args:
+        input: ``[N, C_in, H, W]`` or unbatched ``[C_in, H, W]``; float32, float16, bfloat16 or float64; any
+            memory layout (contiguous, strided views, channels_last).
+        weight: ``[C_in, C_out / groups, kH, kW]``, same dtype and device as ``input``.
+        bias: optional ``[C_out]``.
+        stride, padding, output_padding, dilation: an int or an (height, width) pair. ``output_padding`` must be
+            smaller than ``max(stride, dilation)`` per axis.
+        groups: splits ``C_in`` and ``C_out`` into this many independent groups.
+        precision: for float32 inputs on CUDA, ``"tf32"`` (tensor cores with TF32 operands) or ``"fp32"``
+            (exact IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for
+            other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
+
+    Returns:
+        ``[N, C_out, H_out, W_out]`` (or ``[C_out, H_out, W_out]``) in the input's dtype, with
+        ``H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1`` (same for W);
+        channels_last when the input is channels_last, like PyTorch.
+
+    CPU tensors run PyTorch's reference implementation. CUDA tensors run this project's kernels; under
+    ``torch.autocast`` they are cast to the autocast dtype first, as PyTorch does for convolutions. Gradients
+    (input, weight, bias) come from PyTorch's ``aten.convolution_backward``.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
+    """
+    args = normalize_args(stride, padding, output_padding, groups, dilation)
+    check_tensors(input, weight, bias, args)
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    if not input.is_cuda:
+        resolve_precision(input.dtype, precision)  # validate the argument on every device
+        return F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding,
+                                  args.groups, args.dilation)
+
+    if torch.is_autocast_enabled("cuda"):
+        dt = torch.get_autocast_dtype("cuda")
+        input, weight = input.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    mode = resolve_precision(input.dtype, precision)
+
+    unbatched = input.dim() == 3
+    x = input.unsqueeze(0) if unbatched else input
+    if x.shape[0] == 0:
+        h_out, w_out = _out_hw(x, weight, args)
+        y = x.new_empty((0, weight.shape[1] * args.groups, h_out, w_out))
+    else:
+        y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode)
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        y = y.contiguous(memory_format=torch.channels_last)
+    return y.squeeze(0) if unbatched else y
