@@ -56,6 +56,8 @@ def cuda_archs() -> list[tuple[int, int, str]]:
     env = os.environ.get("DECONV_CUDA_ARCH", "").strip()
     if env:
         archs = [_parse_arch(a) for a in re.split(r"[;, ]+", env) if a]
+        if not archs:
+            raise KernelBuildError(f"DECONV_CUDA_ARCH={env!r} names no architecture; write e.g. '8.0;9.0'")
     elif torch.cuda.is_available():
         archs = [(*torch.cuda.get_device_capability(i), "") for i in range(torch.cuda.device_count())]
     else:
@@ -88,7 +90,7 @@ def cache_root() -> Path:
 
 
 def _sources() -> dict[str, str]:
-    files = sorted(CSRC.glob("*.h")) + sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp"))
+    files = [f for ext in ("h", "cuh", "cu", "cpp") for f in sorted(CSRC.glob(f"*.{ext}"))]
     return {f.name: f.read_text() for f in files}
 
 

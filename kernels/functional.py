@@ -10,6 +10,7 @@ machine without a GPU. CUDA tensors run our forward kernels; the backward pass u
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,22 +46,32 @@ class ConvArgs:
     groups: int
 
 
-def _pair(value: IntPair, name: str) -> tuple[int, int]:
+def _as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python, numpy, 0-d tensor), else None. Bools are not integers."""
     if isinstance(value, bool):
-        raise ConvTranspose2dArgumentError(f"{name} must be an int or a pair of ints, got {value!r}")
-    if isinstance(value, int):
-        return (value, value)
+        return None
     try:
-        items = tuple(value)
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _pair(value: IntPair, name: str) -> tuple[int, int]:
+    single = _as_int(value)
+    if single is not None:
+        return (single, single)
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
     except TypeError:
         raise ConvTranspose2dArgumentError(f"{name} must be an int or a pair of ints, got {value!r}") from None
     if len(items) == 1:
         items = items * 2
-    if len(items) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+    ints = tuple(_as_int(v) for v in items)
+    if len(ints) != 2 or any(v is None for v in ints):
         raise ConvTranspose2dArgumentError(
             f"{name} must be an int or a pair of ints (height, width), got {value!r}"
         )
-    return (int(items[0]), int(items[1]))
+    return (ints[0], ints[1])  # type: ignore[return-value]
 
 
 def output_size(
@@ -78,8 +89,10 @@ def normalize_args(
     p = _pair(padding, "padding")
     op = _pair(output_padding, "output_padding")
     d = _pair(dilation, "dilation")
-    if isinstance(groups, bool) or not isinstance(groups, int):
+    g = _as_int(groups)
+    if g is None:
         raise ConvTranspose2dArgumentError(f"groups must be an int, got {groups!r}")
+    groups = g
     if min(s) <= 0:
         raise ConvTranspose2dArgumentError(f"stride must be positive, got {s}")
     if min(d) <= 0:
@@ -180,12 +193,26 @@ def _load_extension() -> Any:
 
 
 def _forward_cuda(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str,
+    out: torch.Tensor | None = None,
+    force_path: str | None = None,
+    force_config: int | None = None,
 ) -> tuple[torch.Tensor, str]:
-    """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran."""
+    """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran.
+
+    ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
+    it first to catch unwritten elements). ``force_path`` (``"simt"`` or ``"tensor_core"``) and ``force_config``
+    (a tensor-core tile configuration index) override the kernel choice, for tests and tuning.
+    """
     ext = _load_extension()
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-                          list(args.dilation), args.groups, precision)
+                          list(args.dilation), args.groups, precision, out,
+                          {None: -1, "simt": 0, "tensor_core": 1}[force_path],
+                          -1 if force_config is None else force_config)
     return y, KERNEL_PATHS[path]
 
 
@@ -253,6 +280,16 @@ def conv_transpose2d(
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
     """
     args = normalize_args(stride, padding, output_padding, groups, dilation)
+    if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
+        # Autocast casts a convolution's float operands to its lower-precision dtype before anything else, as
+        # PyTorch does (float64 is never autocast).
+        dt = torch.get_autocast_dtype(input.device.type)
+
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            ok = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dt) if ok else t  # type: ignore[union-attr]
+
+        input, weight, bias = cast(input), cast(weight), cast(bias)  # type: ignore[assignment]
     check_tensors(input, weight, bias, args)
     if input.dtype not in SUPPORTED_DTYPES:
         raise ConvTranspose2dArgumentError(
@@ -263,10 +300,6 @@ def conv_transpose2d(
         return F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding,
                                   args.groups, args.dilation)
 
-    if torch.is_autocast_enabled("cuda"):
-        dt = torch.get_autocast_dtype("cuda")
-        input, weight = input.to(dt), weight.to(dt)
-        bias = bias.to(dt) if bias is not None else None
     mode = resolve_precision(input.dtype, precision)
 
     unbatched = input.dim() == 3

@@ -41,7 +41,9 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
                                            std::vector<int64_t> stride, std::vector<int64_t> padding,
                                            std::vector<int64_t> output_padding, std::vector<int64_t> dilation,
-                                           int64_t groups, const std::string& precision) {
+                                           int64_t groups, const std::string& precision,
+                                           const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
+                                           int64_t force_path, int64_t force_config) {
   check_pair(stride, "stride");
   check_pair(padding, "padding");
   check_pair(output_padding, "output_padding");
@@ -91,7 +93,16 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   const torch::Tensor wc = weight.contiguous();
   torch::Tensor bc;
   if (bias.has_value()) bc = bias->contiguous();
-  torch::Tensor y = torch::empty({N, C_out, H_out, W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  torch::Tensor y;
+  if (out.has_value()) {
+    TORCH_CHECK(out->device() == x.device() && out->scalar_type() == x.scalar_type() && out->is_contiguous() &&
+                    out->sizes() == at::IntArrayRef({N, C_out, H_out, W_out}),
+                "conv_transpose2d: out must be a contiguous [", N, ", ", C_out, ", ", H_out, ", ", W_out,
+                "] tensor of the input's dtype and device.");
+    y = *out;
+  } else {
+    y = torch::empty({N, C_out, H_out, W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   if (N == 0) return {y, 0};
 
   deconv::ConvTranspose2dParams p{};
@@ -117,6 +128,19 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   p.groups = groups;
   p.dtype = dtype;
   p.precision = precision == "tf32" ? deconv::Precision::kTF32 : deconv::Precision::kExactFp32;
+  TORCH_CHECK(force_path >= -1 && force_path <= 1, "conv_transpose2d: force_path must be -1, 0 or 1.");
+  TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
+              "conv_transpose2d: force_config out of range.");
+  p.force_path = static_cast<int>(force_path);
+  p.force_config = static_cast<int>(force_config);
+  // Scratch (packed weights) from PyTorch's caching allocator, on the current stream: freed when this returns,
+  // reusable by the allocator only after the kernels queued on this stream have run.
+  const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p);
+  torch::Tensor workspace;
+  if (ws_bytes > 0) {
+    workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+  }
 
   deconv::KernelPath path = deconv::KernelPath::kSimt;
   const cudaError_t err =
@@ -132,5 +156,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
-        py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"));
+        py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
+        py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1);
 }

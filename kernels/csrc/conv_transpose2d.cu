@@ -10,69 +10,17 @@
 // A[m, k] = x[n, ci, hi, wi] (zero outside the input), B[k, co] = w[ci, co, a, b].
 // A phase with no valid tap on an axis writes the bias (or zeros).
 //
-// This file holds the phase arithmetic, the portable SIMT kernel (every dtype, exact fp32 and fp64) and the
-// launcher that picks a kernel. It needs nothing newer than sm_80 and builds with CUDA 11.8.
+// This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks a
+// kernel: the tensor-core kernel of conv_transpose2d_mma.cu when the problem suits it, else the SIMT one. It needs nothing newer than sm_80 and builds with CUDA 11.8.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "conv_transpose2d.h"
+#include "phase.cuh"
 
 namespace deconv {
 namespace {
-
-// ---------------------------------------------------------------------------------------------------------
-// Phase arithmetic, one axis.
-//
-// Output positions o of residue r: o = o0 + q * stride, q in [0, count).
-// Valid taps: a = a0 + t * step, t in [0, taps); then i = q + base - t * dstep reads input position i.
-struct AxisPhase {
-  int64_t o0;     // first output position of this phase
-  int64_t count;  // output positions in this phase
-  int64_t base;   // input position read by q = 0, t = 0
-  int64_t a0;     // first valid tap (meaningless when taps == 0)
-  int64_t step;   // tap step: stride / gcd(stride, dilation)
-  int64_t dstep;  // input step per tap: dilation / gcd(stride, dilation)
-  int64_t taps;   // number of valid taps
-};
-
-__host__ __device__ inline int64_t gcd64(int64_t a, int64_t b) {
-  while (b != 0) {
-    const int64_t t = a % b;
-    a = b;
-    b = t;
-  }
-  return a;
-}
-
-__host__ __device__ inline AxisPhase make_axis_phase(int64_t r, int64_t out_size, int64_t stride, int64_t pad,
-                                                     int64_t dil, int64_t k) {
-  AxisPhase ax;
-  // (o + pad) % stride == r  <=>  o == (r - pad) mod stride; compute a non-negative residue explicitly,
-  // since C's % keeps the sign of the dividend.
-  const int64_t o0 = ((r - pad) % stride + stride) % stride;
-  ax.o0 = o0;
-  ax.count = o0 < out_size ? (out_size - o0 + stride - 1) / stride : 0;
-  const int64_t g = gcd64(stride, dil);
-  ax.step = stride / g;
-  ax.dstep = dil / g;
-  ax.a0 = 0;
-  ax.taps = 0;
-  ax.base = 0;
-  // a * dil == r (mod stride) has a solution in [0, step) iff it has one at all; it repeats every `step`.
-  const int64_t lim = k < ax.step ? k : ax.step;
-  for (int64_t a = 0; a < lim; ++a) {
-    if ((a * dil) % stride == r) {
-      ax.a0 = a;
-      ax.taps = (k - 1 - a) / ax.step + 1;
-      // o0 + pad - a0 * dil is an exact multiple of stride (both sides are == r mod stride), so the
-      // division is exact even when negative.
-      ax.base = (o0 + pad - a * dil) / stride;
-      break;
-    }
-  }
-  return ax;
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Element conversions.
@@ -279,7 +227,27 @@ cudaError_t launch_simt(const ConvTranspose2dParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+namespace {
+
+// -1 when the SIMT kernel runs, else the tensor-core tile configuration.
+int choose_config(const ConvTranspose2dParams& p) {
+  if (p.force_path == 0) return -1;
+  return tensor_core_config(p);
+}
+
+}  // namespace
+
+size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p) {
+  return tensor_core_workspace_bytes(p, choose_config(p));
+}
+
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
+  const int config = choose_config(p);
+  if (config >= 0) {
+    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+    if (path_out != nullptr) *path_out = KernelPath::kTensorCore;
+    return launch_tensor_core(p, config, stream);
+  }
   if (path_out != nullptr) *path_out = KernelPath::kSimt;
   switch (p.dtype) {
     case DType::kFloat32:

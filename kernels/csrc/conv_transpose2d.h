@@ -35,14 +35,26 @@ struct ConvTranspose2dParams {
   int64_t groups;
   DType dtype;
   Precision precision;
+  void* workspace;          // scratch of conv_transpose2d_workspace_bytes(p) bytes (packed weights), or nullptr
+  int force_path;           // -1: choose; 0: SIMT; 1: tensor cores (when eligible)
+  int force_config;         // -1: choose; else a tensor-core tile configuration index (tests and tuning)
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
 enum class KernelPath : int { kSimt = 0, kTensorCore = 1 };
 
+// Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none).
+size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
+
 // Launches the forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
 // `path_out`, when not null, receives the kernel family chosen for this problem.
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream,
                                      KernelPath* path_out);
+
+// Tensor-core path (conv_transpose2d_mma.cu).
+int tensor_core_config(const ConvTranspose2dParams& p);  // chosen tile configuration, or -1 if not eligible
+size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);
+cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
+constexpr int kNumTensorCoreConfigs = 4;
 
 }  // namespace deconv

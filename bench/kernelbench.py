@@ -1,0 +1,235 @@
+"""KernelBench's seven ConvTranspose2d problems: this project's kernels against cuDNN, in one run on one GPU.
+
+For every problem and precision mode it builds the problem's ``Model`` from its init_args, makes ``ModelNew``
+with ``kernels.convert``, checks ModelNew on 5 fresh inputs against a float64 reference, then times ModelNew,
+cuDNN (NCHW, PyTorch's default) and cuDNN with channels_last tensors with CUDA events: warm-up, an L2 flush
+before every timed run, the median of ``--reps`` runs. The floor is max(FLOPs / matrix rate, bytes / copy
+bandwidth) with both ceilings measured at the start of the same run.
+
+    python bench/kernelbench.py                       # tf32, fp32 (exact) and bf16; table + JSON
+    python bench/kernelbench.py --modes tf32 --ids 57 75 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402
+from kernels.functional import output_size  # noqa: E402
+
+PROBLEMS = ROOT / "bench" / "kernelbench_conv_transpose2d.json"
+TOL = {"tf32": 2e-3, "fp32": 1e-5, "bf16": 2e-2}
+
+
+class Model(nn.Module):
+    """KernelBench's model: one nn.ConvTranspose2d built from the problem's init_args."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.conv_transpose2d = nn.ConvTranspose2d(**kwargs)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv_transpose2d(x)
+
+
+def init_args(p: dict) -> dict:
+    """The problem's constructor arguments by name (the rest keep nn.ConvTranspose2d's defaults)."""
+    return {a: tuple(p[a]) if isinstance(p[a], list) else p[a] for a in p["init_args"]}
+
+
+def useful_flops(p: dict) -> int:
+    """2 x multiply-adds whose product lands inside the output (taps on padding excluded)."""
+
+    def pairs(n_in: int, k: int, s: int, pad: int, d: int, out: int) -> int:
+        # (input position i, tap a) with 0 <= i * s - pad + a * d < out
+        total = 0
+        for a in range(k):
+            lo = max(0, math.ceil((pad - a * d) / s))
+            hi = min(n_in - 1, (out - 1 + pad - a * d) // s)
+            total += max(0, hi - lo + 1)
+        return total
+
+    ho = output_size(p["height"], p["kernel_size"][0], p["stride"][0], p["padding"][0], p["output_padding"][0],
+                     p["dilation"][0])
+    wo = output_size(p["width"], p["kernel_size"][1], p["stride"][1], p["padding"][1], p["output_padding"][1],
+                     p["dilation"][1])
+    ph = pairs(p["height"], p["kernel_size"][0], p["stride"][0], p["padding"][0], p["dilation"][0], ho)
+    pw = pairs(p["width"], p["kernel_size"][1], p["stride"][1], p["padding"][1], p["dilation"][1], wo)
+    return 2 * p["batch"] * p["in_channels"] * (p["out_channels"] // p["groups"]) * ph * pw
+
+
+def min_bytes(p: dict, elem: int) -> int:
+    ho = output_size(p["height"], p["kernel_size"][0], p["stride"][0], p["padding"][0], p["output_padding"][0],
+                     p["dilation"][0])
+    wo = output_size(p["width"], p["kernel_size"][1], p["stride"][1], p["padding"][1], p["output_padding"][1],
+                     p["dilation"][1])
+    x = p["batch"] * p["in_channels"] * p["height"] * p["width"]
+    w = p["in_channels"] * (p["out_channels"] // p["groups"]) * p["kernel_size"][0] * p["kernel_size"][1]
+    y = p["batch"] * p["out_channels"] * ho * wo
+    return (x + w + y + (p["out_channels"] if p["bias"] else 0)) * elem
+
+
+class Timer:
+    """CUDA-event timing with an L2 flush before every run; returns the median in ms."""
+
+    def __init__(self, reps: int, warmup: int) -> None:
+        self.reps, self.warmup = reps, warmup
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        self.flush_buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(self.reps):
+            self.flush_buf.zero_()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def measure_ceilings(timer: Timer) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and matrix rates, measured on this GPU now."""
+    bufs = [torch.randn(1 << 28, device="cuda"), torch.empty(1 << 28, device="cuda")]  # 1 GiB each
+    copy_ms = timer(lambda: bufs[1].copy_(bufs[0]))
+    bufs.clear()
+    n = 8192
+    out = {"copy_TBps": 2 * (1 << 28) * 4 / copy_ms / 1e9}
+    old = torch.backends.cuda.matmul.allow_tf32
+    for name, dtype, tf32 in (("tf32", torch.float32, True), ("fp32", torch.float32, False),
+                              ("bf16", torch.bfloat16, False)):
+        a = torch.randn(n, n, device="cuda").to(dtype)
+        b = torch.randn(n, n, device="cuda").to(dtype)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        ms = timer(lambda a=a, b=b: a @ b)
+        out[f"{name}_matmul_TFLOPs"] = 2 * n**3 / ms / 1e9
+    torch.backends.cuda.matmul.allow_tf32 = old
+    return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y64 = y.double()
+    if not torch.isfinite(y64).all():
+        return float("inf")
+    return ((y64 - ref).norm() / ref.norm()).item()
+
+
+def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], use_compile: bool) -> dict:
+    torch.backends.cudnn.allow_tf32 = mode != "fp32"
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    torch.manual_seed(p["id"])
+    model = Model(**init_args(p)).cuda().to(dtype).eval()
+    model_new = kernels.convert(copy.deepcopy(model))
+    conv = model.conv_transpose2d
+    shape = (p["batch"], p["in_channels"], p["height"], p["width"])
+
+    errs = []
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.rand(shape, device="cuda").to(dtype)
+            ref = F.conv_transpose2d(x.double(), conv.weight.double(),
+                                     None if conv.bias is None else conv.bias.double(), conv.stride, conv.padding,
+                                     conv.output_padding, conv.groups, conv.dilation)
+            errs.append(rel_err(model_new(x), ref))
+            del ref
+        x = torch.rand(shape, device="cuda").to(dtype)
+        ours = timer(lambda: model_new(x))
+        cudnn = timer(lambda: model(x))
+        model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        x_cl = x.contiguous(memory_format=torch.channels_last)
+        cudnn_cl = timer(lambda: model_cl(x_cl))
+        compiled = None
+        if use_compile:
+            cm = torch.compile(copy.deepcopy(model))
+            compiled = timer(lambda: cm(x))
+
+    flops = useful_flops(p)
+    nbytes = min_bytes(p, 2 if dtype == torch.bfloat16 else 4)
+    # Exact fp32 is bounded by the fastest exact method we know: 3 TF32 products per multiply (3xTF32).
+    rate = {"tf32": ceilings["tf32_matmul_TFLOPs"], "fp32": ceilings["tf32_matmul_TFLOPs"] / 3,
+            "bf16": ceilings["bf16_matmul_TFLOPs"]}[mode]
+    floor = max(flops / rate / 1e9, nbytes / ceilings["copy_TBps"] / 1e9)
+    row = {
+        "id": p["id"], "precision": mode, "ours_ms": round(ours, 4), "cudnn_ms": round(cudnn, 4),
+        "cudnn_channels_last_ms": round(cudnn_cl, 4), "speedup_vs_cudnn": round(cudnn / ours, 3),
+        "speedup_vs_cudnn_channels_last": round(cudnn_cl / ours, 3), "floor_ms": round(floor, 4),
+        "pct_of_floor": round(100 * floor / ours, 1), "ours_TFLOPs": round(flops / ours / 1e9, 2),
+        "cudnn_TFLOPs": round(flops / cudnn / 1e9, 2), "max_rel_err": max(errs), "tolerance": TOL[mode],
+        "correct": max(errs) <= TOL[mode], "flops": flops, "bytes": nbytes,
+    }
+    if compiled is not None:
+        row["torch_compile_ms"] = round(compiled, 4)
+    torch.backends.cudnn.allow_tf32 = True
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", nargs="+", default=["tf32", "fp32", "bf16"], choices=["tf32", "fp32", "bf16"])
+    ap.add_argument("--ids", nargs="+", type=int, help="problem ids (default: all seven)")
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile of the PyTorch model")
+    ap.add_argument("--out", type=Path, help="JSON path (default docs/benchmarks/kernelbench-<device>.json)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("kernelbench needs a CUDA GPU")
+
+    device = torch.cuda.get_device_name(0)
+    problems = [p for p in json.loads(PROBLEMS.read_text())["problems"] if not args.ids or p["id"] in args.ids]
+    timer = Timer(args.reps, args.warmup)
+    kernels.conv_transpose2d(torch.randn(1, 1, 2, 2, device="cuda"), torch.randn(1, 1, 1, 1, device="cuda"))
+    ceilings = measure_ceilings(timer)
+    print(f"# {device}; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; ceilings: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()), flush=True)
+    rows = []
+    for mode in args.modes:
+        for p in problems:
+            row = run_problem(p, mode, timer, ceilings, args.compile)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    out = args.out or ROOT / "docs" / "benchmarks" / f"kernelbench-{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+           "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "problems": rows}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+
+    hdr = f"{'id':>3} {'mode':>5} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN-CL':>9} {'speedup':>8} {'vs CL':>6} " \
+          f"{'floor ms':>9} {'%floor':>7} {'TFLOP/s':>8} {'rel err':>9} ok"
+    print(f"\n{device}\n{hdr}")
+    for r in rows:
+        print(f"{r['id']:>3} {r['precision']:>5} {r['ours_ms']:>9.3f} {r['cudnn_ms']:>9.3f} "
+              f"{r['cudnn_channels_last_ms']:>9.3f} {r['speedup_vs_cudnn']:>7.2f}x "
+              f"{r['speedup_vs_cudnn_channels_last']:>5.2f}x {r['floor_ms']:>9.3f} {r['pct_of_floor']:>6.1f}% "
+              f"{r['ours_TFLOPs']:>8.1f} {r['max_rel_err']:>9.2e} {'yes' if r['correct'] else 'NO'}")
+    for mode in args.modes:
+        sp = [r["speedup_vs_cudnn"] for r in rows if r["precision"] == mode]
+        if sp:
+            print(f"{mode}: geometric-mean speedup vs cuDNN {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x "
+                  f"(min {min(sp):.2f}x)")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""GPU correctness of the CUDA kernels against a float64 reference (run on a GPU machine: ``pytest -m cuda``).
+
+Every check draws fresh random inputs (never zeros), poisons the output with NaN before the kernel writes it,
+and compares by norm-wise relative error ``||y - ref|| / ||ref||`` with ARCHITECTURE.md's tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.functional import _forward_cuda, normalize_args, output_size
+
+pytestmark = pytest.mark.cuda
+
+# (dtype, precision) -> tolerance on the norm-wise relative error vs float64.
+MODES = {
+    "fp32": (torch.float32, "fp32", 1e-5),
+    "tf32": (torch.float32, "tf32", 2e-3),
+    "bf16": (torch.bfloat16, None, 2e-2),
+    "fp16": (torch.float16, None, 2e-2),
+    "fp64": (torch.float64, None, 1e-12),
+}
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y64 = y.double()
+    assert torch.isfinite(y64).all(), "output holds NaN/Inf: an element was not written (poisoned) or overflowed"
+    return ((y64 - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **kw: object) -> torch.Tensor:
+    """float64 reference from the (already rounded) operands, on the GPU (cuDNN in double)."""
+    return F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(), **kw)  # type: ignore[arg-type]
+
+
+def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_padding=0, dilation=1, groups=1,
+             bias=True, seed=0, force_path=None, force_config=None):
+    """Build a random problem, run the kernel into a poisoned output, return (rel_err, tol, path)."""
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kh, kw = (k, k) if isinstance(k, int) else k
+    x = torch.randn(n, c_in, h, w, device="cuda", dtype=torch.float32, generator=g).to(dtype)
+    wt = torch.randn(c_in, c_out // groups, kh, kw, device="cuda", dtype=torch.float32, generator=g).to(dtype)
+    b = torch.randn(c_out, device="cuda", dtype=torch.float32, generator=g).to(dtype) if bias else None
+    args = normalize_args(stride, padding, output_padding, groups, dilation)
+    ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
+    wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
+    out = torch.full((n, c_out, ho, wo), float("nan"), device="cuda", dtype=dtype)
+    mode_prec = precision or "fp32"
+    y, path = _forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config)
+    assert y.data_ptr() == out.data_ptr()
+    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=groups, dilation=args.dilation)
+    assert y.shape == ref.shape
+    return rel_err(y, ref), tol, path
+
+
+# Each family exercises one parameter (or a known trap) across every mode.
+FAMILIES = {
+    "plain3x3": dict(n=2, c_in=8, c_out=16, h=9, w=11, k=3),
+    "kernel1x1": dict(n=2, c_in=16, c_out=8, h=7, w=5, k=1),
+    "asym_kernel": dict(n=2, c_in=8, c_out=8, h=6, w=9, k=(2, 5)),
+    "stride2": dict(n=2, c_in=8, c_out=8, h=7, w=7, k=4, stride=2, padding=1),
+    "stride_asym": dict(n=1, c_in=6, c_out=10, h=5, w=8, k=(3, 5), stride=(2, 3), padding=(1, 2)),
+    "stride_gt_kernel": dict(n=2, c_in=4, c_out=4, h=5, w=6, k=2, stride=3),
+    "output_padding": dict(n=2, c_in=8, c_out=8, h=5, w=7, k=3, stride=2, padding=1, output_padding=1),
+    "output_padding_dilation": dict(n=1, c_in=4, c_out=4, h=6, w=6, k=3, stride=1, dilation=3, output_padding=2),
+    "dilation": dict(n=2, c_in=8, c_out=8, h=8, w=8, k=3, dilation=2),
+    "dilation_stride": dict(n=2, c_in=8, c_out=12, h=6, w=9, k=3, stride=5, padding=1, dilation=2),
+    "big_padding": dict(n=1, c_in=4, c_out=4, h=9, w=9, k=5, padding=3),
+    "groups2": dict(n=2, c_in=8, c_out=12, h=7, w=6, k=3, groups=2),
+    "groups4_strided": dict(n=2, c_in=8, c_out=16, h=9, w=7, k=(3, 5), stride=(2, 3), padding=(1, 2),
+                            dilation=(2, 1), groups=4),
+    "depthwise": dict(n=2, c_in=16, c_out=16, h=9, w=9, k=3, groups=16, stride=2, padding=1),
+    "no_bias": dict(n=2, c_in=8, c_out=8, h=5, w=5, k=3, bias=False),
+    "batch1_1x1_input": dict(n=1, c_in=8, c_out=8, h=1, w=1, k=3),
+    "odd_channels": dict(n=3, c_in=65, c_out=129, h=7, w=5, k=3),
+    "wide_odd": dict(n=1, c_in=3, c_out=5, h=13, w=67, k=(1, 3), stride=(1, 2)),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family(family: str, mode: str) -> None:
+    err, tol, _ = run_case(**FAMILIES[family], mode=mode, seed=zlib.crc32(family.encode()) % 10_000)
+    assert err <= tol, f"{family}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+def _random_config(rng: random.Random) -> dict:
+    while True:
+        groups = rng.choice([1, 1, 1, 2, 3, 4])
+        cfg = dict(
+            n=rng.randint(1, 3),
+            c_in=groups * rng.randint(1, 12),
+            c_out=groups * rng.randint(1, 12),
+            h=rng.randint(1, 17),
+            w=rng.randint(1, 17),
+            k=(rng.randint(1, 6), rng.randint(1, 6)),
+            stride=(rng.randint(1, 4), rng.randint(1, 4)),
+            dilation=(rng.randint(1, 3), rng.randint(1, 3)),
+            groups=groups,
+            bias=rng.random() < 0.7,
+        )
+        cfg["padding"] = (rng.randint(0, 3), rng.randint(0, 3))
+        cfg["output_padding"] = tuple(
+            rng.randint(0, max(s, d) - 1) for s, d in zip(cfg["stride"], cfg["dilation"], strict=True))
+        ok = all(
+            output_size(cfg[a], cfg["k"][i], cfg["stride"][i], cfg["padding"][i], cfg["output_padding"][i],
+                        cfg["dilation"][i]) > 0
+            for i, a in enumerate(("h", "w"))
+        )
+        if ok:
+            return cfg
+
+
+@pytest.mark.parametrize("seed", range(240))
+def test_random_config(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = _random_config(rng)
+    mode = rng.choice(list(MODES))
+    err, tol, _ = run_case(**cfg, mode=mode, seed=seed)
+    assert err <= tol, f"seed {seed} {cfg} {mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+FORCED = {
+    "odd_all": dict(n=3, c_in=13, c_out=37, h=11, w=19, k=(3, 2), stride=(2, 3), padding=(1, 0), dilation=(1, 2),
+                    output_padding=(1, 1)),
+    "groups_bias": dict(n=2, c_in=24, c_out=150, h=5, w=9, k=3, stride=2, padding=1, groups=3),
+    "tiny_channels": dict(n=2, c_in=3, c_out=2, h=7, w=6, k=4, stride=2, padding=1),
+    "many_pixels": dict(n=2, c_in=40, c_out=20, h=33, w=47, k=(5, 3), padding=(2, 1)),
+}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("route", ["simt", "tc0", "tc1", "tc2", "tc3"])
+@pytest.mark.parametrize("problem", list(FORCED))
+def test_forced_paths(problem: str, route: str, mode: str) -> None:
+    """Every kernel family and every tensor-core tile configuration on awkward shapes."""
+    kw = dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2]))
+    err, tol, path = run_case(**FORCED[problem], mode=mode, seed=zlib.crc32(problem.encode()), **kw)
+    assert path == ("simt" if route == "simt" else "tensor_core")
+    assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+def test_default_path_choice() -> None:
+    """Dense problems go to the tensor cores; fp64 and channel-starved ones to the SIMT kernel."""
+    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="tf32")[2] == "tensor_core"
+    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="fp32")[2] == "tensor_core"
+    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="bf16")[2] == "tensor_core"
+    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="fp64")[2] == "simt"
+    assert run_case(n=1, c_in=2, c_out=2, h=8, w=8, k=3, mode="tf32")[2] == "simt"
+
+
+@pytest.mark.parametrize("hw", [(1, 1), (1, 37), (31, 1), (33, 65), (127, 129)])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
+def test_odd_sizes(hw: tuple[int, int], mode: str) -> None:
+    err, tol, _ = run_case(n=1, c_in=17, c_out=33, h=hw[0], w=hw[1], k=3, stride=2, padding=1, mode=mode)
+    assert err <= tol
+
+
+def test_results_do_not_depend_on_launch() -> None:
+    """Same inputs twice give bit-identical outputs (no race, no reduction order that moves)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 32, 33, 35, device="cuda", generator=g)
+    w = torch.randn(32, 24, 3, 5, device="cuda", generator=g)
+    for prec in ("fp32", "tf32"):
+        a = kernels.conv_transpose2d(x, w, None, 2, 1, precision=prec)
+        b = kernels.conv_transpose2d(x, w, None, 2, 1, precision=prec)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "channels_last", "expanded_batch"])
+def test_non_contiguous_inputs(layout: str) -> None:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = torch.randn(2, 8, 12, 10, device="cuda", generator=g)
+    if layout == "transposed":
+        x = base.transpose(2, 3)
+    elif layout == "sliced":
+        x = base[:, ::2, 1:, ::3]
+    elif layout == "channels_last":
+        x = base.contiguous(memory_format=torch.channels_last)
+    else:
+        x = base[:1].expand(3, -1, -1, -1)
+    w = torch.randn(x.shape[1], 6, 3, 3, device="cuda", generator=g)
+    w_nc = w.transpose(2, 3).contiguous().transpose(2, 3)  # same values, non-contiguous weight
+    b = torch.randn(6, device="cuda", generator=g)
+    y = kernels.conv_transpose2d(x, w_nc, b, stride=2, padding=1, precision="fp32")
+    ref = reference(x, w, b, stride=2, padding=1)
+    assert rel_err(y, ref) <= 1e-5
+    if layout == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        torch_y = F.conv_transpose2d(x, w, b, stride=2, padding=1)
+        assert y.stride() == torch_y.stride()
+
+
+def test_unbatched_and_empty_batch() -> None:
+    x = torch.randn(4, 5, 6, device="cuda")
+    w = torch.randn(4, 3, 3, 3, device="cuda")
+    y = kernels.conv_transpose2d(x, w, precision="fp32")
+    assert y.shape == (3, 7, 8)
+    assert rel_err(y, reference(x, w, None)) <= 1e-5
+    e = kernels.conv_transpose2d(torch.randn(0, 4, 5, 6, device="cuda"), w)
+    assert e.shape == F.conv_transpose2d(torch.randn(0, 4, 5, 6, device="cuda"), w).shape
+
+
+def test_precision_follows_allow_tf32() -> None:
+    """With TF32 disallowed, a float32 call without precision= must be exact fp32."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(2, 64, 20, 20, device="cuda", generator=g)
+    w = torch.randn(64, 64, 3, 3, device="cuda", generator=g)
+    ref = reference(x, w, None, stride=2)
+    old = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        assert rel_err(kernels.conv_transpose2d(x, w, stride=2), ref) <= 1e-5
+        torch.backends.cudnn.allow_tf32 = True
+        assert rel_err(kernels.conv_transpose2d(x, w, stride=2), ref) <= 2e-3
+        assert rel_err(kernels.conv_transpose2d(x, w, stride=2, precision="fp32"), ref) <= 1e-5
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
+def test_gradcheck_float64() -> None:
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(2, 4, 5, 4, device="cuda", dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, 3, 2, device="cuda", dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(6, device="cuda", dtype=torch.float64, generator=g, requires_grad=True)
+
+    def fn(x, w, b):
+        return kernels.conv_transpose2d(x, w, b, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2,
+                                        dilation=(1, 2))
+
+    assert torch.autograd.gradcheck(fn, (x, w, b), eps=1e-6, atol=1e-7)
+
+
+def test_gradients_match_pytorch() -> None:
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(3, 8, 9, 7, device="cuda", generator=g, requires_grad=True)
+    m = nn.ConvTranspose2d(8, 12, 3, stride=2, padding=1, output_padding=1, groups=4).cuda()
+    ours = kernels.convert(nn.Sequential(nn.ConvTranspose2d(8, 12, 3, stride=2, padding=1, output_padding=1,
+                                                            groups=4).cuda()))[0]
+    ours.load_state_dict(m.state_dict())
+    gy = torch.randn(3, 12, 18, 14, device="cuda", generator=g)
+    (gx_ref,) = torch.autograd.grad(m(x), x, gy, retain_graph=False)
+    y = ours(x)
+    gx, gw, gb = torch.autograd.grad(y, (x, ours.weight, ours.bias), gy)
+    gx2, gw2, gb2 = torch.autograd.grad(m(x), (x, m.weight, m.bias), gy)
+    for a, b in ((gx, gx2), (gw, gw2), (gb, gb2)):
+        assert rel_err(a, b.double()) <= 2e-3
+    assert rel_err(gx, gx_ref.double()) <= 2e-3
+
+
+def test_module_and_convert_on_gpu() -> None:
+    torch.manual_seed(0)
+    ref = nn.ConvTranspose2d(16, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2)).cuda()
+    model = kernels.convert(nn.Sequential(nn.ConvTranspose2d(16, 8, (3, 5), stride=(2, 1), padding=(1, 2),
+                                                             dilation=(1, 2))).cuda(), precision="fp32")
+    model[0].load_state_dict(ref.state_dict())
+    x = torch.randn(2, 16, 10, 11, device="cuda")
+    y = model(x)
+    assert rel_err(y, reference(x, ref.weight, ref.bias, stride=(2, 1), padding=(1, 2), dilation=(1, 2))) <= 1e-5
+    y2 = model[0](x, output_size=[20, 15])
+    assert y2.shape == ref(x, output_size=[20, 15]).shape == (2, 8, 20, 15)
+
+
+def test_autocast_bf16() -> None:
+    m = kernels.ConvTranspose2d(8, 8, 3).cuda()
+    x = torch.randn(2, 8, 6, 6, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, reference(x.bfloat16(), m.weight.bfloat16(), m.bias.bfloat16())) <= 2e-2
+
+
+def test_runs_on_current_stream_and_device_errors() -> None:
+    x = torch.randn(2, 8, 16, 16, device="cuda")
+    w = torch.randn(8, 8, 3, 3, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = kernels.conv_transpose2d(x, w, precision="fp32")
+    s.synchronize()
+    assert rel_err(y, reference(x, w, None)) <= 1e-5
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="cuda"):
+        kernels.conv_transpose2d(x, w.cpu())
+
+
+def test_64bit_indexing() -> None:
+    """An output of more than 2**31 elements: check rows at the very end against the reference."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip("needs about 24 GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    # y: [2, 4, 16402, 16402] bf16 = 2.15e9 elements (> 2**31)
+    x = torch.randn(2, 2, 16400, 16400, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(2, 4, 3, 3, device="cuda", dtype=torch.bfloat16, generator=g)
+    y = kernels.conv_transpose2d(x, w)
+    assert y.numel() > 2**31
+    # With k = 3 and stride 1, the last 14 output rows depend on the last 14 input rows only.
+    ref_tail = reference(x[:, :, -14:], w, None)[:, :, -14:]
+    assert rel_err(y[:, :, -14:], ref_tail) <= 2e-2
+    ref_head = reference(x[:, :, :14], w, None)[:, :, :12]
+    assert rel_err(y[:, :, :12], ref_head) <= 2e-2
+
+
+def _kernelbench_problems() -> list[dict]:
+    return json.loads(BENCH.read_text())["problems"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["tf32", "fp32", "bf16"])
+@pytest.mark.parametrize("prob", _kernelbench_problems(), ids=lambda p: str(p["id"]))
+def test_kernelbench_full_size(prob: dict, mode: str) -> None:
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(prob["id"])
+    x = torch.rand(prob["batch"], prob["in_channels"], prob["height"], prob["width"], device="cuda",
+                   generator=g).to(dtype)
+    m = nn.ConvTranspose2d(prob["in_channels"], prob["out_channels"], tuple(prob["kernel_size"]),
+                           tuple(prob["stride"]), tuple(prob["padding"]), tuple(prob["output_padding"]),
+                           prob["groups"], prob["bias"], tuple(prob["dilation"])).cuda().to(dtype)
+    ref = reference(x, m.weight, m.bias, stride=m.stride, padding=m.padding, output_padding=m.output_padding,
+                    groups=m.groups, dilation=m.dilation)
+    kernels.convert(m, precision=precision)
+    with torch.no_grad():
+        y = m(x)
+    assert rel_err(y, ref) <= tol
