@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
         const int hbase = static_cast<int>(qh + ah.base);
         const int wbase = static_cast<int>(qw + aw.base);
         const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
-        const int cpt = static_cast<int>(chunks_per_tap);
+        const int taps = static_cast<int>(ah.taps * aw.taps);
         const int taps_w = static_cast<int>(aw.taps);
         const int dstep_h = static_cast<int>(ah.dstep), dstep_w = static_cast<int>(aw.dstep);
         const int step_h = static_cast<int>(ah.step), step_w = static_cast<int>(aw.step);
@@ -286,8 +286,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
         uint4 b_regs[kBVecsPerThread];
 
         auto load_chunk = [&](int c) {
-          const int tap = c / cpt;
-          const int cw0 = (c - tap * cpt) * kBKW;
+          // Channel chunk outer, taps inner: the taps of one chunk re-read neighbouring x rows while they are
+          // still in L1.
+          const int cchunk = c / taps;
+          const int tap = c - cchunk * taps;
+          const int cw0 = cchunk * kBKW;
           const int th = tap / taps_w;
           const int tw = tap - th * taps_w;
           const int hi = hbase - th * dstep_h;
