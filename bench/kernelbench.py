@@ -20,6 +20,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -182,6 +183,36 @@ def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], us
     return row
 
 
+def run_layers(timer: Timer, hw: int) -> list[dict]:
+    """The service's bundled layers (layers/*.json + .safetensors) at batch 1, 8 and 64: ours vs cuDNN."""
+    from safetensors.torch import load_file
+
+    rows = []
+    for cfg_path in sorted((ROOT / "layers").glob("*.json")):
+        cfg = json.loads(cfg_path.read_text())
+        dtype = getattr(torch, cfg["dtype"])
+        tensors = load_file(str(cfg_path.with_suffix(".safetensors")), device="cuda")
+        w, b = tensors["weight"].to(dtype), tensors.get("bias")
+        b = b.to(dtype) if b is not None else None
+        kw = {k: tuple(cfg[k]) for k in ("stride", "padding", "output_padding", "dilation")}
+        prec = cfg.get("precision") if dtype == torch.float32 else None
+        for n in (1, 8, 64):
+            x = torch.rand(n, cfg["in_channels"], hw, hw, device="cuda").to(dtype)
+            with torch.no_grad():
+                ref = F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(),
+                                         groups=cfg["groups"], **kw)
+                err = rel_err(kernels.conv_transpose2d(x, w, b, groups=cfg["groups"], precision=prec, **kw), ref)
+                torch.backends.cudnn.allow_tf32 = prec != "fp32"
+                ours = timer(partial(kernels.conv_transpose2d, x, w, b, groups=cfg["groups"], precision=prec, **kw))
+                cudnn = timer(partial(F.conv_transpose2d, x, w, b, groups=cfg["groups"], **kw))
+                torch.backends.cudnn.allow_tf32 = True
+            rows.append({"layer": cfg["name"], "batch": n, "hw": hw, "dtype": cfg["dtype"], "precision": prec,
+                         "ours_ms": round(ours, 4), "cudnn_ms": round(cudnn, 4),
+                         "speedup_vs_cudnn": round(cudnn / ours, 3), "max_rel_err": err})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["tf32", "fp32", "bf16"], choices=["tf32", "fp32", "bf16"])
@@ -190,6 +221,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the PyTorch model")
     ap.add_argument("--out", type=Path, help="JSON path (default docs/benchmarks/kernelbench-<device>.json)")
+    ap.add_argument("--layers-hw", type=int, default=32,
+                    help="input H = W for the bundled-layers table (0 skips it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernelbench needs a CUDA GPU")
@@ -208,11 +241,14 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
+    layer_rows = run_layers(timer, args.layers_hw) if args.layers_hw else []
+
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     out = args.out or ROOT / "docs" / "benchmarks" / f"kernelbench-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-           "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "problems": rows}
+           "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "problems": rows,
+           "layers": layer_rows}
     out.write_text(json.dumps(doc, indent=1) + "\n")
 
     hdr = f"{'id':>3} {'mode':>5} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN-CL':>9} {'speedup':>8} {'vs CL':>6} " \
@@ -228,6 +264,11 @@ def main() -> None:
         if sp:
             print(f"{mode}: geometric-mean speedup vs cuDNN {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x "
                   f"(min {min(sp):.2f}x)")
+    if layer_rows:
+        print(f"\nbundled layers, {args.layers_hw}x{args.layers_hw} inputs")
+        for r in layer_rows:
+            print(f"{r['layer']:>16} N={r['batch']:<3} ours {r['ours_ms']:8.4f} ms  cuDNN {r['cudnn_ms']:8.4f} ms  "
+                  f"{r['speedup_vs_cudnn']:5.2f}x  err {r['max_rel_err']:.1e}")
     print(f"wrote {out}")
 
 

@@ -1,0 +1,326 @@
+"""Load generator for the service: requests/s, p50/p99 latency and mean batch size, batching on vs off vs naive.
+
+Scenarios (each server started here as a subprocess on 127.0.0.1, then stopped):
+
+- ``batching``: ``python -m service`` with the bundled layers and its default batching limits;
+- ``no-batching``: the same with ``DECONV_MAX_BATCH_SIZE=1`` (every kernel call holds one request);
+- ``naive``: ``bench/naive_server.py``, a FastAPI endpoint calling ``nn.ConvTranspose2d`` per request.
+
+Each scenario runs a bounded number of requests from ``--clients`` concurrent clients (httpx.AsyncClient, one
+connection each) spread over ``--procs`` load-generator processes (one Python process tops out near 400
+requests/s, less than the server), after a warm-up, and checks one response against PyTorch in float64.
+``--url`` drives an already running server instead (scenario ``external``).
+
+    python bench/service_load.py --clients 64 --requests 5000 --out docs/benchmarks/service_load.json
+
+The mean batch size comes from the ``X-Deconv-Batch-Size`` response header (samples per kernel call).
+The JSON records the load generators' CPU time: when it approaches procs x wall time, the clients, not the
+server, are the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import platform
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ("batching", "no-batching", "naive")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if scenario == "naive":
+        cmd = [sys.executable, str(ROOT / "bench" / "naive_server.py"), "--port", str(port), "--layer", args.layer,
+               "--repository", str(args.repository), "--device", "auto" if args.devices in ("auto", "all") else
+               ("cpu" if args.devices == "cpu" else f"cuda:{args.devices.split(',')[0]}")]
+    else:
+        cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
+        env.update({"DECONV_LAYER_REPOSITORY": str(args.repository), "DECONV_DEVICES": args.devices,
+                    "DECONV_LOG_LEVEL": "warning"})
+        if scenario == "no-batching":
+            env["DECONV_MAX_BATCH_SIZE"] = "1"
+        elif args.max_queue_delay_ms is not None:
+            env["DECONV_MAX_QUEUE_DELAY_MS"] = str(args.max_queue_delay_ms)
+        env["DECONV_MAX_QUEUE_SIZE"] = str(max(256, 2 * args.clients))
+    log = open(log_path, "wb")  # noqa: SIM115  (the child keeps writing to it)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path | None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            text = log_path.read_text(errors="replace") if log_path else ""
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def make_payload(args: argparse.Namespace) -> tuple[bytes, np.ndarray]:
+    cfg = json.loads((args.repository / f"{args.layer}.json").read_text())
+    if cfg["dtype"] not in ("float32", "float16", "float64"):
+        raise SystemExit(f"layer {args.layer} is {cfg['dtype']}; the load generator sends .npy (fp16/32/64)")
+    x = np.random.default_rng(0).standard_normal((args.batch, cfg["in_channels"], args.height, args.width))
+    x = x.astype(cfg["dtype"])
+    buf = io.BytesIO()
+    np.save(buf, x, allow_pickle=False)
+    return buf.getvalue(), x
+
+
+def check_output(args: argparse.Namespace, x: np.ndarray, body: bytes) -> float:
+    """Norm-wise relative error of one response against PyTorch in float64."""
+    cfg = json.loads((args.repository / f"{args.layer}.json").read_text())
+    t = load_file(str(args.repository / f"{args.layer}.safetensors"))
+    bias = t["bias"].double() if cfg["bias"] else None
+    ref = F.conv_transpose2d(torch.from_numpy(x).double(), t["weight"].double(), bias, cfg["stride"], cfg["padding"],
+                             cfg["output_padding"], cfg["groups"], cfg["dilation"])
+    y = torch.from_numpy(np.load(io.BytesIO(body), allow_pickle=False).astype(np.float64))
+    return float((y - ref).norm() / ref.norm())
+
+
+async def drive(url: str, args: argparse.Namespace, payload: bytes, count: int) -> dict[str, Any]:
+    """Send ``count`` requests from ``args.clients`` concurrent clients; collect latencies and batch sizes."""
+    latencies: list[float] = []
+    batch_sizes: list[int] = []
+    statuses: dict[str, int] = {}
+    next_index = 0
+    headers = {"content-type": "application/x-npy"}
+    path = f"/deconv?layer={args.layer}"
+    sample: bytes = b""
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal next_index, sample
+        while next_index < count:
+            next_index += 1
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(path, content=payload, headers=headers)
+            except httpx.HTTPError as exc:
+                statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
+                continue
+            dt = time.perf_counter() - t0
+            statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+            if r.status_code == 200:
+                latencies.append(dt)
+                batch_sizes.append(int(r.headers.get("x-deconv-batch-size", "1")))
+                if not sample:
+                    sample = r.content
+
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+        wall = time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "latencies_ms": [v * 1e3 for v in latencies],
+        "batch_sizes": batch_sizes,
+        "statuses": statuses,
+        "wall_s": wall,
+        "client_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
+        "_sample": sample,
+    }
+
+
+def summarize(count: int, parts: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    lat = np.array([v for p in parts for v in p["latencies_ms"]])
+    batch_sizes = [b for p in parts for b in p["batch_sizes"]]
+    statuses: dict[str, int] = {}
+    for p in parts:
+        for k, v in p["statuses"].items():
+            statuses[k] = statuses.get(k, 0) + v
+    return {
+        "requests": count,
+        "ok": len(lat),
+        "statuses": statuses,
+        "wall_s": wall,
+        "requests_per_s": len(lat) / wall if wall > 0 else 0.0,
+        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else None,
+        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else None,
+        "mean_ms": float(lat.mean()) if len(lat) else None,
+        "mean_batch_size": float(np.mean(batch_sizes)) if batch_sizes else None,
+        "client_cpu_s": sum(p["client_cpu_s"] for p in parts),
+        "load_processes": len(parts),
+    }
+
+
+def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str, Any]:
+    """Run ``count`` requests from ``args.clients`` clients split over ``args.procs`` worker processes.
+
+    Each worker is this script in ``--worker`` mode; it waits for a common start time (so that interpreter start-up
+    is not measured) and prints its raw results as one JSON line.
+    """
+    procs = max(1, min(args.procs, args.clients))
+    start_at = time.time() + 3.0 + 0.5 * procs
+    children = []
+    for i in range(procs):
+        clients = args.clients // procs + (1 if i < args.clients % procs else 0)
+        n = count // procs + (1 if i < count % procs else 0)
+        cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
+               "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
+               "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
+               "--start-at", repr(start_at)]
+        children.append(subprocess.Popen(cmd, stdout=subprocess.PIPE))
+    parts = []
+    for child in children:
+        out, _ = child.communicate(timeout=args.timeout * 4 + count)
+        if child.returncode != 0:
+            raise RuntimeError(f"load worker failed with exit code {child.returncode}")
+        parts.append(json.loads(out.decode().strip().splitlines()[-1]))
+    wall = max(p["end"] for p in parts) - start_at
+    return summarize(count, parts, wall)
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    payload, _ = make_payload(args)
+    time.sleep(max(0.0, args.start_at - time.time()))
+    result = asyncio.run(drive(args.url, args, payload, args.requests))
+    result["end"] = time.time()
+    result.pop("_sample")
+    print(json.dumps(result), flush=True)
+
+
+def device_name(devices: str) -> str:
+    if devices != "cpu" and torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndarray, workdir: Path) -> dict[str, Any]:
+    proc = None
+    log_path = workdir / f"{name}.log"
+    if name == "external":
+        url = args.url
+    else:
+        proc, url = start_server(name, args, log_path)
+    try:
+        wait_ready(url, proc, args.startup_timeout, log_path if proc else None)
+        sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
+        result = drive_processes(url, args, args.requests)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    result["max_rel_err_vs_fp64"] = check_output(args, x, sample) if sample else None
+    result["scenario"] = name
+    return result
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    head = f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        errors = r["requests"] - r["ok"]
+
+        def fmt(v: float | None, spec: str) -> str:
+            return format(v, spec) if v is not None else "-"
+
+        print(f"{r['scenario']:<12} {r['requests_per_s']:>9.1f} {fmt(r['p50_ms'], '>9.2f')} "
+              f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Drive the deconv service with concurrent clients.")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--url", help="drive this running server instead of starting any (scenario 'external')")
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients (connections)")
+    p.add_argument("--requests", type=int, default=2000, help="requests per scenario (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=200, help="warm-up requests per scenario (not measured)")
+    p.add_argument("--layer", default="demo")
+    p.add_argument("--repository", type=Path, default=ROOT / "layers")
+    p.add_argument("--batch", type=int, default=1, help="samples per request")
+    p.add_argument("--height", type=int, default=16)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--devices", default="auto", help="DECONV_DEVICES for the servers started here")
+    p.add_argument("--max-queue-delay-ms", type=float, default=None, help="DECONV_MAX_QUEUE_DELAY_MS (batching)")
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="load-generator processes (default: half the cores, at most 8)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    if args.clients < 1 or args.requests < 1:
+        raise SystemExit("--clients and --requests must be positive")
+    scenarios = ["external"] if args.url else [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(scenarios) - {*SCENARIOS, "external"}
+    if unknown:
+        raise SystemExit(f"unknown scenario(s): {sorted(unknown)}")
+
+    payload, x = make_payload(args)
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"deconv-bench-{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in scenarios:
+        print(f"== {name}: {args.requests} requests from {args.clients} clients", flush=True)
+        results.append(run_scenario(name, args, payload, x, workdir))
+    print()
+    print_table(results)
+    if args.out:
+        report = {
+            "benchmark": "service_load",
+            "device": device_name(args.devices),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "host_cpus": os.cpu_count(),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": {"layer": args.layer, "input_shape": [args.batch, int(x.shape[1]), args.height, args.width],
+                       "dtype": str(x.dtype), "clients": args.clients, "requests": args.requests,
+                       "warmup": args.warmup, "devices": args.devices, "load_processes": args.procs,
+                       "max_queue_delay_ms": args.max_queue_delay_ms},
+            "results": results,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The app factory and its life cycle.
+
+``create_app(settings)`` builds a FastAPI app around one ``Service``: the layer registry, the workers, one
+batcher per layer, the metrics and the readiness state. The lifespan loads and checks the layer repository
+(an invalid one stops the server before it accepts anything), starts the batchers, and starts a background
+task that builds the kernels (GPU) and self-tests every layer, so that ``/health/live`` answers at once while
+``/health/ready`` says 503 until the self-tests pass. On shutdown (SIGTERM) it refuses new work, lets every
+queued request finish, then stops the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from service.batcher import Batcher
+from service.config import Settings, parse_devices
+from service.errors import NotReadyError, install_error_handlers
+from service.metrics import Metrics
+from service.registry import BatchLimits, Registry, RepositoryError, load_repository
+from service.worker import Worker, WorkerPool, select_devices
+
+log = logging.getLogger("deconv.service")
+
+VERSION = "0.1.0"
+
+
+class Service:
+    """Everything one app holds. Readiness: ``starting`` -> ``ready`` | ``failed``; then ``draining``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.registry: Registry | None = None
+        self.pool: WorkerPool | None = None
+        self.batchers: dict[str, Batcher] = {}
+        self.backend = ""
+        self.state = "starting"
+        self.reason = "starting: kernels and self-tests have not finished"
+        self._warm_up: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- readiness ----------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether inference requests are accepted."""
+        return self.state == "ready"
+
+    def check_ready(self) -> None:
+        """Raise ``NotReadyError`` (503) unless ready."""
+        if self.state != "ready":
+            raise NotReadyError(self.reason, retry_after_s=1.0 if self.state == "starting" else 5.0)
+
+    def begin_drain(self) -> None:
+        """Stop accepting work (503 from now on); queued requests still finish. Safe from a signal handler."""
+        if self.state != "draining":
+            self.state = "draining"
+            self.reason = "draining: the server is shutting down"
+            self.metrics.ready.set(0)
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._drain_now)
+
+    def _drain_now(self) -> None:
+        # On the event loop: queued requests go now instead of waiting out their delay.
+        queued = sum(b.depth for b in self.batchers.values())
+        log.info("draining: not ready any more; executing %d queued request(s) now", queued)
+        for batcher in self.batchers.values():
+            batcher.begin_drain()
+
+    # --- life cycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the repository, pick the devices, start the batchers and the warm-up task.
+
+        Raises:
+            RepositoryError: the layer repository is invalid (the server must not start).
+            RuntimeError: the devices asked for are not there.
+        """
+        s = self.settings
+        self._loop = asyncio.get_running_loop()
+        defaults = BatchLimits(s.max_batch_size, s.max_batch_bytes, s.max_queue_delay_ms, s.max_queue_size)
+        try:
+            self.registry = load_repository(s.layer_repository, defaults)
+        except RepositoryError as exc:
+            log.error("%s", exc)
+            raise
+        devices, why = select_devices(parse_devices(s.devices))
+        self.backend = "cuda" if devices[0].type == "cuda" else "cpu"
+        log.info("%s", why)
+        log.info("layer repository %s: %d layer(s): %s", self.registry.root, len(self.registry),
+                 ", ".join(self.registry.names()))
+        self.pool = WorkerPool([Worker(d, self.metrics) for d in devices], self.metrics)
+        if self.backend == "cuda":
+            self.metrics.watch_gpus([d.index for d in devices if d.index is not None])
+        for layer in self.registry:
+            batcher = Batcher(layer, self.pool, self.metrics)
+            batcher.start()
+            self.batchers[layer.name] = batcher
+        self._warm_up = asyncio.create_task(self._prepare(), name="deconv-warm-up")
+
+    async def _prepare(self) -> None:
+        assert self.registry is not None
+        assert self.pool is not None
+        t0 = time.perf_counter()
+        try:
+            if self.backend == "cuda":
+                from kernels.build import KernelBuildError
+                from kernels.build import load as load_kernels
+
+                try:
+                    await asyncio.to_thread(load_kernels)
+                except KernelBuildError as exc:
+                    self._fail(f"building the CUDA kernels failed: {exc}")
+                    return
+            for layer in self.registry:
+                await asyncio.to_thread(self.pool.load, layer)
+            problems: list[str] = []
+            if self.settings.self_test:
+                for layer in self.registry:
+                    problems += await self.pool.self_test(layer)
+            if problems:
+                self._fail("self-test failed: " + "; ".join(problems))
+                return
+        except Exception as exc:
+            log.exception("warm-up failed")
+            self._fail(f"warm-up failed: {type(exc).__name__}: {exc}")
+            return
+        if self.state == "starting":
+            self.state, self.reason = "ready", "ready"
+            self.metrics.ready.set(1)
+            log.info("ready: %d layer(s) on %s passed their self-tests in %.1f s", len(self.registry),
+                     self.backend, time.perf_counter() - t0)
+
+    def _fail(self, reason: str) -> None:
+        log.error("not ready: %s", reason)
+        if self.state == "starting":
+            self.state, self.reason = "failed", reason
+
+    async def stop(self) -> None:
+        """Refuse new work, finish every queued request (bounded by the request timeout), stop the workers."""
+        self.begin_drain()
+        if self._warm_up is not None and not self._warm_up.done():
+            self._warm_up.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warm_up
+        if self.batchers:
+            drains = asyncio.gather(*(b.drain() for b in self.batchers.values()))
+            try:
+                await asyncio.wait_for(drains, timeout=self.settings.request_timeout_s)
+            except asyncio.TimeoutError:
+                log.error("draining took longer than %.0f s; failing what is left", self.settings.request_timeout_s)
+            for b in self.batchers.values():
+                await b.close()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.shutdown)
+        log.info("stopped")
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the service before the first request; drain and stop it at shutdown."""
+    service: Service = app.state.service
+    await service.start()
+    try:
+        yield
+    finally:
+        await service.stop()
+
+
+DESCRIPTION = """\
+Transposed-convolution (ConvTranspose2d) layers on the deconv CUDA kernels, with dynamic batching.
+
+* `POST /deconv?layer=NAME`: the body is one tensor `[N, C, H, W]` or `[C, H, W]` as `.npy`
+  (`application/x-npy`) or safetensors (`application/vnd.safetensors`, also for bfloat16); the output comes back
+  in the same format unless `Accept` names the other, with the same dtype.
+* `GET /v1/layers`, `GET /v1/layers/{name}`: what each layer takes and returns.
+* `/v2/...`: KServe v2 / Open Inference Protocol (JSON and binary tensors), for `tritonclient[http]`.
+* Errors: `{"error": {"type": ..., "message": ...}}` (under `/v2`: `{"error": ..., "type": ...}`).
+"""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app. ``settings`` default to ``Settings()`` (the ``DECONV_*`` environment), read here."""
+    from service import routes
+
+    settings = settings if settings is not None else Settings()
+    logging.getLogger("deconv").setLevel(settings.log_level.upper())
+    app = FastAPI(title="deconv", version=VERSION, description=DESCRIPTION, lifespan=lifespan)
+    app.state.service = Service(settings)
+    install_error_handlers(app)
+    app.include_router(routes.router)
+    return app

@@ -1,0 +1,310 @@
+"""Dynamic batching: one bounded queue per layer; requests with the same dtype and H x W share a kernel call.
+
+A batch is executed when the group of the oldest queued request holds ``max_batch_size`` samples or
+``max_batch_bytes`` output bytes, or when that request has waited ``max_queue_delay_ms``, whichever comes
+first, and a worker has a free slot (while every worker is busy the queue keeps filling, so batches grow with
+load). Requests are packed first come, first served.
+
+Admission is decided at the door: ``submit`` raises ``OverloadedError`` (429) at once when the queue holds
+``max_queue_size`` requests and ``NotReadyError`` (503) while draining; nothing waits for room. Each request owns
+its future; a request dropped by its caller (client gone, deadline passed) leaves the queue before packing,
+and one whose deadline passes while queued fails with ``DeadlineExceededError`` when its batch is packed. Every
+accepted request's future is resolved exactly once (result, error or cancellation).
+
+Nothing here imports FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
+from service.metrics import Metrics
+from service.registry import Layer
+
+log = logging.getLogger("deconv.service")
+
+
+class Executor(Protocol):
+    """What the batcher needs from the workers (``service.worker.WorkerPool`` is one)."""
+
+    async def acquire(self) -> Any:
+        """Wait for and reserve a slot on some worker."""
+        ...
+
+    def release(self, slot: Any) -> None:
+        """Give back an unused slot."""
+        ...
+
+    async def run(self, slot: Any, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Execute one batch on the reserved slot (released when done); one output per input."""
+        ...
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a request gets back: its output and how it was batched."""
+
+    output: torch.Tensor  # [n, C_out, H_out, W_out]
+    batch_samples: int  # samples in the kernel call this request shared
+    batch_requests: int  # requests in that kernel call
+    queue_s: float  # time from enqueue to the start of the batch
+    worker: str
+
+
+@dataclass(eq=False)
+class Pending:
+    """A queued request: its input, its limits and its future."""
+
+    seq: int
+    x: torch.Tensor  # [n, C_in, H, W]
+    key: tuple[torch.dtype, int, int]  # (dtype, H, W): requests with equal keys can share a kernel call
+    samples: int
+    out_bytes: int
+    enqueued: float  # time.monotonic()
+    deadline: float | None  # time.monotonic() by which execution must start
+    future: asyncio.Future[Result]
+    state: str = "queued"  # queued -> running | dropped
+
+    @property
+    def started(self) -> bool:
+        """Whether the request left the queue in a batch (it will get a result or an execution error)."""
+        return self.state == "running"
+
+
+class Batcher:
+    """The queue and batching loop of one layer."""
+
+    def __init__(self, layer: Layer, executor: Executor, metrics: Metrics | None = None) -> None:
+        self.layer = layer
+        self.executor = executor
+        self.metrics = metrics
+        self._queue: dict[int, Pending] = {}  # insertion order = arrival order
+        self._totals: dict[tuple[torch.dtype, int, int], list[int]] = {}  # key -> [samples, bytes] queued
+        self._seq = itertools.count()
+        self._changed: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._draining = False
+
+    # --- life cycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the batching loop on the running event loop."""
+        self._changed = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._loop(), name=f"batcher-{self.layer.name}")
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on and execute the queued ones without waiting for the delay."""
+        self._draining = True
+        self._wake()
+
+    async def drain(self) -> None:
+        """``begin_drain``, then wait until every queued request's batch has finished."""
+        self.begin_drain()
+        if self._loop_task is not None:
+            await self._loop_task
+        while self._running:
+            await asyncio.gather(*list(self._running), return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop at once; queued requests fail with NotReadyError (use ``drain`` to finish them instead)."""
+        self._draining = True
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        for item in list(self._queue.values()):
+            self._remove(item, "dropped")
+            if not item.future.done():
+                item.future.set_exception(NotReadyError("server is shutting down"))
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting in the queue."""
+        return len(self._queue)
+
+    # --- the door -----------------------------------------------------------------------------------------
+
+    def submit(self, x: torch.Tensor, *, received: float | None = None, deadline: float | None = None) -> Pending:
+        """Queue ``x`` ([n, C_in, H, W], already validated against the layer) and return its pending entry.
+
+        Args:
+            x: the request's input.
+            received: ``time.monotonic()`` at receipt (default: now).
+            deadline: ``time.monotonic()`` by which its batch must start, or None.
+
+        Raises:
+            NotReadyError: draining (503).
+            OverloadedError: the queue is full (429, with Retry-After).
+        """
+        if self._draining or self._changed is None:
+            raise NotReadyError("server is shutting down" if self._draining else "batcher is not running")
+        limits = self.layer.limits
+        if len(self._queue) >= limits.max_queue_size:
+            retry = max(1.0, 2 * limits.max_queue_delay_ms / 1000)
+            raise OverloadedError(f"layer {self.layer.name!r} has {len(self._queue)} requests queued "
+                             f"(max_queue_size {limits.max_queue_size}); retry later", retry_after_s=retry)
+        n, _, h, w = x.shape
+        h_out, w_out = self.layer.output_hw(h, w)
+        item = Pending(
+            seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w)), samples=int(n),
+            out_bytes=int(n) * self.layer.config.out_channels * h_out * w_out * x.element_size(),
+            enqueued=time.monotonic() if received is None else received, deadline=deadline,
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._queue[item.seq] = item
+        totals = self._totals.setdefault(item.key, [0, 0])
+        totals[0] += item.samples
+        totals[1] += item.out_bytes
+        self._report_depth()
+        self._wake()
+        return item
+
+    def drop(self, item: Pending, reason: str) -> bool:
+        """Take a still-queued request out (client gone: ``"disconnected"``; ``"deadline"``) and cancel it.
+
+        Returns False when its batch already started: it will be answered.
+        """
+        if item.state != "queued":
+            return False
+        self._remove(item, "dropped")
+        if not item.future.done():
+            item.future.cancel()
+        if self.metrics is not None:
+            self.metrics.dropped.labels(self.layer.name, reason).inc()
+        self._wake()
+        return True
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _wait_change(self, timeout: float | None) -> bool:
+        assert self._changed is not None
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _group_full(self, key: tuple[torch.dtype, int, int]) -> bool:
+        samples, nbytes = self._totals.get(key, (0, 0))
+        limits = self.layer.limits
+        return samples >= limits.max_batch_size or nbytes >= limits.max_batch_bytes
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                if not await self._step():
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not silence the layer: log, fail nothing, go on
+                log.exception("batcher of layer %s: unexpected error", self.layer.name)
+                await asyncio.sleep(0.01)
+
+    async def _step(self) -> bool:
+        """Form and launch one batch; False when draining and nothing is left."""
+        delay = self.layer.limits.max_queue_delay_ms / 1000
+        while True:
+            while not self._queue:
+                if self._draining:
+                    return False
+                await self._wait_change(None)
+            head = next(iter(self._queue.values()))
+            due = head.enqueued + delay
+            # Wait for the head's group to fill up or for the head's delay to run out (drop: start over).
+            while head.state == "queued" and not self._draining and not self._group_full(head.key):
+                remaining = due - time.monotonic()
+                if remaining <= 0 or not await self._wait_change(remaining):
+                    break
+            if head.state != "queued":
+                continue
+            slot = await self.executor.acquire()  # requests keep joining the queue while workers are busy
+            batch = self._pack()
+            if not batch:
+                self.executor.release(slot)
+                continue
+            task = asyncio.create_task(self._execute(slot, batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            return True
+
+    def _pack(self) -> list[Pending]:
+        now = time.monotonic()
+        for item in list(self._queue.values()):
+            if item.deadline is not None and now > item.deadline:
+                self._remove(item, "dropped")
+                if self.metrics is not None:
+                    self.metrics.dropped.labels(self.layer.name, "deadline").inc()
+                if not item.future.done():
+                    item.future.set_exception(DeadlineExceededError(
+                        f"deadline passed after {1e3 * (now - item.enqueued):.0f} ms in the queue"))
+        if not self._queue:
+            return []
+        key = next(iter(self._queue.values())).key
+        limits = self.layer.limits
+        batch: list[Pending] = []
+        samples = nbytes = 0
+        for item in self._queue.values():
+            if item.key != key:
+                continue
+            if batch and (samples + item.samples > limits.max_batch_size
+                          or nbytes + item.out_bytes > limits.max_batch_bytes):
+                break
+            batch.append(item)
+            samples += item.samples
+            nbytes += item.out_bytes
+        for item in batch:
+            self._remove(item, "running")
+        return batch
+
+    def _remove(self, item: Pending, state: str) -> None:
+        if self._queue.pop(item.seq, None) is not None:
+            totals = self._totals[item.key]
+            totals[0] -= item.samples
+            totals[1] -= item.out_bytes
+            if totals[0] == 0:
+                del self._totals[item.key]
+        item.state = state
+        self._report_depth()
+
+    def _report_depth(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.labels(self.layer.name).set(len(self._queue))
+
+    async def _execute(self, slot: Any, batch: list[Pending]) -> None:
+        start = time.monotonic()
+        samples = sum(i.samples for i in batch)
+        name = self.layer.name
+        if self.metrics is not None:
+            self.metrics.batch_size.labels(name).observe(samples)
+            self.metrics.batch_requests.labels(name).observe(len(batch))
+            for item in batch:
+                self.metrics.queue_time.labels(name).observe(start - item.enqueued)
+        try:
+            outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
+        except Exception as exc:
+            if not isinstance(exc, ServiceError):
+                log.error("batch of layer %s failed", name, exc_info=exc)
+            error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+            return
+        worker = getattr(slot, "name", str(slot))
+        for item, y in zip(batch, outputs, strict=True):
+            if not item.future.done():
+                item.future.set_result(Result(y, samples, len(batch), start - item.enqueued, worker))

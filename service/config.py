@@ -1,0 +1,85 @@
+"""Service settings: one pydantic-settings class, read from ``DECONV_*`` environment variables.
+
+Built by the app factory (``service.app.create_app``), never at import time, so that tests and the command line
+can pass their own. Every field is documented in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The bundled layer repository: <repo>/layers, next to this package.
+DEFAULT_LAYER_REPOSITORY = Path(__file__).resolve().parent.parent / "layers"
+
+
+class Settings(BaseSettings):
+    """Every knob of the service. Environment variables are the field names in upper case, prefixed ``DECONV_``.
+
+    The batching fields are defaults for layers whose config file does not set its own limits.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="DECONV_", extra="ignore", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="Interface to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
+    layer_repository: Path = Field(
+        DEFAULT_LAYER_REPOSITORY, description="Directory with one <name>.json + <name>.safetensors per layer."
+    )
+    devices: str = Field(
+        "auto",
+        description='"auto" (every visible GPU, else the CPU), "cpu", "all" (every GPU; fails without one) '
+        'or CUDA device indices such as "0,1".',
+    )
+    max_batch_size: int = Field(64, ge=1, description="Default most samples in one kernel call.")
+    max_batch_bytes: int = Field(256 * 2**20, ge=1, description="Default most output bytes in one kernel call.")
+    max_queue_delay_ms: float = Field(
+        2.0, ge=0.0, description="Default longest wait for more requests before a batch is executed."
+    )
+    max_queue_size: int = Field(256, ge=1, description="Default most requests waiting per layer; then 429.")
+    max_body_bytes: int = Field(64 * 2**20, ge=1, description="Largest accepted request body; larger is 413.")
+    request_timeout_s: float = Field(
+        30.0, gt=0.0, description="Longest time one request may take from receipt to response; then 504."
+    )
+    api_key: SecretStr | None = Field(
+        None, description="When set, inference routes need 'Authorization: Bearer <key>'."
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+    self_test: bool = Field(True, description="Run every layer against the float64 reference before ready.")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str) -> str:
+        parse_devices(value)
+        return value.strip().lower()
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+
+def parse_devices(spec: str) -> Literal["auto", "cpu", "all"] | list[int]:
+    """``"auto"``/``"cpu"``/``"all"`` as they are, or a comma list of CUDA device indices such as ``"0,1"``.
+
+    Raises:
+        ValueError: anything else (an empty list, a negative or repeated index, a word that is not one of those).
+    """
+    text = spec.strip().lower()
+    if text in ("auto", "cpu", "all"):
+        return text  # type: ignore[return-value]
+    parts = [p.strip().removeprefix("cuda:") for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError(f'devices must be "auto", "cpu", "all" or GPU indices such as "0,1", got {spec!r}')
+    indices = [int(p) for p in parts]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"devices lists a GPU twice: {spec!r}")
+    return indices

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one app, in a registry of its own (several apps in one process do not clash).
+
+Served at ``GET /metrics``; every name is listed in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """Every metric of the service. Label ``layer`` is a configured layer name or ``"unknown"``."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "deconv_requests", "Inference requests answered, by layer, API and HTTP status.",
+            ["layer", "api", "status"], registry=r)
+        self.latency = Histogram(
+            "deconv_request_latency_seconds", "Time from receipt to response of successful inference requests.",
+            ["layer"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "deconv_queue_time_seconds", "Time a request waited in its layer's queue before its batch ran.",
+            ["layer"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "deconv_batch_size", "Samples per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
+        self.batch_requests = Histogram(
+            "deconv_batch_requests", "Requests per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge(
+            "deconv_queue_depth", "Requests waiting in the layer's queue.", ["layer"], registry=r)
+        self.dropped = Counter(
+            "deconv_requests_dropped",
+            "Queued requests dropped before execution: client disconnected or cancelled, or deadline passed.",
+            ["layer", "reason"], registry=r)
+        self.worker_batches = Counter(
+            "deconv_worker_batches", "Batches executed, by worker.", ["worker"], registry=r)
+        self.worker_busy = Gauge(
+            "deconv_worker_busy", "1 while the worker executes a batch.", ["worker"], registry=r)
+        self.worker_inflight = Gauge(
+            "deconv_worker_inflight_samples", "Samples handed to the worker and not finished.", ["worker"],
+            registry=r)
+        self.worker_failures = Counter(
+            "deconv_worker_failures",
+            "Batch failures by worker and kind: 'oom_retry' (split in halves and retried), 'oom', 'error'.",
+            ["worker", "kind"], registry=r)
+        self.gpu_memory = Gauge(
+            "deconv_gpu_memory_bytes", "GPU memory held by PyTorch's allocator, by device and kind.",
+            ["device", "kind"], registry=r)
+        self.ready = Gauge("deconv_ready", "1 once every layer passed its self-test and while not draining.",
+                           registry=r)
+        self._gpus: list[int] = []
+
+    def watch_gpus(self, indices: list[int]) -> None:
+        """Report memory of these CUDA devices at every scrape."""
+        self._gpus = list(indices)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, with GPU memory read now."""
+        for i in self._gpus:
+            self.gpu_memory.labels(f"cuda:{i}", "allocated").set(torch.cuda.memory_allocated(i))
+            self.gpu_memory.labels(f"cuda:{i}", "reserved").set(torch.cuda.memory_reserved(i))
+        return generate_latest(self.registry)

@@ -1,0 +1,695 @@
+"""HTTP routes: native ``/deconv`` and ``/v1/layers``, health, metrics, and KServe v2 (``/v2``).
+
+Every inference request, native or KServe, takes the same path: read the body (size-checked), decode it without
+copies, validate it against the layer, submit it to the layer's batcher, wait for its result while watching
+for the client going away and for its deadline, encode the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from service import codec
+from service.batcher import Batcher, Pending, Result
+from service.errors import (
+    DeadlineExceededError,
+    InvalidInputError,
+    MalformedBodyError,
+    NotReadyError,
+    PayloadTooLargeError,
+    ServiceError,
+    UnauthorizedError,
+    UnknownLayerError,
+    UnsupportedMediaTypeError,
+)
+from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.registry import Layer
+
+if TYPE_CHECKING:
+    from service.app import Service
+
+router = APIRouter()
+
+KSERVE_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16, "FP64": torch.float64}
+KSERVE_NAMES = {v: k for k, v in KSERVE_DTYPES.items()}
+KSERVE_INPUT = "input"
+KSERVE_OUTPUT = "output"
+MODEL_VERSION = "1"
+
+
+# --- schemas (for validation of small JSON and for the OpenAPI page) -------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """One error: a stable type and a human-readable message."""
+
+    type: str = Field(examples=["invalid_input"])
+    message: str = Field(examples=["input has 3 channels; layer 'demo' takes 16"])
+
+
+class ErrorBody(BaseModel):
+    """Every native error response."""
+
+    error: ErrorDetail
+
+
+class KServeError(BaseModel):
+    """Every ``/v2`` error response (Open Inference Protocol shape, with the stable type beside it)."""
+
+    error: str
+    type: str
+
+
+class LayerInfo(BaseModel):
+    """What a layer takes and returns (docs/protocol.md)."""
+
+    name: str
+    in_channels: int
+    out_channels: int
+    kernel_size: list[int]
+    stride: list[int]
+    padding: list[int]
+    output_padding: list[int]
+    dilation: list[int]
+    groups: int
+    bias: bool
+    dtype: str
+    precision: str
+    max_batch_size: int
+    max_batch_bytes: int
+    max_queue_delay_ms: float
+    max_queue_size: int
+    max_height: int
+    max_width: int
+    input_shape: list[int]
+    output_shape: list[int]
+    output_size: str
+    description: str = ""
+
+
+class LayerList(BaseModel):
+    """``GET /v1/layers``."""
+
+    layers: list[LayerInfo]
+
+
+class KServeTensor(BaseModel):
+    """A KServe v2 request input (``data`` in JSON, or ``parameters.binary_data_size`` bytes after the JSON)."""
+
+    name: str = Field(examples=[KSERVE_INPUT])
+    shape: list[int] = Field(examples=[[1, 16, 16, 16]])
+    datatype: str = Field(examples=["FP32"])
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class KServeRequestedOutput(BaseModel):
+    """A requested output; ``parameters.binary_data: true`` returns it as bytes after the JSON."""
+
+    name: str = Field(examples=[KSERVE_OUTPUT])
+    parameters: dict[str, Any] | None = None
+
+
+class KServeInferRequest(BaseModel):
+    """A KServe v2 inference request (one input named ``input``)."""
+
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[KServeTensor]
+    outputs: list[KServeRequestedOutput] | None = None
+
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "malformed_body"},
+    401: {"model": ErrorBody, "description": "unauthorized (API key configured)"},
+    404: {"model": ErrorBody, "description": "unknown_layer"},
+    413: {"model": ErrorBody, "description": "payload_too_large"},
+    415: {"model": ErrorBody, "description": "unsupported_media_type"},
+    422: {"model": ErrorBody, "description": "invalid_input"},
+    429: {"model": ErrorBody, "description": "overloaded (Retry-After)"},
+    500: {"model": ErrorBody, "description": "internal"},
+    503: {"model": ErrorBody, "description": "not_ready (Retry-After)"},
+    504: {"model": ErrorBody, "description": "deadline_exceeded"},
+}
+_KSERVE_ERRORS = {code: {"model": KServeError, "description": d["description"]} for code, d in _ERRORS.items()}
+
+
+# --- shared helpers ----------------------------------------------------------------------------------------
+
+
+def get_service(request: Request) -> Service:
+    """The app's ``Service``."""
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+async def require_api_key(request: Request) -> None:
+    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise)."""
+    key = get_service(request).settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
+        raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
+
+
+def _layer(service: Service, name: str) -> tuple[Layer, Batcher]:
+    layer = service.registry.get(name) if service.registry is not None else None
+    if layer is None:
+        raise UnknownLayerError(f"no layer named {name!r}; GET /v1/layers lists them")
+    return layer, service.batchers[name]
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large."""
+    declared = request.headers.get("content-length")
+    size: int | None = None
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise MalformedBodyError(f"Content-Length {declared!r} is not a number") from None
+        if size > limit:
+            raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
+    buf = bytearray(size) if size is not None else bytearray()
+    filled = 0
+    async for chunk in request.stream():
+        if not chunk:
+            continue
+        end = filled + len(chunk)
+        if end > limit:
+            raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
+        if size is not None and end <= size:
+            buf[filled:end] = chunk
+        else:
+            del buf[filled:]
+            buf += chunk
+        filled = end
+    if filled != len(buf):
+        raise MalformedBodyError(f"body ended after {filled} of {len(buf)} bytes")
+    return buf
+
+
+def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
+    enc = (encoding or "identity").strip().lower()
+    if enc == "identity":
+        return body
+    if enc not in ("gzip", "deflate"):
+        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate, identity)")
+    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
+    try:
+        out = d.decompress(bytes(body), limit + 1)
+    except zlib.error:
+        raise MalformedBodyError(f"body is not valid {enc} data") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLargeError(f"decompressed body exceeds the limit of {limit} bytes")
+    return bytearray(out)
+
+
+def validate_input(layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Check a decoded tensor against the layer; return it as ``[N, C_in, H, W]`` and whether it was 3-D.
+
+    Raises:
+        InvalidInputError: rank, dtype, channels or spatial size do not fit (422).
+        PayloadTooLargeError: more samples or output bytes than one batch of this layer may hold (413).
+    """
+    c = layer.config
+    if x.dim() not in (3, 4):
+        raise InvalidInputError(f"expected [N, C, H, W] or [C, H, W], got shape {list(x.shape)}")
+    if x.dtype != layer.dtype:
+        raise InvalidInputError(f"dtype {codec.DTYPE_NAMES.get(x.dtype, str(x.dtype))} does not match layer "
+                           f"{c.name!r}, which takes {c.dtype}")
+    unbatched = x.dim() == 3
+    x4 = x.unsqueeze(0) if unbatched else x
+    n, ch, h, w = x4.shape
+    if ch != c.in_channels:
+        raise InvalidInputError(f"input has {ch} channels; layer {c.name!r} takes {c.in_channels}")
+    if not (1 <= h <= c.max_height and 1 <= w <= c.max_width):
+        raise InvalidInputError(f"spatial size {h} x {w} is outside layer {c.name!r}'s limits "
+                           f"(1..{c.max_height} x 1..{c.max_width})")
+    h_out, w_out = layer.output_hw(h, w)
+    if h_out <= 0 or w_out <= 0:
+        raise InvalidInputError(f"input {h} x {w} gives an empty output ({h_out} x {w_out}); "
+                           f"output size: {layer.output_formula()}")
+    limits = layer.limits
+    if n > limits.max_batch_size:
+        raise PayloadTooLargeError(f"{n} samples exceed layer {c.name!r}'s max_batch_size of {limits.max_batch_size}; "
+                              "split the request")
+    out_bytes = n * c.out_channels * h_out * w_out * x.element_size()
+    if out_bytes > limits.max_batch_bytes:
+        raise PayloadTooLargeError(f"output of {out_bytes} bytes exceeds layer {c.name!r}'s max_batch_bytes of "
+                              f"{limits.max_batch_bytes}; send fewer samples or a smaller input")
+    return x4, unbatched
+
+
+class ClientGoneError(ServiceError):
+    """The client went away; nothing is sent (status 499 is for the metrics only)."""
+
+    status, type = 499, "client_closed_request"
+
+
+async def _disconnected(request: Request) -> None:
+    # After the body has been read, the next ASGI message is the disconnect (or arrives after the response).
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    except Exception:  # a server that raises instead of sending the message: the client is gone all the same
+        return
+
+
+async def run_inference(
+    service: Service, layer: Layer, batcher: Batcher, x4: torch.Tensor, request: Request, received: float,
+    deadline_ms: float | None,
+) -> Result:
+    """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
+
+    A request still queued when its client leaves or its deadline passes is dropped from the queue.
+    """
+    timeout_at = received + service.settings.request_timeout_s
+    deadline = received + deadline_ms / 1000 if deadline_ms is not None else None
+    if x4.shape[0] == 0:  # nothing to compute: an empty batch of the right shape
+        h_out, w_out = layer.output_hw(int(x4.shape[2]), int(x4.shape[3]))
+        return Result(x4.new_empty((0, layer.config.out_channels, h_out, w_out)), 0, 0, 0.0, "")
+    item: Pending = batcher.submit(x4, received=received, deadline=deadline)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            limit = timeout_at if item.started or deadline is None else min(timeout_at, deadline)
+            done, _ = await asyncio.wait({item.future, gone}, timeout=max(0.0, limit - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if item.future in done:
+                if item.future.cancelled():
+                    raise NotReadyError("the request was cancelled by the server")
+                return item.future.result()
+            if gone in done:
+                batcher.drop(item, "disconnected")
+                raise ClientGoneError("client disconnected")
+            now = time.monotonic()
+            if now >= timeout_at:
+                batcher.drop(item, "timeout")
+                raise DeadlineExceededError(
+                    f"no result within the request timeout of {service.settings.request_timeout_s:g} s")
+            if deadline is not None and now >= deadline and batcher.drop(item, "deadline"):
+                raise DeadlineExceededError(f"X-Deadline-Ms of {deadline_ms:g} ms passed before execution")
+    finally:
+        gone.cancel()
+        if item.state == "queued":  # this task was cancelled: nobody waits for the result any more
+            batcher.drop(item, "cancelled")
+        if item.future.done() and not item.future.cancelled():
+            item.future.exception()  # mark as retrieved
+
+
+def _count(service: Service, layer_name: str, api: str, status: int, received: float) -> None:
+    m = service.metrics
+    m.requests.labels(layer_name, api, str(status)).inc()
+    if status == 200:
+        m.latency.labels(layer_name).observe(time.monotonic() - received)
+
+
+def _batch_headers(result: Result) -> dict[str, str]:
+    return {"X-Deconv-Batch-Size": str(result.batch_samples), "X-Deconv-Queue-Ms": f"{1e3 * result.queue_s:.3f}"}
+
+
+# --- native API --------------------------------------------------------------------------------------------
+
+
+@router.post(
+    "/deconv",
+    tags=["inference"],
+    summary="Run one layer on one tensor",
+    response_class=Response,
+    dependencies=[Depends(require_api_key)],
+    responses={200: {"content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY},
+                     "description": "The output tensor [N, C_out, H_out, W_out] (or [C_out, H_out, W_out]) in the "
+                                    "request's format (or the one Accept names), same dtype. Headers: "
+                                    "X-Deconv-Batch-Size, X-Deconv-Queue-Ms."},
+               **_ERRORS},
+    openapi_extra={"requestBody": {"required": True, "description": "One tensor [N, C_in, H, W] or [C_in, H, W] "
+                                   "in the layer's dtype, as .npy or safetensors (bfloat16: safetensors only).",
+                                   "content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY}}},
+)
+async def deconv(
+    request: Request,
+    layer: str = Query(description="Layer name (see GET /v1/layers).", examples=["demo"]),
+    x_deadline_ms: float | None = Header(
+        None, ge=0, description="Fail with 504 if execution has not started this many ms after receipt."),
+) -> Response:
+    """Run layer ``layer`` on the tensor in the body and return the output in the negotiated format."""
+    received = time.monotonic()
+    service = get_service(request)
+    label = layer if service.registry is not None and service.registry.get(layer) else "unknown"
+    status = 500
+    try:
+        spec, batcher = _layer(service, layer)
+        media = codec.media_type_of(request.headers.get("content-type"))
+        out_media = codec.negotiate(request.headers.get("accept"), media)
+        if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
+        service.check_ready()
+        body = await read_body(request, service.settings.max_body_bytes)
+        x4, unbatched = validate_input(spec, codec.decode(body, media))
+        if out_media == codec.NPY and spec.dtype == torch.bfloat16:
+            raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
+        result = await run_inference(service, spec, batcher, x4, request, received, x_deadline_ms)
+        y = result.output.squeeze(0) if unbatched else result.output
+        content = codec.encode(y, out_media)
+        status = 200
+        return Response(content, media_type=out_media, headers=_batch_headers(result))
+    except ServiceError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = ClientGoneError.status
+        raise
+    finally:
+        _count(service, label, "native", status, received)
+
+
+@router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
+async def list_layers(request: Request) -> dict[str, Any]:
+    """Every layer: shapes, output-size formula, dtype, precision and limits."""
+    service = get_service(request)
+    layers = list(service.registry) if service.registry is not None else []
+    return {"layers": [layer.describe() for layer in layers]}
+
+
+@router.get("/v1/layers/{name}", tags=["layers"], summary="Describe one layer", response_model=LayerInfo,
+            responses={404: _ERRORS[404]})
+async def describe_layer(request: Request, name: str) -> dict[str, Any]:
+    """One layer: shapes, output-size formula, dtype, precision and limits."""
+    layer, _ = _layer(get_service(request), name)
+    return layer.describe()
+
+
+# --- health and metrics ------------------------------------------------------------------------------------
+
+
+@router.get("/health/live", tags=["health"], summary="Liveness")
+async def live() -> dict[str, str]:
+    """200 as soon as the process serves HTTP."""
+    return {"status": "live"}
+
+
+@router.get("/health/ready", tags=["health"], summary="Readiness", responses={503: _ERRORS[503]})
+async def ready(request: Request) -> dict[str, str]:
+    """200 once every layer passed its self-test; 503 before, while draining, or with the failure's reason."""
+    get_service(request).check_ready()
+    return {"status": "ready"}
+
+
+@router.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition format."""
+    return Response(get_service(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+# --- KServe v2 / Open Inference Protocol -------------------------------------------------------------------
+
+
+@router.get("/v2", tags=["kserve"], summary="Server metadata")
+async def v2_server_metadata() -> dict[str, Any]:
+    """Name, version and protocol extensions."""
+    from service.app import VERSION
+
+    return {"name": "deconv", "version": VERSION, "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/v2/health/live", tags=["kserve"], summary="Server liveness")
+async def v2_live() -> dict[str, bool]:
+    """200 as soon as the process serves HTTP."""
+    return {"live": True}
+
+
+@router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: _KSERVE_ERRORS[503]})
+async def v2_ready(request: Request) -> dict[str, bool]:
+    """200 once every layer passed its self-test, else 503."""
+    get_service(request).check_ready()
+    return {"ready": True}
+
+
+def _check_version(version: str | None) -> None:
+    if version is not None and version != MODEL_VERSION:
+        raise UnknownLayerError(f"model version {version!r} does not exist; the only version is {MODEL_VERSION!r}")
+
+
+def _model_metadata(layer: Layer) -> dict[str, Any]:
+    c = layer.config
+    dt = KSERVE_NAMES[layer.dtype]
+    return {
+        "name": c.name,
+        "versions": [MODEL_VERSION],
+        "platform": "deconv",
+        "inputs": [{"name": KSERVE_INPUT, "datatype": dt, "shape": [-1, c.in_channels, -1, -1]}],
+        "outputs": [{"name": KSERVE_OUTPUT, "datatype": dt, "shape": [-1, c.out_channels, -1, -1]}],
+        "parameters": {"layer": layer.describe()},
+    }
+
+
+@router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: _KSERVE_ERRORS[404]})
+async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
+    """Inputs and outputs of the layer called ``name`` (datatype and shape, -1 for any size)."""
+    layer, _ = _layer(get_service(request), name)
+    return _model_metadata(layer)
+
+
+@router.get("/v2/models/{name}/versions/{version}", tags=["kserve"], summary="Model metadata (versioned)",
+            responses={404: _KSERVE_ERRORS[404]})
+async def v2_model_metadata_version(request: Request, name: str, version: str) -> dict[str, Any]:
+    """As ``/v2/models/{name}``; the only version is ``1``."""
+    layer, _ = _layer(get_service(request), name)
+    _check_version(version)
+    return _model_metadata(layer)
+
+
+@router.get("/v2/models/{name}/ready", tags=["kserve"], summary="Model readiness",
+            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
+    """200 when the server is ready (every layer passed its self-test), else 503."""
+    service = get_service(request)
+    _layer(service, name)
+    service.check_ready()
+    return {"name": name, "ready": True}
+
+
+@router.get("/v2/models/{name}/versions/{version}/ready", tags=["kserve"], summary="Model readiness (versioned)",
+            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+async def v2_model_ready_version(request: Request, name: str, version: str) -> dict[str, Any]:
+    """As ``/v2/models/{name}/ready``."""
+    service = get_service(request)
+    _layer(service, name)
+    _check_version(version)
+    service.check_ready()
+    return {"name": name, "ready": True}
+
+
+def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
+    view = memoryview(body)
+    if header_length is None:
+        json_part, binary = view, view[len(view):]
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise MalformedBodyError(f"Inference-Header-Content-Length {header_length!r} is not a number") from None
+        if not 0 < n <= len(body):
+            raise MalformedBodyError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+        json_part, binary = view[:n], view[n:]
+    try:
+        request = json.loads(bytes(json_part))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MalformedBodyError("inference request is not valid JSON (binary tensors need the "
+                            "Inference-Header-Content-Length header)") from None
+    if not isinstance(request, dict):
+        raise MalformedBodyError("inference request must be a JSON object")
+    return request, binary
+
+
+def _kserve_input(request: dict[str, Any], binary: memoryview) -> torch.Tensor:
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise MalformedBodyError(f"'inputs' must list exactly one tensor (named {KSERVE_INPUT!r})")
+    spec = inputs[0]
+    name = spec.get("name")
+    if name != KSERVE_INPUT:
+        raise InvalidInputError(f"unknown input {name!r}; the model takes one input named {KSERVE_INPUT!r}")
+    datatype = spec.get("datatype")
+    dtype = KSERVE_DTYPES.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise InvalidInputError(f"datatype {datatype!r} is not supported; use FP32, FP16, BF16 or FP64")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise MalformedBodyError(f"input shape must be a list of non-negative integers, got {shape!r}")
+    if len(shape) not in (3, 4):
+        raise InvalidInputError(f"expected shape [N, C, H, W] or [C, H, W], got {shape}")
+    count = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    params = spec.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise MalformedBodyError("input 'parameters' must be an object")
+    size = params.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise MalformedBodyError(f"binary_data_size must be a non-negative integer, got {size!r}")
+        if size != len(binary):
+            raise MalformedBodyError(f"binary_data_size {size} does not match the {len(binary)} bytes after the JSON")
+        if size != count * itemsize:
+            raise MalformedBodyError(f"binary input of {size} bytes; shape {shape} of {datatype} needs "
+                                f"{count * itemsize}")
+        return codec.view_tensor(binary, 0, dtype, shape)
+    if len(binary):
+        raise MalformedBodyError("binary data after the JSON but no input has parameters.binary_data_size")
+    data = spec.get("data")
+    if not isinstance(data, list):
+        raise MalformedBodyError("input needs 'data' (JSON) or parameters.binary_data_size (binary extension)")
+    if data and not isinstance(data[0], list) and len(data) != count:
+        raise MalformedBodyError(f"input data holds {len(data)} values; shape {shape} needs {count}")
+    try:
+        arr = np.asarray(data, dtype=np.float64)
+    except (ValueError, TypeError):
+        raise MalformedBodyError("input data must be numbers (flat, or nested like the shape)") from None
+    if arr.size != count:
+        raise MalformedBodyError(f"input data holds {arr.size} values; shape {shape} needs {count}")
+    return torch.from_numpy(arr.reshape(shape)).to(dtype)
+
+
+def _wants_binary(request: dict[str, Any]) -> bool:
+    params = request.get("parameters") or {}
+    binary = bool(params.get("binary_data_output", False)) if isinstance(params, dict) else False
+    outputs = request.get("outputs")
+    if outputs is None:
+        return binary
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+        raise MalformedBodyError("'outputs' must be a list of objects")
+    for out in outputs:
+        if out.get("name") != KSERVE_OUTPUT:
+            raise InvalidInputError(f"unknown output {out.get('name')!r}; the model has one output named "
+                               f"{KSERVE_OUTPUT!r}")
+        oparams = out.get("parameters") or {}
+        if isinstance(oparams, dict) and "binary_data" in oparams:
+            binary = bool(oparams["binary_data"])
+    return binary
+
+
+def _timeout_ms(request: dict[str, Any]) -> float | None:
+    # tritonclient's `timeout` argument (microseconds) bounds the time in the queue, like X-Deadline-Ms.
+    params = request.get("parameters") or {}
+    value = params.get("timeout") if isinstance(params, dict) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return value / 1000
+    return None
+
+
+def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON schema with its ``$defs`` substituted in place (openapi_extra cannot hold ``$defs``)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)  # type: ignore[no-any-return]
+
+
+_INFER_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "A KServe v2 inference request. With the binary tensor extension the JSON is followed by "
+                       "the input's raw little-endian bytes; the header Inference-Header-Content-Length gives the "
+                       "JSON's length and the input's parameters.binary_data_size the bytes'.",
+        "content": {
+            "application/json": {"schema": _inline_schema(KServeInferRequest)},
+            "application/octet-stream": _BINARY,
+        },
+    }
+}
+
+
+async def _v2_infer(request: Request, name: str, version: str | None, deadline_ms: float | None) -> Response:
+    received = time.monotonic()
+    service = get_service(request)
+    label = name if service.registry is not None and service.registry.get(name) else "unknown"
+    status = 500
+    try:
+        layer, batcher = _layer(service, name)
+        _check_version(version)
+        service.check_ready()
+        limit = service.settings.max_body_bytes
+        body = _decompress(await read_body(request, limit), request.headers.get("content-encoding"), limit)
+        req, binary = _parse_kserve(body, request.headers.get("inference-header-content-length"))
+        x = _kserve_input(req, binary)
+        binary_out = _wants_binary(req)
+        x4, unbatched = validate_input(layer, x)
+        timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
+        result = await run_inference(service, layer, batcher, x4, request, received,
+                                     min(timeouts) if timeouts else None)
+        y = result.output.squeeze(0) if unbatched else result.output
+        out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
+        response: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION, "outputs": [out]}
+        if isinstance(req.get("id"), str):
+            response["id"] = req["id"]
+        headers = _batch_headers(result)
+        if binary_out:
+            data = codec.tensor_bytes(y)
+            out["parameters"] = {"binary_data_size": len(data)}
+            head = json.dumps(response, separators=(",", ":")).encode()
+            headers["Inference-Header-Content-Length"] = str(len(head))
+            content = b"".join((head, data))
+            status = 200
+            return Response(content, media_type="application/octet-stream", headers=headers)
+        out["data"] = y.double().reshape(-1).tolist()
+        status = 200
+        return JSONResponse(response, headers=headers)
+    except ServiceError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = ClientGoneError.status
+        raise
+    finally:
+        _count(service, label, "kserve", status, received)
+
+
+@router.post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
+             response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
+             openapi_extra=_INFER_DOC)
+async def v2_infer(
+    request: Request, name: str,
+    x_deadline_ms: float | None = Header(None, ge=0, description="As on /deconv."),
+) -> Response:
+    """Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."""
+    return await _v2_infer(request, name, None, x_deadline_ms)
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
+             response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
+             openapi_extra=_INFER_DOC)
+async def v2_infer_version(
+    request: Request, name: str, version: str,
+    x_deadline_ms: float | None = Header(None, ge=0, description="As on /deconv."),
+) -> Response:
+    """As ``/v2/models/{name}/infer``; the only version is ``1``."""
+    return await _v2_infer(request, name, version, x_deadline_ms)
+

@@ -1,0 +1,307 @@
+"""Workers: one per device, each executing batches on a dedicated thread, off the event loop.
+
+A GPU worker stages a batch through pinned host memory on its own CUDA stream: concatenate the requests'
+inputs into a pinned buffer, copy host-to-device (non_blocking), run ``kernels.conv_transpose2d``, copy the
+output device-to-host into a pinned buffer (non_blocking), synchronize the stream, split the output back per
+request. Out of memory: the batch is split in halves and each half retried (down to one sample). Any failure
+fails only the requests of that batch; the worker keeps serving.
+
+The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
+``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
+
+``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) with a free slot. Nothing
+here imports FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+from kernels import conv_transpose2d
+from service.errors import InternalError
+from service.metrics import Metrics
+from service.registry import Layer
+
+log = logging.getLogger("deconv.service")
+
+# Batches one worker holds at once: one executing and one waiting in its thread's queue, so that the thread
+# never idles for an event-loop round trip between batches, while later requests keep batching in the queue.
+MAX_INFLIGHT_BATCHES = 2
+
+# (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
+
+
+def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
+    """The layer on ``x`` with this project's kernels (PyTorch's reference on CPU tensors)."""
+    c = layer.config
+    return conv_transpose2d(x, weight, bias, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
+                            precision=layer.kernel_precision)
+
+
+def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
+    """Norm-wise relative error ``||y - y_ref|| / ||y_ref||`` in float64."""
+    y, y_ref = y.double().cpu(), y_ref.double().cpu()
+    denom = float(torch.linalg.vector_norm(y_ref))
+    diff = float(torch.linalg.vector_norm(y - y_ref))
+    return diff / denom if denom > 0 else diff
+
+
+class Worker:
+    """One device, one thread. ``run_batch`` runs on that thread; everything else on the event loop."""
+
+    def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None) -> None:
+        self.device = device
+        self.name = str(device)
+        self.metrics = metrics
+        self._forward = forward or kernel_forward
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"deconv-worker-{self.name}")
+        self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
+        self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.inflight_batches = 0
+        self.inflight_samples = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether this worker runs on a GPU."""
+        return self.device.type == "cuda"
+
+    def load(self, layer: Layer) -> None:
+        """Copy the layer's weights to this worker's device (once, at startup; blocking: call it off the loop)."""
+        if self.is_cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        w = layer.weight.to(self.device)
+        b = layer.bias.to(self.device) if layer.bias is not None else None
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)  # the worker's stream reads them later
+        self._weights[layer.name] = (w, b)
+
+    def run_batch(self, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
+
+        Raises:
+            InternalError: the kernel failed, or even one sample does not fit in GPU memory.
+        """
+        weight, bias = self._weights[layer.name]
+        sizes = [int(x.shape[0]) for x in inputs]
+        if self.metrics is not None:
+            self.metrics.worker_busy.labels(self.name).set(1)
+        try:
+            if self.is_cuda:
+                y = self._run_cuda(layer, inputs, weight, bias)
+            else:
+                x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+                y = self._forward_span(layer, x, weight, bias, None)
+            return list(y.split(sizes))
+        except InternalError:
+            raise
+        except torch.cuda.OutOfMemoryError as exc:
+            self._count_failure("oom")
+            log.error("worker %s: out of memory for one sample of layer %s %s", self.name, layer.name,
+                      list(inputs[0].shape[1:]))
+            raise InternalError(f"out of GPU memory on {self.name} even for a single sample") from exc
+        except Exception as exc:
+            self._count_failure("error")
+            log.exception("worker %s: batch of layer %s failed", self.name, layer.name)
+            raise InternalError(f"batch execution failed on {self.name} ({type(exc).__name__}); "
+                                f"see the server log") from exc
+        finally:
+            if self.metrics is not None:
+                self.metrics.worker_busy.labels(self.name).set(0)
+                self.metrics.worker_batches.labels(self.name).inc()
+
+    def _run_cuda(self, layer: Layer, inputs: list[torch.Tensor], weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        assert self._stream is not None
+        n = sum(int(x.shape[0]) for x in inputs)
+        _, c_in, h, w = inputs[0].shape
+        h_out, w_out = layer.output_hw(h, w)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            # One copy from the request bodies into pinned memory; uploads and downloads are then asynchronous.
+            host_in = torch.empty((n, c_in, h, w), dtype=layer.dtype, pin_memory=True)  # [N, C_in, H, W]
+            torch.cat(inputs, out=host_in)
+            host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
+                                   pin_memory=True)  # [N, C_out, H_out, W_out]
+            self._forward_span(layer, host_in, weight, bias, host_out)
+            self._stream.synchronize()  # the outputs are in host_out before anyone reads them
+        return host_out
+
+    def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out: torch.Tensor | None) -> torch.Tensor:
+        """Run ``x`` [n, C_in, H, W] (host) through the layer; halve and retry on out-of-memory.
+
+        On a GPU: upload, run, download into ``out`` (pinned host, [n, C_out, H_out, W_out]) on the worker's
+        stream. On the CPU ``out`` is None and the output is returned.
+        """
+        try:
+            with torch.inference_mode():
+                if out is None:
+                    return self._forward(x, weight, bias, layer)
+                y = self._forward(x.to(self.device, non_blocking=True), weight, bias, layer)
+                out.copy_(y, non_blocking=True)
+            return out
+        except torch.cuda.OutOfMemoryError:
+            if int(x.shape[0]) <= 1:
+                raise
+        # Retry outside the except block, so that the failed attempt's tensors (held by the traceback) are freed.
+        n = int(x.shape[0])
+        self._count_failure("oom_retry")
+        log.warning("worker %s: out of memory for %d samples of layer %s; retrying in halves", self.name, n,
+                    layer.name)
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+        half = n // 2
+        if out is None:
+            return torch.cat([self._forward_span(layer, x[:half], weight, bias, None),
+                              self._forward_span(layer, x[half:], weight, bias, None)])
+        self._forward_span(layer, x[:half], weight, bias, out[:half])
+        self._forward_span(layer, x[half:], weight, bias, out[half:])
+        return out
+
+    def _count_failure(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_failures.labels(self.name, kind).inc()
+
+    def shutdown(self) -> None:
+        """Stop the thread after the batches it holds."""
+        self._thread.shutdown(wait=True)
+
+
+class WorkerPool:
+    """The workers, and which of them gets the next batch."""
+
+    def __init__(self, workers: list[Worker], metrics: Metrics | None = None,
+                 max_inflight_batches: int = MAX_INFLIGHT_BATCHES) -> None:
+        if not workers:
+            raise ValueError("a worker pool needs at least one worker")
+        self.workers = workers
+        self.metrics = metrics
+        self.max_inflight_batches = max_inflight_batches
+        self._freed: asyncio.Event | None = None
+
+    @property
+    def backend(self) -> str:
+        """``"cuda"`` or ``"cpu"``."""
+        return "cuda" if self.workers[0].is_cuda else "cpu"
+
+    def load(self, layer: Layer) -> None:
+        """Put the layer's weights on every worker."""
+        for w in self.workers:
+            w.load(layer)
+
+    async def acquire(self) -> Worker:
+        """Wait for a worker with a free slot and reserve it: the one with the fewest samples in flight."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        while True:
+            free = [w for w in self.workers if w.inflight_batches < self.max_inflight_batches]
+            if free:
+                worker = min(free, key=lambda w: (w.inflight_samples, w.inflight_batches))
+                worker.inflight_batches += 1
+                return worker
+            self._freed.clear()
+            await self._freed.wait()
+
+    def release(self, worker: Worker) -> None:
+        """Give back a slot reserved with ``acquire`` (after its batch finished, or when it was not used)."""
+        worker.inflight_batches -= 1
+        if self._freed is not None:
+            self._freed.set()
+
+    async def run(self, worker: Worker, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Execute a batch on ``worker`` (reserved with ``acquire``; released here) off the event loop."""
+        n = sum(int(x.shape[0]) for x in inputs)
+        worker.inflight_samples += n
+        self._report(worker)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(worker._thread, worker.run_batch, layer, inputs)
+        finally:
+            worker.inflight_samples -= n
+            self._report(worker)
+            self.release(worker)
+
+    def _report(self, worker: Worker) -> None:
+        if self.metrics is not None:
+            self.metrics.worker_inflight.labels(worker.name).set(worker.inflight_samples)
+
+    async def self_test(self, layer: Layer, seed: int = 0) -> list[str]:
+        """Run ``layer`` on a small random input on every worker; compare with float64 on the CPU.
+
+        Returns one problem line per worker whose norm-wise relative error exceeds the layer's tolerance.
+        """
+        c = layer.config
+        g = torch.Generator().manual_seed(seed)
+        h, w = min(7, c.max_height), min(5, c.max_width)
+        x = torch.randn(2, c.in_channels, h, w, generator=g, dtype=torch.float64).to(layer.dtype)
+        y_ref = F.conv_transpose2d(x.double(), layer.weight.double(),
+                                   None if layer.bias is None else layer.bias.double(),
+                                   c.stride, c.padding, c.output_padding, c.groups, c.dilation)
+        problems = []
+        for worker in self.workers:
+            t0 = time.perf_counter()
+            reserved = await self.acquire_specific(worker)
+            try:
+                (y,) = await self.run(reserved, layer, [x])
+            except InternalError as exc:
+                problems.append(f"layer {layer.name!r} on {worker.name}: {exc.message}")
+                continue
+            err = relative_error(y, y_ref)
+            ok = bool(torch.isfinite(y).all()) and err <= layer.tolerance
+            log.info("self-test %s on %s: relative error %.2e (tolerance %.0e) %s in %.0f ms", layer.name,
+                     worker.name, err, layer.tolerance, "ok" if ok else "FAILED", 1e3 * (time.perf_counter() - t0))
+            if not ok:
+                problems.append(f"layer {layer.name!r} on {worker.name}: relative error {err:.2e} exceeds "
+                                f"{layer.tolerance:.0e} ({c.dtype}, precision {c.precision})")
+        return problems
+
+    async def acquire_specific(self, worker: Worker) -> Worker:
+        """Reserve a slot on this particular worker (self-tests check every device)."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        while worker.inflight_batches >= self.max_inflight_batches:
+            self._freed.clear()
+            await self._freed.wait()
+        worker.inflight_batches += 1
+        return worker
+
+    def shutdown(self) -> None:
+        """Stop every worker thread."""
+        for w in self.workers:
+            w.shutdown()
+
+
+def select_devices(spec: str | list[int]) -> tuple[list[torch.device], str]:
+    """Devices for ``Settings.devices`` (already parsed) and a sentence saying which backend runs and why.
+
+    Raises:
+        RuntimeError: GPUs were asked for ("all" or indices) but are not visible.
+    """
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "cpu":
+        return [torch.device("cpu")], "devices=cpu: serving on CPU with the PyTorch reference"
+    if spec == "auto":
+        if available == 0:
+            return [torch.device("cpu")], "no CUDA device visible: serving on CPU with the PyTorch reference"
+        devs = [torch.device("cuda", i) for i in range(available)]
+        return devs, f"serving on {available} GPU(s) with the deconv CUDA kernels: {_names(devs)}"
+    if available == 0:
+        raise RuntimeError(f"devices={spec!r} asks for GPUs but no CUDA device is visible "
+                           "(set DECONV_DEVICES=auto or cpu to serve on the CPU)")
+    indices = list(range(available)) if spec == "all" else list(spec)
+    missing = [i for i in indices if i >= available]
+    if missing:
+        raise RuntimeError(f"devices asks for GPU(s) {missing} but only {available} are visible")
+    devs = [torch.device("cuda", i) for i in indices]
+    return devs, f"serving on {len(devs)} GPU(s) with the deconv CUDA kernels: {_names(devs)}"
+
+
+def _names(devs: list[torch.device]) -> str:
+    return ", ".join(f"{d} ({torch.cuda.get_device_name(d)})" for d in devs)

@@ -1,0 +1,241 @@
+"""Dynamic batching, admission control, drops and deadlines, with a fake executor (no kernels, no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from service.batcher import Batcher
+from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
+from service.metrics import Metrics
+from service.registry import BatchLimits, Layer, LayerConfig
+
+from .conftest import REPO_ROOT, metric_value, run
+
+
+def make_layer(max_batch_size: int = 8, max_batch_bytes: int = 1 << 30, delay_ms: float = 50.0,
+               queue: int = 16) -> Layer:
+    cfg = LayerConfig(name="t", in_channels=2, out_channels=3, kernel_size=1, bias=False, dtype="float32")
+    return Layer(cfg, torch.ones(2, 3, 1, 1), None, BatchLimits(max_batch_size, max_batch_bytes, delay_ms, queue))
+
+
+class FakeExecutor:
+    """Records batches; output i of a batch is input i summed over channels, repeated to 3 channels."""
+
+    def __init__(self, slots: int = 1, fail: int = 0) -> None:
+        self.slots = slots
+        self.free = asyncio.Event()
+        self.batches: list[list[int]] = []
+        self.times: list[float] = []
+        self.fail = fail  # fail this many batches first
+        self.hold: asyncio.Event | None = None  # set: batches wait for it before finishing
+
+    async def acquire(self) -> str:
+        while self.slots == 0:
+            self.free.clear()
+            await self.free.wait()
+        self.slots -= 1
+        return "fake"
+
+    def release(self, slot: Any) -> None:
+        self.slots += 1
+        self.free.set()
+
+    async def run(self, slot: Any, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            self.batches.append([int(x.shape[0]) for x in inputs])
+            self.times.append(time.monotonic())
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.fail:
+                self.fail -= 1
+                raise InternalError("kernel failed")
+            return [x.sum(1, keepdim=True).expand(-1, 3, -1, -1).clone() for x in inputs]
+        finally:
+            self.release(slot)
+
+
+def x(n: int = 1, h: int = 4, w: int = 4, value: float = 1.0) -> torch.Tensor:
+    return torch.full((n, 2, h, w), value)
+
+
+def test_requests_with_the_same_shape_share_a_batch():
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(), ex)
+        b.start()
+        items = [b.submit(x(value=i)) for i in range(3)]
+        other = b.submit(x(h=5))  # different H: its own batch
+        results = await asyncio.gather(*(i.future for i in [*items, other]))
+        assert sorted(ex.batches) == [[1], [1, 1, 1]]
+        for i, r in enumerate(results[:3]):
+            assert r.batch_samples == 3
+            assert r.batch_requests == 3
+            assert torch.equal(r.output, torch.full((1, 3, 4, 4), 2.0 * i))  # each gets its own output back
+        assert results[3].batch_samples == 1
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_max_batch_size_and_bytes_cut_batches():
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(max_batch_size=4), ex)
+        b.start()
+        items = [b.submit(x(n)) for n in (2, 1, 2, 3, 1)]
+        await asyncio.gather(*(i.future for i in items))
+        assert ex.batches == [[2, 1], [2], [3, 1]]  # first come, first served, never over 4 samples
+        await b.drain()
+
+        ex = FakeExecutor()
+        one_sample = 3 * 4 * 4 * 4  # output bytes of one sample
+        b = Batcher(make_layer(max_batch_bytes=2 * one_sample), ex)
+        b.start()
+        items = [b.submit(x()) for _ in range(5)]
+        await asyncio.gather(*(i.future for i in items))
+        assert ex.batches == [[1, 1], [1, 1], [1]]
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_a_full_group_goes_at_once_and_a_lone_request_waits_the_delay():
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(max_batch_size=2, delay_ms=5000), ex)
+        b.start()
+        t0 = time.monotonic()
+        items = [b.submit(x()), b.submit(x())]
+        await asyncio.gather(*(i.future for i in items))
+        assert time.monotonic() - t0 < 2.0  # did not wait for the 5 s delay
+        await b.close()
+
+        ex = FakeExecutor()
+        b = Batcher(make_layer(delay_ms=200), ex)
+        b.start()
+        t0 = time.monotonic()
+        await b.submit(x()).future
+        assert ex.times[0] - t0 >= 0.19
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_batches_grow_while_the_workers_are_busy():
+    async def main() -> None:
+        ex = FakeExecutor(slots=1)
+        ex.hold = asyncio.Event()
+        b = Batcher(make_layer(delay_ms=0), ex)
+        b.start()
+        first = b.submit(x())
+        await asyncio.sleep(0.05)  # first batch holds the only slot
+        rest = [b.submit(x()) for _ in range(5)]
+        await asyncio.sleep(0.05)
+        assert b.depth == 5
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in rest))
+        assert ex.batches == [[1], [1, 1, 1, 1, 1]]
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_full_queue_is_refused_at_once():
+    async def main() -> None:
+        m = Metrics()
+        b = Batcher(make_layer(delay_ms=5000, queue=2), FakeExecutor(), m)
+        b.start()
+        b.submit(x())
+        b.submit(x())
+        assert metric_value(m.render().decode(), "deconv_queue_depth", layer="t") == 2
+        t0 = time.monotonic()
+        with pytest.raises(OverloadedError) as info:
+            b.submit(x())
+        assert time.monotonic() - t0 < 0.1
+        assert info.value.status == 429
+        assert int(info.value.headers["Retry-After"]) >= 1
+        await b.close()
+
+    run(main(), 10)
+
+
+def test_dropped_requests_are_not_executed():
+    async def main() -> None:
+        m = Metrics()
+        ex = FakeExecutor()
+        b = Batcher(make_layer(delay_ms=100), ex, m)
+        b.start()
+        keep, gone = b.submit(x(value=1)), b.submit(x(value=2))
+        assert b.drop(gone, "disconnected")
+        assert gone.future.cancelled()
+        result = await keep.future
+        assert ex.batches == [[1]]
+        assert result.batch_samples == 1
+        assert not b.drop(keep, "disconnected")  # already ran: nothing to drop
+        text = m.render().decode()
+        assert metric_value(text, "deconv_requests_dropped_total", layer="t", reason="disconnected") == 1
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_deadline_passed_in_the_queue_fails_before_execution():
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(delay_ms=100), ex)
+        b.start()
+        late = b.submit(x(), deadline=time.monotonic() + 0.01)
+        fine = b.submit(x(), deadline=time.monotonic() + 30)
+        with pytest.raises(DeadlineExceededError):
+            await late.future
+        await fine.future
+        assert ex.batches == [[1]]
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_a_failed_batch_fails_only_its_requests():
+    async def main() -> None:
+        ex = FakeExecutor(fail=1)
+        b = Batcher(make_layer(delay_ms=20), ex)
+        b.start()
+        failed = [b.submit(x()), b.submit(x())]
+        for item in failed:
+            with pytest.raises(InternalError):
+                await item.future
+        later = b.submit(x())
+        assert (await later.future).output.shape == (1, 3, 4, 4)
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_drain_runs_the_queue_now_and_refuses_new_work():
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(delay_ms=60_000), ex)
+        b.start()
+        items = [b.submit(x()) for _ in range(3)]
+        t0 = time.monotonic()
+        await b.drain()
+        assert time.monotonic() - t0 < 5
+        assert all(i.future.done() and not i.future.cancelled() for i in items)
+        with pytest.raises(NotReadyError):
+            b.submit(x())
+
+    run(main(), 10)
+
+
+def test_batcher_and_worker_import_nothing_from_fastapi():
+    code = ("import sys, service.batcher, service.worker; "
+            "sys.exit(1 if any(m.split('.')[0] in ('fastapi', 'starlette') for m in sys.modules) else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60, capture_output=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()

@@ -1,0 +1,106 @@
+"""GPU tests (run with ``-m cuda`` on the device machine): the service on every GPU against PyTorch in float64."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from service.app import Service
+from service.config import DEFAULT_LAYER_REPOSITORY, Settings
+from service.registry import Layer
+
+from .conftest import NPY, SAFETENSORS, load_npy, metric_value, npy_bytes, run, serve_app
+
+pytestmark = pytest.mark.cuda
+
+COMPILE_TIMEOUT_S = 600  # first start compiles the kernels
+
+
+def _reference(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    c = layer.config
+    b = layer.bias.double() if layer.bias is not None else None
+    return F.conv_transpose2d(x.double().cpu(), layer.weight.double(), b, c.stride, c.padding, c.output_padding,
+                              c.groups, c.dilation)
+
+
+def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def _settings(**kw: Any) -> Settings:
+    return Settings(layer_repository=DEFAULT_LAYER_REPOSITORY, devices="all", **kw)
+
+
+def test_every_bundled_layer_on_every_gpu_matches_float64():
+    async def main() -> None:
+        async with serve_app(_settings(), timeout=COMPILE_TIMEOUT_S) as (app, client):
+            service: Service = app.state.service
+            assert service.backend == "cuda"
+            assert len(service.pool.workers) == torch.cuda.device_count()
+            for layer in service.registry:
+                c = layer.config
+                for n, h, w in ((1, 7, 5), (5, 16, 16), (3, 13, 29)):
+                    x = torch.randn(n, c.in_channels, h, w, dtype=torch.float64).to(layer.dtype)
+                    if layer.dtype == torch.bfloat16:
+                        r = await client.post(f"/deconv?layer={c.name}", content=st_save({"x": x}),
+                                              headers={"content-type": SAFETENSORS})
+                        assert r.status_code == 200, r.text[:300]
+                        y = st_load(r.content)["output"]
+                    else:
+                        r = await client.post(f"/deconv?layer={c.name}", content=npy_bytes(x.numpy()),
+                                              headers={"content-type": NPY})
+                        assert r.status_code == 200, r.text[:300]
+                        y = torch.from_numpy(load_npy(r.content).copy())
+                    assert y.dtype == layer.dtype
+                    err = _err(y, _reference(layer, x))
+                    assert err <= layer.tolerance, f"{c.name} {list(x.shape)}: {err:.2e} > {layer.tolerance:.0e}"
+
+    run(main(), COMPILE_TIMEOUT_S + 120)
+
+
+def test_concurrent_requests_batch_on_the_gpu_and_split_back_correctly():
+    async def main() -> None:
+        async with serve_app(_settings(max_queue_delay_ms=50.0), timeout=COMPILE_TIMEOUT_S) as (app, client):
+            layer = app.state.service.registry.get("demo")
+            xs = [torch.randn(n, 16, 16, 16) for n in (1, 2, 3, 4, 5, 6, 7, 8)]
+            responses = await asyncio.gather(*(
+                client.post("/deconv?layer=demo", content=npy_bytes(x.numpy()), headers={"content-type": NPY})
+                for x in xs))
+            sizes = set()
+            for x, r in zip(xs, responses, strict=True):
+                assert r.status_code == 200, r.text[:300]
+                sizes.add(int(r.headers["x-deconv-batch-size"]))
+                assert _err(torch.from_numpy(load_npy(r.content).copy()), _reference(layer, x)) <= layer.tolerance
+            assert max(sizes) > 8  # several requests shared a kernel call
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
+            total = sum(metric_value(text, "deconv_worker_batches_total", worker=f"cuda:{i}")
+                        for i in range(torch.cuda.device_count()))
+            assert total >= 2
+
+    run(main(), COMPILE_TIMEOUT_S + 120)
+
+
+def test_kserve_on_gpu():
+    async def main() -> None:
+        async with serve_app(_settings(), timeout=COMPILE_TIMEOUT_S) as (app, client):
+            layer = app.state.service.registry.get("unet_up")
+            x = torch.randn(2, 128, 9, 11)
+            raw = x.numpy().tobytes()
+            head = (b'{"inputs":[{"name":"input","shape":[2,128,9,11],"datatype":"FP32",'
+                    b'"parameters":{"binary_data_size":%d}}],"parameters":{"binary_data_output":true}}' % len(raw))
+            r = await client.post("/v2/models/unet_up/infer", content=head + raw,
+                                  headers={"inference-header-content-length": str(len(head))})
+            assert r.status_code == 200, r.text[:300]
+            n = int(r.headers["inference-header-content-length"])
+            y = torch.from_numpy(np.frombuffer(r.content[n:], np.float32).reshape(2, 64, 18, 22).copy())
+            assert _err(y, _reference(layer, x)) <= layer.tolerance
+
+    run(main(), COMPILE_TIMEOUT_S + 120)

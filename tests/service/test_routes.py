@@ -1,0 +1,538 @@
+"""Every route and error path, in-process through httpx.ASGITransport (lifespan run explicitly)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from service import worker as worker_module
+from service.app import Service
+from service.config import Settings
+
+from .conftest import (
+    NPY,
+    SAFETENSORS,
+    load_npy,
+    metric_value,
+    npy_bytes,
+    reference,
+    rel_err,
+    run,
+    serve_app,
+    write_layer,
+)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root: Path = tmp_path_factory.mktemp("layers")
+    small = dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, output_padding=1)
+    limits = {"max_batch_size": 4, "max_height": 32, "max_width": 32}
+    modules = {
+        "small": write_layer(root, "small", **small, limits=limits),
+        "half": write_layer(root, "half", **small, dtype="float16", limits=limits),
+        "bf": write_layer(root, "bf", **small, dtype="bfloat16", limits=limits),
+        "slow": write_layer(root, "slow", **small, limits={**limits, "max_queue_delay_ms": 20_000,
+                                                            "max_queue_size": 2}),
+    }
+    return {"root": root, "modules": modules}
+
+
+def settings(repo: dict[str, Any], **kw: Any) -> Settings:
+    return Settings(layer_repository=repo["root"], devices="cpu", **kw)
+
+
+def post_npy(client, layer: str, arr: np.ndarray, **headers: str):
+    return client.post(f"/deconv?layer={layer}", content=npy_bytes(arr), headers={"content-type": NPY, **headers})
+
+
+def assert_error(r, status: int, type_: str) -> dict[str, Any]:
+    assert r.status_code == status, r.text[:500]
+    body = r.json()
+    assert body["error"]["type"] == type_
+    assert "Traceback" not in body["error"]["message"]
+    return body
+
+
+# --- /deconv -------------------------------------------------------------------------------------------------
+
+
+def test_npy_in_npy_out_matches_pytorch(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = np.random.default_rng(0).standard_normal((3, 4, 5, 7)).astype(np.float32)
+            r = await post_npy(client, "small", x)
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"] == NPY
+            assert int(r.headers["x-deconv-batch-size"]) >= 3
+            assert float(r.headers["x-deconv-queue-ms"]) >= 0
+            y = load_npy(r.content)
+            assert y.dtype == np.float32
+            assert y.shape == (3, 6, 10, 14)
+            assert rel_err(y, reference(repo["modules"]["small"], torch.from_numpy(x))) < 1e-5
+
+            # unbatched [C, H, W] in, [C_out, H_out, W_out] out
+            r = await post_npy(client, "small", x[0])
+            assert load_npy(r.content).shape == (6, 10, 14)
+
+    run(main())
+
+
+def test_safetensors_and_accept(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = torch.randn(2, 4, 6, 6)
+            r = await client.post("/deconv?layer=small", content=st_save({"anything": x}),
+                                  headers={"content-type": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            assert r.headers["content-type"] == SAFETENSORS
+            out = st_load(r.content)
+            assert list(out) == ["output"]
+            assert rel_err(out["output"], reference(repo["modules"]["small"], x)) < 1e-5
+
+            r = await client.post("/deconv?layer=small", content=st_save({"x": x}),
+                                  headers={"content-type": SAFETENSORS, "accept": NPY})
+            assert r.headers["content-type"] == NPY
+            assert load_npy(r.content).shape == (2, 6, 12, 12)
+
+            r = await post_npy(client, "small", x.numpy(), accept=SAFETENSORS)
+            assert r.headers["content-type"] == SAFETENSORS
+
+    run(main())
+
+
+def test_half_and_bfloat16_keep_their_dtype(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = torch.randn(2, 4, 5, 5)
+            r = await post_npy(client, "half", x.half().numpy())
+            assert r.status_code == 200, r.text
+            y = load_npy(r.content)
+            assert y.dtype == np.float16
+            ref = reference(repo["modules"]["half"].half().double(), x.half())
+            assert rel_err(y.astype(np.float64), ref) < 2e-2
+
+            xb = x.to(torch.bfloat16)
+            r = await client.post("/deconv?layer=bf", content=st_save({"x": xb}), headers={"content-type": SAFETENSORS})
+            assert r.status_code == 200, r.text
+            yb = st_load(r.content)["output"]
+            assert yb.dtype == torch.bfloat16
+            assert rel_err(yb, reference(repo["modules"]["bf"].bfloat16().double(), xb)) < 2e-2
+
+            r = await client.post("/deconv?layer=bf", content=st_save({"x": xb}),
+                                  headers={"content-type": SAFETENSORS, "accept": NPY})
+            assert_error(r, 415, "unsupported_media_type")
+
+    run(main())
+
+
+def test_empty_batch(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            r = await post_npy(client, "small", np.zeros((0, 4, 5, 5), np.float32))
+            assert r.status_code == 200
+            assert load_npy(r.content).shape == (0, 6, 10, 10)
+
+    run(main())
+
+
+def test_input_errors(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo, max_body_bytes=20_000)) as (_, client):
+            ok = np.zeros((1, 4, 5, 5), np.float32)
+            assert_error(await post_npy(client, "nope", ok), 404, "unknown_layer")
+            assert_error(await client.post("/deconv", content=npy_bytes(ok), headers={"content-type": NPY}),
+                         422, "invalid_input")  # no layer parameter
+            assert_error(await client.post("/deconv?layer=small", content=npy_bytes(ok),
+                                           headers={"content-type": "application/json"}), 415, "unsupported_media_type")
+            assert_error(await client.post("/deconv?layer=small", content=npy_bytes(ok)), 415, "unsupported_media_type")
+            assert_error(await post_npy(client, "small", ok, accept="text/html"), 415, "unsupported_media_type")
+            assert_error(await client.post("/deconv?layer=small", content=b"\x93NUMPY garbage",
+                                           headers={"content-type": NPY}), 400, "malformed_body")
+            assert_error(await client.post("/deconv?layer=small", content=st_save({"a": torch.zeros(1),
+                                                                                    "b": torch.zeros(1)}),
+                                           headers={"content-type": SAFETENSORS}), 400, "malformed_body")
+            body = assert_error(await post_npy(client, "small", np.zeros((1, 3, 5, 5), np.float32)),
+                                422, "invalid_input")
+            assert "3 channels" in body["error"]["message"]
+            assert_error(await post_npy(client, "small", ok.astype(np.float64)), 422, "invalid_input")
+            assert_error(await post_npy(client, "small", np.zeros((4, 5), np.float32)), 422, "invalid_input")
+            assert_error(await post_npy(client, "small", np.zeros((1, 4, 33, 5), np.float32)), 422, "invalid_input")
+            assert_error(await post_npy(client, "small", np.zeros((5, 4, 5, 5), np.float32)),
+                         413, "payload_too_large")  # max_batch_size 4
+            assert_error(await post_npy(client, "small", np.zeros((4, 4, 32, 32), np.float32)),
+                         413, "payload_too_large")  # body over max_body_bytes
+
+            async def chunks():
+                for _ in range(3):
+                    yield b"\0" * 10_000
+
+            r = await client.post("/deconv?layer=small", content=chunks(), headers={"content-type": NPY})
+            assert_error(r, 413, "payload_too_large")  # no Content-Length: counted while reading
+            assert_error(await post_npy(client, "small", ok, **{"x-deadline-ms": "soon"}), 422, "invalid_input")
+
+    run(main())
+
+
+def test_api_key_protects_inference_only(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo, api_key="sekret")) as (_, client):
+            x = np.zeros((1, 4, 5, 5), np.float32)
+            r = await post_npy(client, "small", x)
+            assert_error(r, 401, "unauthorized")
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert_error(await post_npy(client, "small", x, authorization="Bearer wrong"), 401, "unauthorized")
+            assert (await post_npy(client, "small", x, authorization="Bearer sekret")).status_code == 200
+            r = await client.post("/v2/models/small/infer", json=_kserve_json(x))
+            assert r.status_code == 401
+            assert r.json()["type"] == "unauthorized"
+            r = await client.post("/v2/models/small/infer", json=_kserve_json(x),
+                                  headers={"authorization": "Bearer sekret"})
+            assert r.status_code == 200
+            for path in ("/v1/layers", "/health/ready", "/metrics", "/v2/models/small"):
+                assert (await client.get(path)).status_code == 200
+
+    run(main())
+
+
+def test_unknown_route_and_method_use_the_error_shape(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            assert_error(await client.get("/nothing/here"), 404, "not_found")
+            assert_error(await client.get("/deconv?layer=small"), 405, "method_not_allowed")
+            r = await client.get("/v2/nothing")
+            assert r.status_code == 404
+            assert r.json()["type"] == "not_found"
+            assert isinstance(r.json()["error"], str)
+
+    run(main())
+
+
+def test_kernel_failure_fails_the_batch_and_the_server_keeps_serving(repo, monkeypatch):
+    real = worker_module.kernel_forward
+
+    def fails_for_three(x, w, b, layer):
+        if x.shape[0] == 3:
+            raise RuntimeError("simulated kernel failure at /secret/path.cu:12")
+        return real(x, w, b, layer)
+
+    monkeypatch.setattr(worker_module, "kernel_forward", fails_for_three)
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            body = assert_error(await post_npy(client, "small", np.ones((3, 4, 5, 5), np.float32)), 500, "internal")
+            assert "/secret/path" not in body["error"]["message"]
+            assert (await post_npy(client, "small", np.ones((1, 4, 5, 5), np.float32))).status_code == 200
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "deconv_requests_total", layer="small", api="native", status="500") == 1
+            assert metric_value(text, "deconv_requests_total", layer="small", api="native", status="200") == 1
+
+    run(main())
+
+
+def test_deadline_passes_in_the_queue(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            t0 = time.monotonic()
+            r = await post_npy(client, "slow", np.ones((1, 4, 5, 5), np.float32), **{"x-deadline-ms": "100"})
+            assert_error(r, 504, "deadline_exceeded")
+            assert 0.09 < time.monotonic() - t0 < 5
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "deconv_requests_dropped_total", layer="slow", reason="deadline") == 1
+            assert metric_value(text, "deconv_batch_size_count", layer="slow") == 0  # never executed
+
+    run(main())
+
+
+def test_full_queue_429_and_shutdown_answers_the_queued(repo):
+    async def main() -> None:
+        x = np.ones((1, 4, 5, 5), np.float32)
+        async with serve_app(settings(repo)) as (app, client):
+            queued = [asyncio.ensure_future(post_npy(client, "slow", x)) for _ in range(2)]
+            service: Service = app.state.service
+            for _ in range(200):
+                if service.batchers["slow"].depth == 2:
+                    break
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            r = await post_npy(client, "slow", x)
+            assert time.monotonic() - t0 < 2
+            assert_error(r, 429, "overloaded")
+            assert int(r.headers["retry-after"]) >= 1
+            service.begin_drain()  # what SIGTERM does
+            r = await client.get("/health/ready")
+            assert_error(r, 503, "not_ready")
+            assert "draining" in r.json()["error"]["message"]
+            assert_error(await post_npy(client, "small", x), 503, "not_ready")
+            responses = await asyncio.wait_for(asyncio.gather(*queued), 10)  # flushed without the 20 s delay
+            assert [q.status_code for q in responses] == [200, 200]
+            assert [q.headers["x-deconv-batch-size"] for q in responses] == ["2", "2"]
+
+    run(main())
+
+
+def test_cancelled_request_is_dropped_before_execution(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (app, client):
+            task = asyncio.ensure_future(post_npy(client, "slow", np.ones((1, 4, 5, 5), np.float32)))
+            service: Service = app.state.service
+            for _ in range(200):
+                if service.batchers["slow"].depth == 1:
+                    break
+                await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert service.batchers["slow"].depth == 0
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "deconv_requests_dropped_total", layer="slow", reason="cancelled") == 1
+            assert metric_value(text, "deconv_batch_size_count", layer="slow") == 0
+
+    run(main())
+
+
+# --- readiness --------------------------------------------------------------------------------------------------
+
+
+def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
+    original = Service._prepare
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def gated(self: Service) -> None:
+            await gate.wait()
+            await original(self)
+
+        monkeypatch.setattr(Service, "_prepare", gated)
+        async with serve_app(settings(repo), wait_ready=False) as (_, client):
+            assert (await client.get("/health/live")).json() == {"status": "live"}
+            assert (await client.get("/v2/health/live")).status_code == 200
+            r = await client.get("/health/ready")
+            assert_error(r, 503, "not_ready")
+            assert "retry-after" in r.headers
+            assert (await client.get("/v2/health/ready")).status_code == 503
+            assert (await client.get("/v2/models/small/ready")).status_code == 503
+            assert_error(await post_npy(client, "small", np.ones((1, 4, 5, 5), np.float32)), 503, "not_ready")
+            assert "deconv_ready 0.0" in (await client.get("/metrics")).text
+            gate.set()
+            deadline = time.monotonic() + 10
+            while (await client.get("/health/ready")).status_code != 200:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            assert (await client.get("/health/ready")).json() == {"status": "ready"}
+            assert "deconv_ready 1.0" in (await client.get("/metrics")).text
+
+    run(main())
+
+
+def test_failed_self_test_keeps_the_server_unready_with_the_reason(repo, monkeypatch):
+    real = worker_module.kernel_forward
+    monkeypatch.setattr(worker_module, "kernel_forward", lambda x, w, b, layer: real(x, w, b, layer) + 1.0)
+
+    async def main() -> None:
+        async with serve_app(settings(repo), wait_ready=False) as (_, client):
+            for _ in range(500):
+                r = await client.get("/health/ready")
+                if "self-test failed" in r.text:
+                    break
+                await asyncio.sleep(0.01)
+            body = assert_error(r, 503, "not_ready")
+            assert "self-test failed" in body["error"]["message"]
+            assert "'small'" in body["error"]["message"]
+
+    run(main())
+
+
+# --- layers, metrics, docs ---------------------------------------------------------------------------------------
+
+
+def test_layer_descriptions(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo, max_queue_size=99)) as (_, client):
+            layers = (await client.get("/v1/layers")).json()["layers"]
+            assert [d["name"] for d in layers] == ["bf", "half", "slow", "small"]
+            d = (await client.get("/v1/layers/small")).json()
+            assert d["kernel_size"] == [3, 3]
+            assert d["output_padding"] == [1, 1]
+            assert d["dtype"] == "float32"
+            assert d["precision"] == "fp32"
+            assert d["max_batch_size"] == 4  # the layer's own
+            assert d["max_queue_size"] == 99  # the server's default
+            assert d["input_shape"] == [-1, 4, -1, -1]
+            assert d["output_size"].startswith("H_out = (H - 1) * 2 - 2 * 1 + 1 * (3 - 1) + 1 + 1")
+            assert (await client.get("/v1/layers/bf")).json()["precision"] == "bf16"
+            assert_error(await client.get("/v1/layers/nope"), 404, "unknown_layer")
+
+    run(main())
+
+
+def test_metrics_names(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            await post_npy(client, "small", np.ones((2, 4, 5, 5), np.float32))
+            r = await client.get("/metrics")
+            assert r.headers["content-type"].startswith("text/plain")
+            text = r.text
+            for name in ("deconv_requests_total", "deconv_request_latency_seconds_bucket",
+                         "deconv_queue_time_seconds_bucket", "deconv_batch_size_bucket", "deconv_queue_depth",
+                         "deconv_worker_batches_total", "deconv_worker_busy", "deconv_worker_inflight_samples",
+                         "deconv_ready"):
+                assert name in text, name
+            assert metric_value(text, "deconv_batch_size_sum", layer="small") == 2
+            assert metric_value(text, "deconv_worker_batches_total", worker="cpu") >= 1
+
+    run(main())
+
+
+def test_openapi_documents_the_binary_bodies(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            spec = (await client.get("/openapi.json")).json()
+            body = spec["paths"]["/deconv"]["post"]["requestBody"]["content"]
+            assert set(body) == {NPY, SAFETENSORS}
+            assert body[NPY]["schema"] == {"type": "string", "format": "binary"}
+            assert set(spec["paths"]["/deconv"]["post"]["responses"]["200"]["content"]) == {NPY, SAFETENSORS}
+            infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
+            assert set(infer) == {"application/json", "application/octet-stream"}
+            assert "inputs" in infer["application/json"]["schema"]["properties"]
+            for path in ("/v1/layers", "/v1/layers/{name}", "/health/live", "/health/ready", "/metrics", "/v2",
+                         "/v2/health/live", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/ready"):
+                assert path in spec["paths"], path
+            assert (await client.get("/docs")).status_code == 200
+
+    run(main())
+
+
+# --- KServe v2 ----------------------------------------------------------------------------------------------------
+
+
+def _kserve_json(x: np.ndarray, datatype: str = "FP32", **extra: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
+                        "data": x.reshape(-1).tolist()}], **extra}
+
+
+def _kserve_binary(x: np.ndarray | torch.Tensor, datatype: str = "FP32",
+                   **extra: Any) -> tuple[bytes, dict[str, str]]:
+    # bfloat16 has no numpy dtype: send its 16-bit patterns
+    raw = x.tobytes() if isinstance(x, np.ndarray) else x.contiguous().view(torch.int16).numpy().tobytes()
+    head = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
+                                   "parameters": {"binary_data_size": len(raw)}}], **extra}).encode()
+    return head + raw, {"inference-header-content-length": str(len(head)), "content-type": "application/octet-stream"}
+
+
+def _split_binary(r) -> tuple[dict[str, Any], bytes]:
+    n = int(r.headers["inference-header-content-length"])
+    return json.loads(r.content[:n]), r.content[n:]
+
+
+def test_kserve_metadata_and_health(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            meta = (await client.get("/v2")).json()
+            assert meta["name"] == "deconv"
+            assert "binary_tensor_data" in meta["extensions"]
+            assert (await client.get("/v2/health/live")).status_code == 200
+            assert (await client.get("/v2/health/ready")).status_code == 200
+            m = (await client.get("/v2/models/bf")).json()
+            assert m["inputs"] == [{"name": "input", "datatype": "BF16", "shape": [-1, 4, -1, -1]}]
+            assert m["outputs"] == [{"name": "output", "datatype": "BF16", "shape": [-1, 6, -1, -1]}]
+            assert (await client.get("/v2/models/bf/versions/1")).status_code == 200
+            assert (await client.get("/v2/models/small/ready")).json()["ready"] is True
+            assert (await client.get("/v2/models/small/versions/1/ready")).status_code == 200
+            r = await client.get("/v2/models/nope")
+            assert r.status_code == 404
+            assert r.json() == {"error": "no layer named 'nope'; GET /v1/layers lists them", "type": "unknown_layer"}
+            assert (await client.get("/v2/models/small/versions/2")).status_code == 404
+
+    run(main())
+
+
+def test_kserve_json_and_binary_infer(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = np.random.default_rng(1).standard_normal((2, 4, 5, 6)).astype(np.float32)
+            ref = reference(repo["modules"]["small"], torch.from_numpy(x))
+
+            r = await client.post("/v2/models/small/infer", json=_kserve_json(x, id="req-1"))
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["id"] == "req-1"
+            assert out["model_name"] == "small"
+            (o,) = out["outputs"]
+            assert (o["name"], o["datatype"], o["shape"]) == ("output", "FP32", [2, 6, 10, 12])
+            assert rel_err(np.array(o["data"]).reshape(o["shape"]), ref) < 1e-5
+
+            nested = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                  "data": x.tolist()}]}
+            r = await client.post("/v2/models/small/versions/1/infer", json=nested)
+            assert rel_err(np.array(r.json()["outputs"][0]["data"]).reshape(2, 6, 10, 12), ref) < 1e-5
+
+            body, headers = _kserve_binary(x, outputs=[{"name": "output", "parameters": {"binary_data": True}}])
+            r = await client.post("/v2/models/small/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            head, raw = _split_binary(r)
+            assert head["outputs"][0]["parameters"]["binary_data_size"] == len(raw)
+            assert rel_err(np.frombuffer(raw, np.float32).reshape(2, 6, 10, 12), ref) < 1e-5
+
+            body, headers = _kserve_binary(x, parameters={"binary_data_output": True})
+            r = await client.post("/v2/models/small/infer", content=gzip.compress(body),
+                                  headers={**headers, "content-encoding": "gzip"})
+            assert r.status_code == 200, r.text
+            _, raw = _split_binary(r)
+            assert rel_err(np.frombuffer(raw, np.float32).reshape(2, 6, 10, 12), ref) < 1e-5
+
+            xb = torch.from_numpy(x).to(torch.bfloat16)
+            body, headers = _kserve_binary(xb, "BF16", parameters={"binary_data_output": True})
+            r = await client.post("/v2/models/bf/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            head, raw = _split_binary(r)
+            assert head["outputs"][0]["datatype"] == "BF16"
+            yb = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).view(2, 6, 10, 12)
+            assert rel_err(yb, reference(repo["modules"]["bf"].bfloat16().double(), xb)) < 2e-2
+
+    run(main())
+
+
+def test_kserve_errors(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = np.zeros((1, 4, 5, 5), np.float32)
+
+            async def err(status: int, type_: str, **kw: Any) -> None:
+                r = await client.post(kw.pop("path", "/v2/models/small/infer"), **kw)
+                assert r.status_code == status, r.text
+                assert r.json()["type"] == type_
+                assert isinstance(r.json()["error"], str)
+
+            await err(404, "unknown_layer", path="/v2/models/nope/infer", json=_kserve_json(x))
+            await err(404, "unknown_layer", path="/v2/models/small/versions/7/infer", json=_kserve_json(x))
+            await err(400, "malformed_body", content=b"{not json")
+            await err(400, "malformed_body", json={"inputs": []})
+            await err(422, "invalid_input", json={"inputs": [{**_kserve_json(x)["inputs"][0], "name": "x"}]})
+            await err(422, "invalid_input", json=_kserve_json(x, "INT32"))
+            await err(422, "invalid_input", json=_kserve_json(x, "FP64"))  # the layer takes FP32
+            await err(422, "invalid_input", json=_kserve_json(np.zeros((1, 3, 5, 5), np.float32)))
+            await err(422, "invalid_input", json=_kserve_json(x, outputs=[{"name": "y"}]))
+            bad = _kserve_json(x)
+            bad["inputs"][0]["data"] = bad["inputs"][0]["data"][:-1]
+            await err(400, "malformed_body", json=bad)
+            bad["inputs"][0]["data"] = ["a"] * 100
+            await err(400, "malformed_body", json=bad)
+            body, headers = _kserve_binary(x)
+            await err(400, "malformed_body", content=body[:-4], headers=headers)  # binary shorter than declared
+            too_long = {**headers, "inference-header-content-length": "9999"}
+            await err(400, "malformed_body", content=body, headers=too_long)
+            await err(415, "unsupported_media_type", content=body, headers={**headers, "content-encoding": "br"})
+            await err(413, "payload_too_large", json=_kserve_json(np.zeros((5, 4, 5, 5), np.float32)))
+
+    run(main())

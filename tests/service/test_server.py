@@ -1,0 +1,225 @@
+"""A real uvicorn server in a subprocess: batching, 429, deadlines, disconnects, SIGTERM drain, tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from .conftest import (
+    NPY,
+    REPO_ROOT,
+    ServerProcess,
+    load_npy,
+    metric_value,
+    npy_bytes,
+    reference,
+    rel_err,
+    run,
+    write_layer,
+)
+
+SLOW_DELAY_MS = 2500
+
+
+def _repo(root: Path, delay_ms: float = SLOW_DELAY_MS) -> dict[str, Any]:
+    conv = dict(in_channels=4, out_channels=6, kernel_size=4, stride=2, padding=1)
+    return {
+        "slow": write_layer(root, "slow", **conv, limits={"max_queue_delay_ms": delay_ms, "max_queue_size": 4,
+                                                          "max_batch_size": 16}),
+        "fast": write_layer(root, "fast", **conv, seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("layers")
+    modules = _repo(root)
+    proc = ServerProcess({"DECONV_LAYER_REPOSITORY": str(root)}, root / "server.log")
+    try:
+        proc.wait_ready()
+        yield proc, modules
+    finally:
+        assert proc.stop() in (0, -signal.SIGTERM), proc.log()
+
+
+def _x(n: int = 1) -> np.ndarray:
+    return np.random.default_rng(n).standard_normal((n, 4, 6, 6)).astype(np.float32)
+
+
+async def _post(client: httpx.AsyncClient, layer: str, x: np.ndarray, **headers: str) -> httpx.Response:
+    return await client.post(f"/deconv?layer={layer}", content=npy_bytes(x), headers={"content-type": NPY, **headers})
+
+
+async def _metrics(client: httpx.AsyncClient) -> str:
+    return (await client.get("/metrics")).text
+
+
+async def _wait_metric(client: httpx.AsyncClient, name: str, value: float, timeout: float = 10.0,
+                       **labels: str) -> None:
+    deadline = time.monotonic() + timeout
+    while metric_value(await _metrics(client), name, **labels) != value:
+        assert time.monotonic() < deadline, f"{name}{labels} never reached {value}"
+        await asyncio.sleep(0.02)
+
+
+def test_concurrent_requests_share_one_batch(server):
+    proc, modules = server
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            before = metric_value(await _metrics(client), "deconv_batch_size_count", layer="slow")
+            xs = [_x(i + 1) for i in range(4)]  # 1 + 2 + 3 + 4 samples
+            responses = await asyncio.gather(*(_post(client, "slow", x) for x in xs))
+            for x, r in zip(xs, responses, strict=True):
+                assert r.status_code == 200, r.text[:300]
+                assert r.headers["x-deconv-batch-size"] == "10"
+                assert rel_err(load_npy(r.content), reference(modules["slow"], torch.from_numpy(x))) < 1e-5
+            text = await _metrics(client)
+            assert metric_value(text, "deconv_batch_size_count", layer="slow") == before + 1
+            assert metric_value(text, "deconv_batch_requests_sum", layer="slow") >= 4
+
+    run(main())
+
+
+def test_full_queue_answers_429_at_once(server):
+    proc, _ = server
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            queued = [asyncio.ensure_future(_post(client, "slow", _x())) for _ in range(4)]
+            await _wait_metric(client, "deconv_queue_depth", 4, layer="slow")
+            t0 = time.monotonic()
+            r = await _post(client, "slow", _x())
+            assert time.monotonic() - t0 < 1.0
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "overloaded"
+            assert int(r.headers["retry-after"]) >= 1
+            assert [q.status_code for q in await asyncio.gather(*queued)] == [200] * 4
+
+    run(main())
+
+
+def test_deadline_passes_before_execution(server):
+    proc, _ = server
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            t0 = time.monotonic()
+            r = await _post(client, "slow", _x(), **{"x-deadline-ms": "200"})
+            assert r.status_code == 504
+            assert r.json()["error"]["type"] == "deadline_exceeded"
+            assert time.monotonic() - t0 < SLOW_DELAY_MS / 1000
+
+    run(main())
+
+
+def test_disconnected_client_is_dropped_before_execution(server):
+    proc, _ = server
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            text = await _metrics(client)
+            dropped = metric_value(text, "deconv_requests_dropped_total", layer="slow", reason="disconnected")
+            batches = metric_value(text, "deconv_batch_size_count", layer="slow")
+            async with httpx.AsyncClient(base_url=proc.url, timeout=0.3) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    await _post(impatient, "slow", _x())
+            await _wait_metric(client, "deconv_requests_dropped_total", dropped + 1, layer="slow",
+                               reason="disconnected")
+            text = await _metrics(client)
+            assert metric_value(text, "deconv_queue_depth", layer="slow") == 0
+            await asyncio.sleep(SLOW_DELAY_MS / 1000 + 0.2)  # its batch would have run by now
+            assert metric_value(await _metrics(client), "deconv_batch_size_count", layer="slow") == batches
+
+    run(main())
+
+
+def test_tritonclient_binary_and_json(server):
+    import tritonclient.http as triton
+
+    proc, modules = server
+    client = triton.InferenceServerClient(proc.url.removeprefix("http://"), network_timeout=20.0)
+    try:
+        assert client.is_server_live()
+        assert client.is_server_ready()
+        assert client.is_model_ready("fast")
+        meta = client.get_model_metadata("fast")
+        assert meta["inputs"][0]["name"] == "input"
+        x = _x(3)
+        ref = reference(modules["fast"], torch.from_numpy(x))
+        for binary in (True, False):
+            inp = triton.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            out = triton.InferRequestedOutput("output", binary_data=binary)
+            result = client.infer("fast", [inp], outputs=[out], request_id="r1")
+            y = result.as_numpy("output")
+            assert y.shape == (3, 6, 12, 12)
+            assert y.dtype == np.float32
+            assert rel_err(y, ref) < 1e-5
+            assert result.get_response()["id"] == "r1"
+        with pytest.raises(triton.InferenceServerException, match="no layer named"):
+            client.infer("missing", [inp])
+    finally:
+        client.close()
+
+
+def test_sigterm_drains_requests_in_flight(tmp_path, server_factory):
+    modules = _repo(tmp_path, delay_ms=60_000)
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path)})
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as client:
+            xs = [_x(i + 1) for i in range(3)]
+            pending = [asyncio.ensure_future(_post(client, "slow", x)) for x in xs]
+            await _wait_metric(client, "deconv_queue_depth", 3, layer="slow")
+            t0 = time.monotonic()
+            proc.terminate()
+            responses = await asyncio.wait_for(asyncio.gather(*pending), 20)
+            assert time.monotonic() - t0 < 20  # answered at once, not after the 60 s delay
+            for x, r in zip(xs, responses, strict=True):
+                assert r.status_code == 200, r.text[:300]
+                assert rel_err(load_npy(r.content), reference(modules["slow"], torch.from_numpy(x))) < 1e-5
+
+    run(main())
+    # uvicorn re-raises the signal after its graceful shutdown, so the exit status says "terminated by SIGTERM".
+    assert proc.proc.wait(20) in (0, -signal.SIGTERM), proc.log()
+    log = proc.log()
+    assert "draining: not ready any more; executing 3 queued request(s) now" in log
+    assert "stopped" in log
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{proc.url}/health/live", timeout=2)
+
+
+def test_invalid_repository_stops_the_server_before_it_starts(tmp_path):
+    write_layer(tmp_path, "bad")
+    cfg = json.loads((tmp_path / "bad.json").read_text())
+    cfg["stride"] = [0, 1]
+    (tmp_path / "bad.json").write_text(json.dumps(cfg))
+    env = {"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_DEVICES": "cpu", "DECONV_PORT": "0"}
+    done = subprocess.run([sys.executable, "-m", "service"], cwd=REPO_ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 3  # uvicorn's start-up failure
+    assert "bad.json: field 'stride': must be positive" in done.stderr
+
+
+def test_serves_the_bundled_layers_with_default_settings(server_factory):
+    proc = server_factory({"DECONV_DEVICES": "auto"})
+    x = np.random.default_rng(0).standard_normal((1, 16, 16, 16)).astype(np.float32)
+    r = httpx.post(f"{proc.url}/deconv?layer=demo", content=npy_bytes(x), headers={"content-type": NPY}, timeout=20)
+    assert r.status_code == 200, r.text[:300]
+    assert load_npy(r.content).shape == (1, 8, 32, 32)
+    if not torch.cuda.is_available():
+        assert "no CUDA device visible: serving on CPU with the PyTorch reference" in proc.log()

@@ -1,0 +1,185 @@
+"""Workers: execution on the CPU reference, out-of-memory halving, failures, least-busy choice, self-tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from service.config import DEFAULT_LAYER_REPOSITORY
+from service.errors import InternalError
+from service.metrics import Metrics
+from service.registry import BatchLimits, Layer, load_repository
+from service.worker import Worker, WorkerPool, kernel_forward, select_devices
+
+from .conftest import metric_value, run
+
+LIMITS = BatchLimits(64, 1 << 28, 2.0, 256)
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict[str, Layer]:
+    reg = load_repository(DEFAULT_LAYER_REPOSITORY, LIMITS)
+    return {name: reg.get(name) for name in reg.names()}
+
+
+def _reference(layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    c = layer.config
+    b = layer.bias.double() if layer.bias is not None else None
+    return torch.nn.functional.conv_transpose2d(x.double(), layer.weight.double(), b, c.stride, c.padding,
+                                                c.output_padding, c.groups, c.dilation)
+
+
+def test_cpu_worker_splits_the_batch_back_per_request(layers):
+    layer = layers["grouped_dilated"]
+    worker = Worker(torch.device("cpu"))
+    worker.load(layer)
+    inputs = [torch.randn(n, 48, 5, 6) for n in (1, 3, 2)]
+    outputs = worker.run_batch(layer, inputs)
+    assert [tuple(y.shape) for y in outputs] == [(n, 24, *layer.output_hw(5, 6)) for n in (1, 3, 2)]
+    for x, y in zip(inputs, outputs, strict=True):
+        ref = _reference(layer, x)
+        assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+    worker.shutdown()
+
+
+def test_out_of_memory_retries_in_halves(layers):
+    layer = layers["demo"]
+    calls: list[int] = []
+
+    def tight(x, w, b, lay):
+        calls.append(int(x.shape[0]))
+        if x.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return kernel_forward(x, w, b, lay)
+
+    m = Metrics()
+    worker = Worker(torch.device("cpu"), m, forward=tight)
+    worker.load(layer)
+    inputs = [torch.randn(3, 16, 4, 4), torch.randn(2, 16, 4, 4)]
+    outputs = worker.run_batch(layer, inputs)
+    assert calls[0] == 5  # tried whole, then halves until they fit
+    assert calls[1:] == [2, 3, 1, 2]  # 5 -> 2 + 3, 3 -> 1 + 2
+    for x, y in zip(inputs, outputs, strict=True):
+        assert torch.allclose(y.double(), _reference(layer, x), atol=1e-5)
+    assert metric_value(m.render().decode(), "deconv_worker_failures_total", worker="cpu", kind="oom_retry") == 2
+    worker.shutdown()
+
+
+def test_out_of_memory_for_one_sample_fails_the_batch_and_the_worker_lives_on(layers):
+    layer = layers["demo"]
+    budget = {"fail": True}
+
+    def flaky(x, w, b, lay):
+        if budget["fail"]:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return kernel_forward(x, w, b, lay)
+
+    worker = Worker(torch.device("cpu"), forward=flaky)
+    worker.load(layer)
+    with pytest.raises(InternalError, match="out of GPU memory"):
+        worker.run_batch(layer, [torch.randn(2, 16, 4, 4)])
+    budget["fail"] = False
+    (y,) = worker.run_batch(layer, [torch.randn(1, 16, 4, 4)])
+    assert y.shape == (1, 8, 8, 8)
+    worker.shutdown()
+
+
+def test_kernel_failure_gives_a_message_without_traceback(layers):
+    layer = layers["demo"]
+
+    def broken(x, w, b, lay):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\n  File secret.py, line 1")
+
+    m = Metrics()
+    worker = Worker(torch.device("cpu"), m, forward=broken)
+    worker.load(layer)
+    with pytest.raises(InternalError) as info:
+        worker.run_batch(layer, [torch.randn(1, 16, 4, 4)])
+    assert "secret.py" not in info.value.message
+    assert "RuntimeError" in info.value.message
+    assert metric_value(m.render().decode(), "deconv_worker_failures_total", worker="cpu", kind="error") == 1
+    worker.shutdown()
+
+
+def test_pool_picks_the_least_busy_worker_with_a_free_slot(layers):
+    async def main() -> None:
+        a, b = Worker(torch.device("cpu")), Worker(torch.device("cpu"))
+        a.name, b.name = "w0", "w1"
+        pool = WorkerPool([a, b], max_inflight_batches=1)
+        a.inflight_samples = 10  # a is busier
+        first = await pool.acquire()
+        assert first is b
+        second = await pool.acquire()
+        assert second is a
+        waiter = asyncio.ensure_future(pool.acquire())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # no free slot: waits
+        pool.release(b)
+        assert await asyncio.wait_for(waiter, 5) is b
+        pool.shutdown()
+
+    run(main(), 10)
+
+
+def test_pool_runs_batches_off_the_event_loop(layers):
+    layer = layers["demo"]
+
+    async def main() -> None:
+        pool = WorkerPool([Worker(torch.device("cpu"))])
+        pool.load(layer)
+        worker = await pool.acquire()
+        x = torch.randn(2, 16, 8, 8)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        (y,) = await pool.run(worker, layer, [x])
+        t.cancel()
+        assert ticks > 0  # the loop kept running while the batch executed
+        assert torch.allclose(y.double(), _reference(layer, x), atol=1e-5)
+        assert worker.inflight_batches == 0
+        assert worker.inflight_samples == 0
+        pool.shutdown()
+
+    run(main(), 10)
+
+
+def test_self_test_catches_a_wrong_kernel(layers):
+    layer = layers["unet_up"]
+
+    def wrong(x, w, b, lay):
+        return kernel_forward(x, w, b, lay) * 1.001  # 1e-3 off: more than exact fp32 allows
+
+    async def main() -> None:
+        good = WorkerPool([Worker(torch.device("cpu"))])
+        good.load(layer)
+        assert await good.self_test(layer) == []
+        bad = WorkerPool([Worker(torch.device("cpu"), forward=wrong)])
+        bad.load(layer)
+        problems = await bad.self_test(layer)
+        assert len(problems) == 1
+        assert "unet_up" in problems[0]
+        assert "exceeds 1e-05" in problems[0]
+        good.shutdown()
+        bad.shutdown()
+
+    run(main(), 20)
+
+
+def test_select_devices_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    devs, why = select_devices("auto")
+    assert devs == [torch.device("cpu")]
+    assert why == "no CUDA device visible: serving on CPU with the PyTorch reference"
+    assert select_devices("cpu")[0] == [torch.device("cpu")]
+    for spec in ("all", [0]):
+        with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+            select_devices(spec)
