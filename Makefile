@@ -8,6 +8,8 @@ PIP := $(PY) -m pip
 CONSTRAINTS ?= constraints.txt
 # Extra pip arguments, e.g. an index for a CUDA build of torch in the image.
 PIP_ARGS ?=
+# Optional extras of the deconv package for `make install`, e.g. EXTRAS=ray (the image's EXTRAS build argument).
+EXTRAS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Architectures for `make nvcc-check` (CI compiles every kernel source for these).
@@ -21,11 +23,11 @@ install-dev: $(VENV)/.installed-dev
 $(VENV)/.installed: pyproject.toml client/pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e . -e ./client
+	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e ".$(if $(EXTRAS),[$(EXTRAS)])" -e ./client
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e ".[test,bench]" -e "./client[torch]"
+	$(PIP) install --quiet -c $(CONSTRAINTS) $(PIP_ARGS) -e ".[test,bench,ray]" -e "./client[torch]"
 	touch $@
 
 test: install-dev
