@@ -17,13 +17,14 @@
 #include <cuda_fp16.h>
 
 #include "conv_transpose2d.h"
+#include "convert.cuh"
 #include "phase.cuh"
 
 namespace deconv {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------
-// Element conversions.
+// Accumulator type per storage type.
 template <typename T>
 struct AccType {
   using type = float;
@@ -33,26 +34,7 @@ struct AccType<double> {
   using type = double;
 };
 
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_acc(float v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
+// Storage type of the output for an accumulator: double stays double, everything else rounds from fp32.
 template <typename T, typename Acc>
 __device__ __forceinline__ T store_cast(Acc v) {
   if constexpr (sizeof(Acc) == 8) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "conv_transpose2d.h"
+#include "convert.cuh"
 #include "phase.cuh"
 
 namespace deconv {
@@ -81,36 +82,6 @@ __device__ __forceinline__ uint16_t bits16<__half>(__half v) {
 template <>
 __device__ __forceinline__ uint16_t bits16<__nv_bfloat16>(__nv_bfloat16 v) {
   return __bfloat16_as_ushort(v);
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
 }
 
 // Global loads as volatile asm: the compiler keeps them where they are written (before the chunk's mma, which
@@ -173,7 +144,7 @@ __global__ void pack_weights_kernel(const T* __restrict__ w, uint32_t* __restric
       auto at = [&](int64_t ci) { return w[(((g * cin_g + ci) * cout_g + co) * kH + a) * kW + b]; };
       if constexpr (sizeof(T) == 4) {
         if (cw < cin_g) {
-          const float v = to_float<T>(at(cw));
+          const float v = to_acc(at(cw));
           word = K == MmaKind::kTF32 ? to_tf32(v) : __float_as_uint(v);
         }
       } else {
@@ -421,8 +392,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
             const int64_t co = n0 + nc;
             if (co >= cout_g) break;
             float v = Cs[nc * kCStride + lm];
-            if (bias != nullptr) v += to_float<T>(bias[grp * cout_g + co]);
-            y_pix[co * hw_out] = from_float<T>(v);
+            if (bias != nullptr) v += to_acc(bias[grp * cout_g + co]);
+            y_pix[co * hw_out] = from_acc<T>(v);
           }
         }
         __syncthreads();  // Cs aliases the operand buffers of the next tile
