@@ -51,10 +51,19 @@ size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream,
                                      KernelPath* path_out);
 
-// Tensor-core path (conv_transpose2d_mma.cu).
+// Tensor-core path (conv_transpose2d_mma.cu). Configurations 0 .. kNumGatherConfigs - 1 are the gather kernel's
+// tiles, the next kNumHaloConfigs the halo kernel's (conv_transpose2d_halo.cu).
+constexpr int kNumGatherConfigs = 4;
+constexpr int kNumHaloConfigs = 5;
+constexpr int kNumTensorCoreConfigs = kNumGatherConfigs + kNumHaloConfigs;
 int tensor_core_config(const ConvTranspose2dParams& p);  // chosen tile configuration, or -1 if not eligible
 size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
-constexpr int kNumTensorCoreConfigs = 4;
+
+// Halo kernel (conv_transpose2d_halo.cu); `config` counts from 0 within the halo configurations.
+int halo_block_n(int config);                                  // output channels per block
+bool halo_fits(const ConvTranspose2dParams& p, int config);    // its shared memory fits this problem
+cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* packed_weights,
+                        int64_t ciw_pad, int64_t co_pad, cudaStream_t stream);
 
 }  // namespace deconv

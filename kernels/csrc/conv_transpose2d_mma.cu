@@ -24,12 +24,16 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "mma.cuh"
 #include "phase.cuh"
 
 namespace deconv {
 namespace {
 
-enum class MmaKind : int { kTF32 = 0, k3xTF32 = 1, kBF16 = 2, kFP16 = 3 };
+using tc::MmaKind;
+using tc::bits16;
+using tc::round_word;
+using tc::pack_weights_kernel;
 
 constexpr int kBKW = 16;  // K words per chunk (two mma k-slabs of 8 words)
 
@@ -37,52 +41,12 @@ struct TileShape {
   int bm, bn, warps_m, warps_n;
 };
 // Index = configuration number (force_config); chosen by output channels per group.
-constexpr TileShape kTileShapes[kNumTensorCoreConfigs] = {
+constexpr TileShape kTileShapes[kNumGatherConfigs] = {
     {128, 128, 4, 2},  // 0: C_out/groups > 64
     {128, 64, 4, 2},   // 1: 32 < C_out/groups <= 64
     {256, 32, 8, 1},   // 2: 16 < C_out/groups <= 32
     {256, 16, 8, 1},   // 3: C_out/groups <= 16
 };
-
-__device__ __forceinline__ uint32_t to_tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
-
-template <MmaKind K>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (K == MmaKind::kBF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else if constexpr (K == MmaKind::kFP16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint16_t bits16(T v);
-template <>
-__device__ __forceinline__ uint16_t bits16<__half>(__half v) {
-  return __half_as_ushort(v);
-}
-template <>
-__device__ __forceinline__ uint16_t bits16<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat16_as_ushort(v);
-}
 
 // Global loads as volatile asm: the compiler keeps them where they are written (before the chunk's mma, which
 // are volatile asm too) instead of sinking them next to their use, so their latency overlaps the math.
@@ -112,49 +76,6 @@ __device__ __forceinline__ uint32_t load_x_word(const T* __restrict__ px, int ci
     const uint32_t lo = ci < cin_g ? ldg_b16(px + ci * hw) : 0u;
     const uint32_t hi = ci + 1 < cin_g ? ldg_b16(px + (ci + 1) * hw) : 0u;
     return lo | (hi << 16);
-  }
-}
-
-template <MmaKind K>
-__device__ __forceinline__ uint32_t round_word(uint32_t w) {
-  if constexpr (K == MmaKind::kTF32) {
-    return to_tf32(__uint_as_float(w));
-  } else {
-    return w;
-  }
-}
-
-// Packs w [C_in, C_out/g, kH, kW] into words [g][a][b][ciw_pad][co_pad] (see the file comment), zero-padded.
-template <typename T, MmaKind K>
-__global__ void pack_weights_kernel(const T* __restrict__ w, uint32_t* __restrict__ wt, int64_t groups,
-                                    int64_t cin_g, int64_t cout_g, int64_t kH, int64_t kW, int64_t ciw_pad,
-                                    int64_t co_pad) {
-  const int64_t total = groups * kH * kW * ciw_pad * co_pad;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t co = i % co_pad;
-    int64_t r = i / co_pad;
-    const int64_t cw = r % ciw_pad;
-    r /= ciw_pad;
-    const int64_t b = r % kW;
-    r /= kW;
-    const int64_t a = r % kH;
-    const int64_t g = r / kH;
-    uint32_t word = 0;
-    if (co < cout_g) {
-      auto at = [&](int64_t ci) { return w[(((g * cin_g + ci) * cout_g + co) * kH + a) * kW + b]; };
-      if constexpr (sizeof(T) == 4) {
-        if (cw < cin_g) {
-          const float v = to_acc(at(cw));
-          word = K == MmaKind::kTF32 ? to_tf32(v) : __float_as_uint(v);
-        }
-      } else {
-        const int64_t ci = 2 * cw;
-        const uint32_t lo = ci < cin_g ? bits16<T>(at(ci)) : 0u;
-        const uint32_t hi = ci + 1 < cin_g ? bits16<T>(at(ci + 1)) : 0u;
-        word = lo | (hi << 16);
-      }
-    }
-    wt[i] = word;
   }
 }
 
@@ -335,54 +256,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
               bf[j][0] = bs[(ks + t4) * kBStride + j * 8 + g8];
               bf[j][1] = bs[(ks + t4 + 4) * kBStride + j * 8 + g8];
             }
-            if constexpr (K == MmaKind::k3xTF32) {
-              uint32_t alo[kMT][4], blo[kNT][2];
-#pragma unroll
-              for (int i = 0; i < kMT; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const float v = __uint_as_float(af[i][e]);
-                  af[i][e] = to_tf32(v);
-                  alo[i][e] = to_tf32(v - __uint_as_float(af[i][e]));
-                }
-#pragma unroll
-              for (int j = 0; j < kNT; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const float v = __uint_as_float(bf[j][e]);
-                  bf[j][e] = to_tf32(v);
-                  blo[j][e] = to_tf32(v - __uint_as_float(bf[j][e]));
-                }
-              // Small terms first.
-#pragma unroll
-              for (int i = 0; i < kMT; ++i)
-#pragma unroll
-                for (int j = 0; j < kNT; ++j) {
-                  mma<MmaKind::kTF32>(acc[i][j], alo[i], bf[j]);
-                  mma<MmaKind::kTF32>(acc[i][j], af[i], blo[j]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < kMT; ++i)
-#pragma unroll
-              for (int j = 0; j < kNT; ++j) mma<K == MmaKind::k3xTF32 ? MmaKind::kTF32 : K>(acc[i][j], af[i], bf[j]);
+            tc::mma_warp_tile<K>(acc, af, bf);
           }
           if (c + 1 < num_chunks) store_chunk(buf ^ 1);
           __syncthreads();
         }
 
         // Epilogue: accumulators -> shared [channel][pixel] -> bias, convert, NCHW stores.
-#pragma unroll
-        for (int i = 0; i < kMT; ++i)
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) {
-            const int mr = wm * kWarpM + i * 16 + g8;
-            const int nc = wn * kWarpN + j * 8 + 2 * t4;
-            Cs[nc * kCStride + mr] = acc[i][j][0];
-            Cs[(nc + 1) * kCStride + mr] = acc[i][j][1];
-            Cs[nc * kCStride + mr + 8] = acc[i][j][2];
-            Cs[(nc + 1) * kCStride + mr + 8] = acc[i][j][3];
-          }
+        tc::stage_accumulators(Cs, kCStride, acc, wm * kWarpM, wn * kWarpN, g8, t4);
         __syncthreads();
         if (m_ok) {
           const int64_t ho = ah.o0 + qh * p.stride_h;
@@ -402,61 +283,93 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
   }
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using tc::div_up;
 
 struct Packing {
   int64_t ciw_pad, co_pad;
 };
 
+int config_block_n(int config) {
+  return config < kNumGatherConfigs ? kTileShapes[config].bn : halo_block_n(config - kNumGatherConfigs);
+}
+
+// Packed weights: channel words padded to whole 16-word chunks, output channels to whole BN tiles.
 Packing packing(const ConvTranspose2dParams& p, int config) {
   const int per_word = p.dtype == DType::kFloat32 ? 1 : 2;
   const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups;
-  return {ceil_div(ceil_div(cin_g, per_word), kBKW) * kBKW, ceil_div(cout_g, kTileShapes[config].bn) *
-                                                                kTileShapes[config].bn};
+  const int64_t bn = config_block_n(config);
+  return {div_up(div_up(cin_g, per_word), kBKW) * kBKW, div_up(cout_g, bn) * bn};
+}
+
+template <typename T, MmaKind K>
+cudaError_t pack_weights(const ConvTranspose2dParams& p, const Packing& pk, cudaStream_t stream) {
+  const int64_t total = p.groups * p.kH * p.kW * pk.ciw_pad * pk.co_pad;
+  const int pack_blocks = static_cast<int>(div_up(total, 256) < 4096 ? div_up(total, 256) : 4096);
+  pack_weights_kernel<T, K><<<pack_blocks, 256, 0, stream>>>(static_cast<const T*>(p.w),
+                                                             static_cast<uint32_t*>(p.workspace), p.groups,
+                                                             p.C_in / p.groups, p.C_out / p.groups, p.kH, p.kW,
+                                                             pk.ciw_pad, pk.co_pad);
+  return cudaGetLastError();
 }
 
 template <typename T, MmaKind K, int BM, int BN, int WM, int WN>
-cudaError_t launch_config(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
-  const Packing pk = packing(p, config);
-  uint32_t* wt = static_cast<uint32_t*>(p.workspace);
-  const int64_t total = p.groups * p.kH * p.kW * pk.ciw_pad * pk.co_pad;
-  const int pack_blocks = static_cast<int>(ceil_div(total, 256) < 4096 ? ceil_div(total, 256) : 4096);
-  pack_weights_kernel<T, K><<<pack_blocks, 256, 0, stream>>>(static_cast<const T*>(p.w), wt, p.groups,
-                                                             p.C_in / p.groups, p.C_out / p.groups, p.kH, p.kW,
-                                                             pk.ciw_pad, pk.co_pad);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-
+cudaError_t launch_config(const ConvTranspose2dParams& p, const Packing& pk, cudaStream_t stream) {
   auto kernel = conv_transpose2d_mma_kernel<T, K, BM, BN, WM, WN>;
   constexpr size_t smem = smem_bytes<BM, BN>();
   if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const int64_t max_m = p.N * ceil_div(p.H_out, p.stride_h) * ceil_div(p.W_out, p.stride_w);
-  const int64_t m_tiles = ceil_div(max_m, BM);
+  const int64_t max_m = p.N * div_up(p.H_out, p.stride_h) * div_up(p.W_out, p.stride_w);
+  const int64_t m_tiles = div_up(max_m, BM);
   const int64_t n_tiles = pk.co_pad / BN;
   const int64_t z = p.stride_h * p.stride_w * p.groups;
   const dim3 grid(static_cast<unsigned>(m_tiles < 0x7fffffff ? m_tiles : 0x7fffffff),
                   static_cast<unsigned>(n_tiles < 65535 ? n_tiles : 65535),
                   static_cast<unsigned>(z < 65535 ? z : 65535));
-  kernel<<<grid, WM * WN * 32, smem, stream>>>(p, wt, pk.ciw_pad, pk.co_pad);
+  kernel<<<grid, WM * WN * 32, smem, stream>>>(p, static_cast<const uint32_t*>(p.workspace), pk.ciw_pad,
+                                               pk.co_pad);
   return cudaGetLastError();
 }
 
 template <typename T, MmaKind K>
 cudaError_t launch_kind(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
+  const Packing pk = packing(p, config);
+  const cudaError_t err = pack_weights<T, K>(p, pk, stream);
+  if (err != cudaSuccess) return err;
   switch (config) {
     case 0:
-      return launch_config<T, K, 128, 128, 4, 2>(p, config, stream);
+      return launch_config<T, K, 128, 128, 4, 2>(p, pk, stream);
     case 1:
-      return launch_config<T, K, 128, 64, 4, 2>(p, config, stream);
+      return launch_config<T, K, 128, 64, 4, 2>(p, pk, stream);
     case 2:
-      return launch_config<T, K, 256, 32, 8, 1>(p, config, stream);
+      return launch_config<T, K, 256, 32, 8, 1>(p, pk, stream);
     case 3:
-      return launch_config<T, K, 256, 16, 8, 1>(p, config, stream);
+      return launch_config<T, K, 256, 16, 8, 1>(p, pk, stream);
+    default:
+      return launch_halo(p, config - kNumGatherConfigs, static_cast<const uint32_t*>(p.workspace), pk.ciw_pad,
+                         pk.co_pad, stream);
   }
-  return cudaErrorInvalidValue;
+}
+
+// The halo kernel pays off when taps share a patch and the tile's 32-pixel rows are mostly used.
+int halo_choice(const ConvTranspose2dParams& p, int64_t cout_g, int64_t cin_g) {
+  int64_t taps_h = 0, taps_w = 0;
+  for (int64_t r = 0; r < p.stride_h; ++r) {
+    const int64_t t = make_axis_phase(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH).taps;
+    taps_h = t > taps_h ? t : taps_h;
+  }
+  for (int64_t r = 0; r < p.stride_w; ++r) {
+    const int64_t t = make_axis_phase(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW).taps;
+    taps_w = t > taps_w ? t : taps_w;
+  }
+  if (taps_h * taps_w < 2 || cin_g < 16 || div_up(p.W_out, p.stride_w) < 24) return -1;
+  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): the 16-warp tiles win for TF32 and 16-bit types;
+  // 3xTF32 needs more than their 128 registers a thread and runs the 8-warp 256 x 64 tile instead.
+  const bool exact = p.dtype == DType::kFloat32 && p.precision == Precision::kExactFp32;
+  const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;
+  return halo_fits(p, config) ? kNumGatherConfigs + config : -1;
 }
 
 }  // namespace
@@ -468,6 +381,8 @@ int tensor_core_config(const ConvTranspose2dParams& p) {
   const int64_t cin_g = p.C_in / p.groups;
   // Too few channels to fill an mma tile: the SIMT kernel wastes less.
   if (cin_g < 4 || cout_g < 4) return -1;
+  const int halo = halo_choice(p, cout_g, cin_g);
+  if (halo >= 0) return halo;
   if (cout_g > 64) return 0;
   if (cout_g > 32) return 1;
   if (cout_g > 16) return 2;

@@ -29,6 +29,8 @@ MODES = {
     "fp16": (torch.float16, None, 2e-2),
     "fp64": (torch.float64, None, 1e-12),
 }
+# Tensor-core tile configurations: 0-3 the gather kernel, 4-8 the halo kernel (kernels/csrc/conv_transpose2d.h).
+NUM_TC_CONFIGS = 9
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
 
 
@@ -138,15 +140,18 @@ FORCED = {
     "groups_bias": dict(n=2, c_in=24, c_out=150, h=5, w=9, k=3, stride=2, padding=1, groups=3),
     "tiny_channels": dict(n=2, c_in=3, c_out=2, h=7, w=6, k=4, stride=2, padding=1),
     "many_pixels": dict(n=2, c_in=40, c_out=20, h=33, w=47, k=(5, 3), padding=(2, 1)),
+    # Rows a multiple of 16 bytes: the halo kernel's 16-byte copies, with halos crossing every border.
+    "aligned_rows": dict(n=2, c_in=24, c_out=40, h=21, w=72, k=(3, 5), padding=(1, 2), dilation=(1, 2)),
+    "aligned_strided": dict(n=2, c_in=20, c_out=70, h=9, w=40, k=4, stride=2, padding=1, output_padding=1),
 }
 
 
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
-@pytest.mark.parametrize("route", ["simt", "tc0", "tc1", "tc2", "tc3"])
+@pytest.mark.parametrize("route", ["simt", *(f"tc{i}" for i in range(NUM_TC_CONFIGS))])
 @pytest.mark.parametrize("problem", list(FORCED))
 def test_forced_paths(problem: str, route: str, mode: str) -> None:
-    """Every kernel family and every tensor-core tile configuration on awkward shapes."""
-    kw = dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2]))
+    """Every kernel family and every tensor-core tile configuration (gather 0-3, halo 4-8) on awkward shapes."""
+    kw = dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2:]))
     err, tol, path = run_case(**FORCED[problem], mode=mode, seed=zlib.crc32(problem.encode()), **kw)
     assert path == ("simt" if route == "simt" else "tensor_core")
     assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"

@@ -1,0 +1,489 @@
+// ConvTranspose2d forward on tensor cores with halo tiles: the stride-phase implicit GEMM of
+// conv_transpose2d_mma.cu, restructured so that every input element is fetched from global memory once per
+// block instead of once per tap.
+//
+// A block computes a TH x TW tile of one phase's output pixels (one image) for BN output channels of one group.
+// For pixel (qh, qw) of a phase and tap (th, tw) the input read is x[hi, wi] with hi = qh + base_h - th * dstep_h
+// (phase.cuh), so the whole tile, over all the phase's taps, reads one rectangle of x: rows
+// [qh0 + base_h - (taps_h - 1) * dstep_h, qh0 + base_h + TH) and likewise for columns. Per stage of KC input
+// channels (8 fp32 or 16 16-bit values = 8 K words) the block copies that rectangle (the "patch") and the packed
+// weights of every tap into shared memory with 16-byte cp.async (zero-filled outside x), then runs every tap
+// on it: a tap is a shifted window of the patch, so the A fragments of tap (th, tw) are the patch read at a
+// constant offset. Stages form a 3-deep cp.async pipeline (2-deep when three do not fit in shared memory).
+//
+// Shared-memory layout of a stage: patch [KC][TH + kHaloH][RS] elements (compile-time strides; channel stride
+// CS = 8 mod 32 elements, so the 4 channels and 8 pixels of an mma fragment load hit 32 distinct banks; rows
+// start 16-byte aligned), then weights [tap][8 words][BN + 8] words (8 or 24 mod 32: conflict-free B fragments;
+// packed as in conv_transpose2d_mma.cu, 16-bit channel pairs per word). Fragments of tap t + 1 are loaded while
+// tap t's mma run.
+// The fp32 A fragments are read one word per element; the 16-bit ones pair two channels (two 16-bit loads and
+// a byte permute per register).
+//
+// The epilogue stages accumulators through shared memory and writes each output row segment of the tile with
+// neighbouring threads on neighbouring pixels (coalesced for stride_w == 1), bias fused.
+//
+// When rows of x are not 16-byte aligned (W_in not a multiple of 16 / sizeof(T)) the patch is copied element by
+// element through registers instead (same tile, slower loads). Halos beyond kHaloH x kHaloW (taps - 1 times the
+// dilation step) and stages that do not fit in shared memory are not eligible: tensor_core_config falls back to
+// the gather kernel.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "conv_transpose2d.h"
+#include "convert.cuh"
+#include "mma.cuh"
+#include "phase.cuh"
+
+namespace deconv {
+namespace {
+
+constexpr int kMaxStages = 3;  // 2 when three stages do not fit in shared memory
+
+struct HaloShape {
+  int th, tw, bn, warps_m, warps_n;
+};
+// Index = halo configuration (tensor-core configuration kNumGatherConfigs + index).
+constexpr HaloShape kHaloShapes[kNumHaloConfigs] = {
+    {8, 32, 64, 4, 2},    // 0: 256 pixels x 64 channels, 8 warps (warp tile 64 x 32)
+    {16, 32, 64, 8, 2},   // 1: 512 pixels x 64 channels, 16 warps
+    {8, 32, 128, 4, 4},   // 2: 256 pixels x 128 channels, 16 warps
+    {16, 32, 32, 8, 1},   // 3: 512 pixels x 32 channels, 8 warps
+    {16, 32, 16, 8, 1},   // 4: 512 pixels x 16 channels, 8 warps (warp tile 64 x 16)
+};
+
+// Division by a divisor fixed for the whole launch, for dividends in [0, 2^31): a multiply-high, an add and a
+// shift instead of a ~25-instruction integer division (the stage copies decompose every index).
+struct FastDiv {
+  uint32_t d, mul, shr;
+};
+
+__host__ __device__ inline FastDiv make_fast_div(uint32_t d) {
+  uint32_t shr = 0;
+  while ((uint64_t(1) << shr) < d) ++shr;
+  const uint64_t mul = ((uint64_t(1) << 32) * ((uint64_t(1) << shr) - d)) / d + 1;
+  return {d, static_cast<uint32_t>(mul), shr};
+}
+
+__device__ __forceinline__ int fdiv(int n, const FastDiv& f) {
+  return static_cast<int>((__umulhi(static_cast<uint32_t>(n), f.mul) + static_cast<uint32_t>(n)) >> f.shr);
+}
+
+// Largest halo a tile's patch holds: (taps - 1) * dstep rows and columns (up to 7 x 9 dense kernels).
+constexpr int kHaloH = 6;
+constexpr int kHaloW = 8;
+
+// Patch strides are compile-time constants, so that every fragment load of a tap is one base register plus an
+// immediate offset. Rows hold TW + kHaloW columns plus up to one vector of misalignment.
+__host__ __device__ constexpr int patch_row_stride(int tw, int elem_bytes) {
+  return (tw + kHaloW + 16 / elem_bytes - 1 + 16 / elem_bytes - 1) / (16 / elem_bytes) * (16 / elem_bytes);
+}
+__host__ __device__ constexpr int patch_channel_stride(int th, int tw, int elem_bytes) {
+  return (th + kHaloH) * patch_row_stride(tw, elem_bytes) +
+         ((8 - (th + kHaloH) * patch_row_stride(tw, elem_bytes) % 32) + 32) % 32;  // == 8 mod 32
+}
+
+// Host-computed launch geometry (weights sized for the phase with the most taps).
+struct HaloGeom {
+  int nvec;         // 16-byte vectors copied per patch row (vectorized copy)
+  int patch_words;  // 32-bit words of the patch in a stage
+  int stage_words;  // patch + weights
+  int vec;          // 1: 16-byte cp.async copies; 0: element copies through registers
+  int stages;       // pipeline depth: 2 or 3
+  FastDiv nvec_div;  // by nvec
+  int64_t tiles_h, tiles_w;  // tiles per image of the largest phase
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WARPS_M, int WARPS_N>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
+    conv_transpose2d_halo_kernel(const ConvTranspose2dParams p, const uint32_t* __restrict__ wt, int64_t ciw_pad,
+                                 int64_t co_pad, const HaloGeom geo) {
+  using tc::MmaKind;
+  constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  constexpr int BM = TH * TW;
+  constexpr int kWarpM = BM / WARPS_M;
+  constexpr int kWarpN = BN / WARPS_N;
+  constexpr int kMT = kWarpM / 16;
+  constexpr int kNT = kWarpN / 8;
+  constexpr int kKC = sizeof(T) == 4 ? 8 : 16;  // input channels per stage (8 K words)
+  constexpr int kVec = 16 / sizeof(T);          // elements per 16-byte copy
+  constexpr int kWS = BN + 8;                   // weight row stride (words), == 8 mod 32
+  constexpr int kCStride = BM + 4;
+  constexpr int kBRowVecs = BN / 4;
+  constexpr int kRS = patch_row_stride(TW, sizeof(T));          // patch row stride (elements)
+  constexpr int kCS = patch_channel_stride(TH, TW, sizeof(T));  // patch channel stride (elements)
+  static_assert(TW % 16 == 0 && kWarpM % 16 == 0 && kWarpN % 8 == 0, "warp tile");
+  static_assert(kWS % 32 == 8 || kWS % 32 == 24, "weight rows must be 8 or 24 mod 32 words");
+
+  extern __shared__ __align__(16) uint32_t smem[];
+  float* Cs = reinterpret_cast<float*>(smem);  // [BN][kCStride], after the main loop
+
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const T* __restrict__ bias = static_cast<const T*>(p.bias);
+  T* __restrict__ y = static_cast<T*>(p.y);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wm = warp % WARPS_M;
+  const int wn = warp / WARPS_M;
+  const int g8 = lane >> 2;
+  const int t4 = lane & 3;
+
+  const int64_t cin_g = p.C_in / p.groups;
+  const int64_t cout_g = p.C_out / p.groups;
+  const int64_t hw_in = p.H_in * p.W_in;
+  const int64_t hw_out = p.H_out * p.W_out;
+  const int64_t num_z = p.stride_h * p.stride_w * p.groups;
+  const int64_t tiles_img = geo.tiles_h * geo.tiles_w;
+  const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
+  static_assert(kWarpM % TW == 0 || TW % kWarpM == 0, "a warp's pixels start a tile row or stay in one");
+  // This thread's first fragment pixel in the patch; m16 tile i adds the constant pixel_offset(i).
+  const int a_base = ((wm * kWarpM) / TW) * kRS + (wm * kWarpM) % TW + g8;
+
+  for (int64_t z = blockIdx.z; z < num_z; z += gridDim.z) {
+    const int64_t grp = z % p.groups;
+    const int64_t phase = z / p.groups;
+    const AxisPhase ah = make_axis_phase(phase / p.stride_w, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
+    const AxisPhase aw = make_axis_phase(phase % p.stride_w, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
+    if (ah.count == 0 || aw.count == 0) continue;
+    const int taps_h = static_cast<int>(ah.taps), taps_w = static_cast<int>(aw.taps);
+    const int taps = taps_h * taps_w;
+    const int dstep_h = static_cast<int>(ah.dstep), dstep_w = static_cast<int>(aw.dstep);
+    const int ph = TH + (taps_h > 0 ? taps_h - 1 : 0) * dstep_h;      // patch rows of this phase
+    const int pw = TW + (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;      // patch columns of this phase
+    const int64_t tiles_h = tc::div_up(ah.count, TH), tiles_w = tc::div_up(aw.count, TW);
+    const int nchunks = taps > 0 ? static_cast<int>(tc::div_up(cin_g, kKC)) : 0;
+    const FastDiv ph_div = make_fast_div(ph);
+    const FastDiv tw_div = make_fast_div(taps_w > 0 ? taps_w : 1);
+    const int a0 = static_cast<int>(ah.a0), b0 = static_cast<int>(aw.a0);
+    const int step_h = static_cast<int>(ah.step), step_w = static_cast<int>(aw.step);
+    const int k_w = static_cast<int>(p.kW);
+
+    for (int64_t nt = blockIdx.y; nt * BN < cout_g; nt += gridDim.y) {
+      const int64_t n0 = nt * BN;
+      const uint32_t* wt_grp = wt + grp * p.kH * p.kW * ciw_pad * co_pad + n0;
+      for (int64_t bx = blockIdx.x; bx < p.N * tiles_img; bx += gridDim.x) {
+        const int64_t img = bx / tiles_img;
+        const int64_t rem = bx - img * tiles_img;
+        const int64_t tile_h = rem / geo.tiles_w;
+        const int64_t tile_w = rem - tile_h * geo.tiles_w;
+        if (tile_h >= tiles_h || tile_w >= tiles_w) continue;  // a smaller phase: nothing here
+        const int qh0 = static_cast<int>(tile_h * TH), qw0 = static_cast<int>(tile_w * TW);
+        const int hi0 = qh0 + static_cast<int>(ah.base) - (taps_h > 0 ? taps_h - 1 : 0) * dstep_h;
+        const int wi0 = qw0 + static_cast<int>(aw.base) - (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;
+        const int wa = geo.vec ? floor_div(wi0, kVec) * kVec : wi0;  // first column copied
+        const int shift = wi0 - wa;
+        const T* x_img = x + (img * p.C_in + grp * cin_g) * hw_in;
+
+        auto load_stage = [&](int c, int buf) {
+          uint32_t* st = smem + buf * geo.stage_words;
+          T* patch = reinterpret_cast<T*>(st);
+          const int ci0 = c * kKC;
+          const T* x_chunk = x_img + int64_t(ci0) * hw_in;
+          if (geo.vec) {
+            // v = (ch * ph + row) * nvec + vc; x_tile is the patch origin (row hi0, column wa).
+            const int total = kKC * ph * geo.nvec;
+            for (int v = tid; v < total; v += kThreads) {
+              const int rowv = fdiv(v, geo.nvec_div);
+              const int vc = v - rowv * geo.nvec;
+              const int ch = fdiv(rowv, ph_div);
+              const int row = rowv - ch * ph;
+              const int hi = hi0 + row, wi = wa + vc * kVec;
+              const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
+              const T* src = ok ? x_chunk + int64_t(ch) * hw_in + (hi * w_in + wi) : x;
+              cp_async16(patch + ch * kCS + row * kRS + vc * kVec, src, ok ? 16 : 0);
+            }
+          } else {
+            const int per_ch = ph * pw;
+            for (int e = tid; e < kKC * per_ch; e += kThreads) {
+              const int ch = e / per_ch;
+              const int r = e - ch * per_ch;
+              const int row = r / pw;
+              const int col = r - row * pw;
+              const int hi = hi0 + row, wi = wa + col;
+              const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
+              T v = ok ? x_chunk[int64_t(ch) * hw_in + (hi * w_in + wi)] : from_acc<T>(0.f);
+              if constexpr (K == MmaKind::kTF32) v = __uint_as_float(tc::to_tf32(v));
+              patch[ch * kCS + row * kRS + col] = v;
+            }
+          }
+          // Weights: v = (t * 8 + k) * (BN / 4) + column vector; 8 * BN / 4 is a power of two.
+          uint32_t* wsm = st + geo.patch_words;
+          const uint32_t* w_chunk = wt_grp + int64_t(c) * 8 * co_pad;
+          for (int v = tid; v < taps * 8 * kBRowVecs; v += kThreads) {
+            const int t = v / (8 * kBRowVecs);
+            const int r = v - t * (8 * kBRowVecs);
+            const int k = r / kBRowVecs;
+            const int col = (r - k * kBRowVecs) * 4;
+            const int th = fdiv(t, tw_div);
+            const int tw = t - th * taps_w;
+            const int64_t tap = int64_t(a0 + th * step_h) * k_w + b0 + tw * step_w;
+            cp_async16(wsm + (t * 8 + k) * kWS + col, w_chunk + (tap * ciw_pad + k) * co_pad + col, 16);
+          }
+        };
+
+        // TF32: round the stage's patch once after it landed (one pass over shared memory, then a barrier),
+        // instead of once per tap in the fragments. Element copies were rounded when stored.
+        auto round_stage = [&](int buf) {
+          uint4* q = reinterpret_cast<uint4*>(smem + buf * geo.stage_words);
+          for (int i = tid; i < geo.patch_words / 4; i += kThreads) {
+            uint4 w4 = q[i];
+            w4.x = tc::to_tf32(__uint_as_float(w4.x));
+            w4.y = tc::to_tf32(__uint_as_float(w4.y));
+            w4.z = tc::to_tf32(__uint_as_float(w4.z));
+            w4.w = tc::to_tf32(__uint_as_float(w4.w));
+            q[i] = w4;
+          }
+        };
+
+        float acc[kMT][kNT][4];
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+          for (int j = 0; j < kNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+        // Fragments of tap t: B from the stage's weights, A from the patch at the tap's offset.
+        auto load_frags = [&](const uint32_t* st, const uint32_t* wsm, int t, int off, uint32_t (&af)[kMT][4],
+                              uint32_t (&bf)[kNT][2]) {
+#pragma unroll
+          for (int j = 0; j < kNT; ++j) {
+            bf[j][0] = wsm[t * 8 * kWS + j * 8];
+            bf[j][1] = wsm[t * 8 * kWS + 4 * kWS + j * 8];
+          }
+          if constexpr (sizeof(T) == 4) {
+            const uint32_t* pa = st + t4 * kCS + a_base + off;
+#pragma unroll
+            for (int i = 0; i < kMT; ++i) {
+              const int o = ((wm * kWarpM % TW) + i * 16) / TW * kRS + ((wm * kWarpM % TW) + i * 16) % TW -
+                            (wm * kWarpM) % TW;
+              af[i][0] = pa[o];
+              af[i][1] = pa[o + 8];
+              af[i][2] = pa[4 * kCS + o];
+              af[i][3] = pa[4 * kCS + o + 8];
+            }
+          } else {
+            const uint16_t* pa = reinterpret_cast<const uint16_t*>(st) + 2 * t4 * kCS + a_base + off;
+#pragma unroll
+            for (int i = 0; i < kMT; ++i) {
+              const int o = ((wm * kWarpM % TW) + i * 16) / TW * kRS + ((wm * kWarpM % TW) + i * 16) % TW -
+                            (wm * kWarpM) % TW;
+              af[i][0] = __byte_perm(pa[o], pa[kCS + o], 0x5410);
+              af[i][1] = __byte_perm(pa[o + 8], pa[kCS + o + 8], 0x5410);
+              af[i][2] = __byte_perm(pa[8 * kCS + o], pa[9 * kCS + o], 0x5410);
+              af[i][3] = __byte_perm(pa[8 * kCS + o + 8], pa[9 * kCS + o + 8], 0x5410);
+            }
+          }
+        };
+        auto mma_tap = [&](uint32_t (&af)[kMT][4], uint32_t (&bf)[kNT][2]) { tc::mma_warp_tile<K>(acc, af, bf); };
+
+
+        const int stages = geo.stages;
+        for (int s = 0; s < stages - 1; ++s) {
+          if (s < nchunks) load_stage(s, s);
+          cp_async_commit();
+        }
+        for (int c = 0; c < nchunks; ++c) {
+          if (stages == 3) {
+            cp_async_wait<1>();
+          } else {
+            cp_async_wait<0>();
+          }
+          __syncthreads();  // stage c landed for everyone; stage c - 1's buffer is free
+          if constexpr (K == MmaKind::kTF32) {
+            if (geo.vec) {
+              round_stage(c % stages);
+              __syncthreads();
+            }
+          }
+          {
+            const int nxt = c + stages - 1;
+            if (nxt < nchunks) load_stage(nxt, nxt % stages);
+            cp_async_commit();
+          }
+          const uint32_t* st = smem + (c % stages) * geo.stage_words;
+          const uint32_t* wsm = st + geo.patch_words + t4 * kWS + wn * kWarpN + g8;
+          // Taps are software-pipelined: the fragments of tap t + 1 load while tap t's mma run.
+          uint32_t af0[kMT][4], bf0[kNT][2], af1[kMT][4], bf1[kNT][2];
+          int tw = 0;
+          int off = (taps_h - 1) * dstep_h * kRS + (taps_w - 1) * dstep_w + shift;  // tap 0's patch offset
+          auto advance = [&]() {
+            ++tw;
+            off -= dstep_w;
+            if (tw == taps_w) {
+              tw = 0;
+              off += taps_w * dstep_w - dstep_h * kRS;
+            }
+          };
+          load_frags(st, wsm, 0, off, af0, bf0);
+          for (int t = 0; t < taps; t += 2) {
+            advance();
+            if (t + 1 < taps) load_frags(st, wsm, t + 1, off, af1, bf1);
+            mma_tap(af0, bf0);
+            if (t + 1 < taps) {
+              advance();
+              if (t + 2 < taps) load_frags(st, wsm, t + 2, off, af0, bf0);
+              mma_tap(af1, bf1);
+            }
+          }
+        }
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the stages: Cs aliases them
+
+        // Epilogue: accumulators -> shared [channel][pixel] -> bias, convert, NCHW row segments.
+        tc::stage_accumulators(Cs, kCStride, acc, wm * kWarpM, wn * kWarpN, g8, t4);
+        __syncthreads();
+        // A thread owns pixels (neighbouring threads: neighbouring pixels of a row) and walks channels, so the
+        // pixel's address is computed once and a warp stores 32 neighbouring pixels per channel.
+        constexpr int kPixThreads = BM < kThreads ? BM : kThreads;
+        T* y_blk = y + (img * p.C_out + grp * cout_g + n0) * hw_out;
+        const int nc_max = static_cast<int>(cout_g - n0 < BN ? cout_g - n0 : BN);
+        for (int m = tid % kPixThreads; m < BM; m += kPixThreads) {
+          const int qh = qh0 + m / TW, qw = qw0 + m % TW;
+          if (qh >= ah.count || qw >= aw.count) continue;
+          T* y_pix = y_blk + (ah.o0 + int64_t(qh) * p.stride_h) * p.W_out + aw.o0 + int64_t(qw) * p.stride_w;
+          for (int nc = tid / kPixThreads; nc < nc_max; nc += kThreads / kPixThreads) {
+            float v = Cs[nc * kCStride + m];
+            if (bias != nullptr) v += to_acc(bias[grp * cout_g + n0 + nc]);
+            y_pix[nc * hw_out] = from_acc<T>(v);
+          }
+        }
+        __syncthreads();  // Cs aliases the next tile's stages
+      }
+    }
+  }
+}
+
+int max_taps(int64_t stride, int64_t out_size, int64_t pad, int64_t dil, int64_t k) {
+  int64_t best = 0;
+  for (int64_t r = 0; r < stride; ++r) {
+    const AxisPhase ax = make_axis_phase(r, out_size, stride, pad, dil, k);
+    if (ax.taps > best) best = ax.taps;
+  }
+  return static_cast<int>(best);
+}
+
+size_t max_dynamic_smem() {
+  int dev = 0, bytes = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  return static_cast<size_t>(bytes);
+}
+
+struct HaloPlan {
+  HaloGeom geo;
+  size_t smem;
+};
+
+HaloPlan halo_plan(const ConvTranspose2dParams& p, int config) {
+  const HaloShape s = kHaloShapes[config];
+  const int elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  const int vec_elems = 16 / elem;
+  const int64_t taps_h = max_taps(p.stride_h, p.H_out, p.pad_h, p.dil_h, p.kH);
+  const int64_t taps_w = max_taps(p.stride_w, p.W_out, p.pad_w, p.dil_w, p.kW);
+  const int64_t dstep_h = p.dil_h / gcd64(p.stride_h, p.dil_h), dstep_w = p.dil_w / gcd64(p.stride_w, p.dil_w);
+  const int64_t halo_h = (taps_h > 0 ? taps_h - 1 : 0) * dstep_h;
+  const int64_t halo_w = (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;
+  HaloPlan pl{};
+  pl.smem = ~size_t(0);  // not eligible until shown otherwise
+  if (halo_h > kHaloH || halo_w > kHaloW) return pl;
+  HaloGeom& g = pl.geo;
+  g.vec = p.W_in % vec_elems == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  g.nvec = static_cast<int>(tc::div_up(s.tw + halo_w + vec_elems - 1, vec_elems));
+  g.nvec_div = make_fast_div(static_cast<uint32_t>(g.nvec));
+  const int64_t cs = patch_channel_stride(s.th, s.tw, elem);
+  g.patch_words = static_cast<int>(8 * cs);  // 8 fp32 channels or 16 16-bit channels
+  const int64_t w_words = taps_h * taps_w * 8 * (s.bn + 8);
+  g.stage_words = static_cast<int>(g.patch_words + w_words);
+  const int64_t epi = int64_t(s.bn) * (s.th * s.tw + 4) * 4;
+  const size_t limit = max_dynamic_smem();
+  g.stages = kMaxStages;
+  while (g.stages > 2 && static_cast<size_t>(g.stages) * g.stage_words * 4 > limit) --g.stages;
+  const int64_t pipe = int64_t(g.stages) * g.stage_words * 4;
+  g.tiles_h = tc::div_up(tc::div_up(p.H_out, p.stride_h), s.th);
+  g.tiles_w = tc::div_up(tc::div_up(p.W_out, p.stride_w), s.tw);
+  pl.smem = static_cast<size_t>(pipe > epi ? pipe : epi);
+  return pl;
+}
+
+template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WM, int WN>
+cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl, const uint32_t* wt, int64_t ciw_pad,
+                         int64_t co_pad, cudaStream_t stream) {
+  auto kernel = conv_transpose2d_halo_kernel<T, K, TH, TW, BN, WM, WN>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
+  if (err != cudaSuccess) return err;
+  const int64_t bx = p.N * pl.geo.tiles_h * pl.geo.tiles_w;
+  const int64_t by = co_pad / BN;
+  const int64_t bz = p.stride_h * p.stride_w * p.groups;
+  const dim3 grid(static_cast<unsigned>(bx < 0x7fffffff ? bx : 0x7fffffff),
+                  static_cast<unsigned>(by < 65535 ? by : 65535), static_cast<unsigned>(bz < 65535 ? bz : 65535));
+  kernel<<<grid, WM * WN * 32, pl.smem, stream>>>(p, wt, ciw_pad, co_pad, pl.geo);
+  return cudaGetLastError();
+}
+
+template <typename T, tc::MmaKind K>
+cudaError_t launch_halo_kind(const ConvTranspose2dParams& p, int config, const uint32_t* wt, int64_t ciw_pad,
+                        int64_t co_pad, cudaStream_t stream) {
+  const HaloPlan pl = halo_plan(p, config);
+  if (pl.smem > max_dynamic_smem()) return cudaErrorInvalidConfiguration;
+  switch (config) {
+    case 0:
+      return launch_halo_shape<T, K, 8, 32, 64, 4, 2>(p, pl, wt, ciw_pad, co_pad, stream);
+    case 1:
+      return launch_halo_shape<T, K, 16, 32, 64, 8, 2>(p, pl, wt, ciw_pad, co_pad, stream);
+    case 2:
+      return launch_halo_shape<T, K, 8, 32, 128, 4, 4>(p, pl, wt, ciw_pad, co_pad, stream);
+    case 3:
+      return launch_halo_shape<T, K, 16, 32, 32, 8, 1>(p, pl, wt, ciw_pad, co_pad, stream);
+    case 4:
+      return launch_halo_shape<T, K, 16, 32, 16, 8, 1>(p, pl, wt, ciw_pad, co_pad, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+int halo_block_n(int config) { return kHaloShapes[config].bn; }
+
+bool halo_fits(const ConvTranspose2dParams& p, int config) {
+  if (config < 0 || config >= kNumHaloConfigs || p.dtype == DType::kFloat64) return false;
+  if (p.H_in > (int64_t(1) << 30) || p.W_in > (int64_t(1) << 30) || p.H_out > (int64_t(1) << 30) ||
+      p.W_out > (int64_t(1) << 30) || p.H_in * p.W_in >= (int64_t(1) << 31))
+    return false;
+  return halo_plan(p, config).smem <= max_dynamic_smem();
+}
+
+cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* wt, int64_t ciw_pad,
+                        int64_t co_pad, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32:
+      return p.precision == Precision::kTF32
+                 ? launch_halo_kind<float, tc::MmaKind::kTF32>(p, config, wt, ciw_pad, co_pad, stream)
+                 : launch_halo_kind<float, tc::MmaKind::k3xTF32>(p, config, wt, ciw_pad, co_pad, stream);
+    case DType::kFloat16:
+      return launch_halo_kind<__half, tc::MmaKind::kFP16>(p, config, wt, ciw_pad, co_pad, stream);
+    case DType::kBFloat16:
+      return launch_halo_kind<__nv_bfloat16, tc::MmaKind::kBF16>(p, config, wt, ciw_pad, co_pad, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace deconv
