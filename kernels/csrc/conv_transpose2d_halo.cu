@@ -14,8 +14,7 @@
 // Shared-memory layout of a stage: patch [KC][TH + kHaloH][RS] elements (compile-time strides; channel stride
 // CS = 8 mod 32 elements, so the 4 channels and 8 pixels of an mma fragment load hit 32 distinct banks; rows
 // start 16-byte aligned), then weights [tap][8 words][BN + 8] words (8 or 24 mod 32: conflict-free B fragments;
-// packed as in conv_transpose2d_mma.cu, 16-bit channel pairs per word). Fragments of tap t + 1 are loaded while
-// tap t's mma run.
+// packed as in conv_transpose2d_mma.cu, 16-bit channel pairs per word).
 // The fp32 A fragments are read one word per element; the 16-bit ones pair two channels (two 16-bit loads and
 // a byte permute per register).
 //
@@ -319,8 +318,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           }
           const uint32_t* st = smem + (c % stages) * geo.stage_words;
           const uint32_t* wsm = st + geo.patch_words + t4 * kWS + wn * kWarpN + g8;
-          // Taps are software-pipelined: the fragments of tap t + 1 load while tap t's mma run.
-          uint32_t af0[kMT][4], bf0[kNT][2], af1[kMT][4], bf1[kNT][2];
+          uint32_t af[kMT][4], bf[kNT][2];
           int tw = 0;
           int off = (taps_h - 1) * dstep_h * kRS + (taps_w - 1) * dstep_w + shift;  // tap 0's patch offset
           auto advance = [&]() {
@@ -331,16 +329,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
               off += taps_w * dstep_w - dstep_h * kRS;
             }
           };
-          load_frags(st, wsm, 0, off, af0, bf0);
-          for (int t = 0; t < taps; t += 2) {
+          for (int t = 0; t < taps; ++t) {
+            load_frags(st, wsm, t, off, af, bf);
+            mma_tap(af, bf);
             advance();
-            if (t + 1 < taps) load_frags(st, wsm, t + 1, off, af1, bf1);
-            mma_tap(af0, bf0);
-            if (t + 1 < taps) {
-              advance();
-              if (t + 2 < taps) load_frags(st, wsm, t + 2, off, af0, bf0);
-              mma_tap(af1, bf1);
-            }
           }
         }
         cp_async_wait<0>();

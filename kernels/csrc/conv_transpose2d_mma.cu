@@ -365,10 +365,8 @@ int halo_choice(const ConvTranspose2dParams& p, int64_t cout_g, int64_t cin_g) {
     taps_w = t > taps_w ? t : taps_w;
   }
   if (taps_h * taps_w < 2 || cin_g < 16 || div_up(p.W_out, p.stride_w) < 24) return -1;
-  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): the 16-warp tiles win for TF32 and 16-bit types;
-  // 3xTF32 needs more than their 128 registers a thread and runs the 8-warp 256 x 64 tile instead.
-  const bool exact = p.dtype == DType::kFloat32 && p.precision == Precision::kExactFp32;
-  const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;
+  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision.
+  const int config = cout_g > 64 ? 2 : cout_g > 32 ? 1 : cout_g > 16 ? 3 : 4;
   return halo_fits(p, config) ? kNumGatherConfigs + config : -1;
 }
 
