@@ -2,7 +2,8 @@
 
 Settings come from ``DECONV_*`` environment variables (docs/operations.md); ``--host``/``--port`` override
 ``DECONV_HOST``/``DECONV_PORT``. On SIGTERM or Ctrl-C the server turns not-ready at once (503 for new
-requests), stops accepting connections, answers every request it holds, then exits.
+requests), computes every request it holds, then stops accepting connections, sends the last answers and exits:
+after SIGTERM with status 0 when every queued request was answered within the drain timeout, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from types import FrameType
 
@@ -33,6 +35,16 @@ class _Server(uvicorn.Server):
         if sig in (signal.SIGTERM, signal.SIGINT):
             self.service.begin_drain()
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            # uvicorn re-raises the signals it caught once it has shut down, which ends the process as "killed
+            # by SIGTERM" (status 143) however complete the drain was; main() chooses the exit status instead.
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
+        # instead of finding the port closed (or being reset from the listen backlog).
+        await self.service.wait_idle(float(self.config.timeout_graceful_shutdown or 0))
+        await super().shutdown(sockets)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,8 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
+    app.state.service.freeze_gc = True  # this process is the server: freeze the start-up heap once ready
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
+        access_log=settings.access_log,
         # Requests in flight get up to the request timeout to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )
@@ -58,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     server.run()
     if not server.started:  # startup failed (invalid layer repository, devices missing): exit non-zero
         sys.exit(3)
+    if not app.state.service.drained:  # requests were still queued when the drain timeout ran out
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,12 @@ class Batcher:
         self._loop_task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._draining = False
+        if metrics is not None:  # this layer's series, looked up once (labels() per request shows in profiles)
+            name = layer.name
+            self._depth = metrics.queue_depth.labels(name)
+            self._batch_size = metrics.batch_size.labels(name)
+            self._batch_requests = metrics.batch_requests.labels(name)
+            self._queue_time = metrics.queue_time.labels(name)
 
     # --- life cycle ---------------------------------------------------------------------------------------
 
@@ -283,17 +289,17 @@ class Batcher:
 
     def _report_depth(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue_depth.labels(self.layer.name).set(len(self._queue))
+            self._depth.set(len(self._queue))
 
     async def _execute(self, slot: Any, batch: list[Pending]) -> None:
         start = time.monotonic()
         samples = sum(i.samples for i in batch)
         name = self.layer.name
         if self.metrics is not None:
-            self.metrics.batch_size.labels(name).observe(samples)
-            self.metrics.batch_requests.labels(name).observe(len(batch))
+            self._batch_size.observe(samples)
+            self._batch_requests.observe(len(batch))
             for item in batch:
-                self.metrics.queue_time.labels(name).observe(start - item.enqueued)
+                self._queue_time.observe(start - item.enqueued)
         try:
             outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
         except Exception as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The bundled layer repository: <repo>/layers, next to this package.
@@ -48,7 +48,13 @@ class Settings(BaseSettings):
         None, description="When set, inference routes need 'Authorization: Bearer <key>'."
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+    access_log: bool = Field(True, description="Log one line per HTTP request at level info (uvicorn's access log).")
     self_test: bool = Field(True, description="Run every layer against the float64 reference before ready.")
+    worker_timeout_s: float = Field(
+        120.0, gt=0.0, description="Longest one batch may execute; then its worker thread is declared dead, its "
+        "batches fail with 500 and a fresh thread takes over.")
+    test_mode: bool = Field(False, description="Allow test-only settings (faults); never in production.")
+    faults: str = Field("", description="Faults to inject (service/faults.py); refused unless test_mode is set.")
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -60,6 +66,21 @@ class Settings(BaseSettings):
     def _check_devices(cls, value: str) -> str:
         parse_devices(value)
         return value.strip().lower()
+
+    @field_validator("faults")
+    @classmethod
+    def _check_faults(cls, value: str) -> str:
+        from service.faults import parse
+
+        parse(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _faults_need_test_mode(self) -> Settings:
+        if self.faults and not self.test_mode:
+            raise ValueError("DECONV_FAULTS injects failures and is for tests only; it is refused unless "
+                             "DECONV_TEST_MODE=1")
+        return self
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -5,6 +5,8 @@ Served at ``GET /metrics``; every name is listed in docs/operations.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -49,12 +51,28 @@ class Metrics:
             "deconv_worker_failures",
             "Batch failures by worker and kind: 'oom_retry' (split in halves and retried), 'oom', 'error'.",
             ["worker", "kind"], registry=r)
+        self.worker_restarts = Counter(
+            "deconv_worker_restarts",
+            "Worker threads replaced, by worker and reason: 'died' (the thread ended), 'stalled' (a batch ran "
+            "longer than the worker timeout).", ["worker", "reason"], registry=r)
         self.gpu_memory = Gauge(
             "deconv_gpu_memory_bytes", "GPU memory held by PyTorch's allocator, by device and kind.",
             ["device", "kind"], registry=r)
         self.ready = Gauge("deconv_ready", "1 once every layer passed its self-test and while not draining.",
                            registry=r)
         self._gpus: list[int] = []
+        # Series of answered requests by (layer, api, status): labels() costs more than the update itself.
+        self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def count_request(self, layer: str, api: str, status: int, latency_s: float) -> None:
+        """Count one answered inference request; successful ones (200) also go into the latency histogram."""
+        series = self._answered.get((layer, api, status))
+        if series is None:
+            series = (self.requests.labels(layer, api, str(status)), self.latency.labels(layer))
+            self._answered[(layer, api, status)] = series
+        series[0].inc()
+        if status == 200:
+            series[1].observe(latency_s)
 
     def watch_gpus(self, indices: list[int]) -> None:
         """Report memory of these CUDA devices at every scrape."""

@@ -271,6 +271,15 @@ def _rel(path: Path, root: Path) -> str:
         return str(path)
 
 
+def _outside(path: Path, root: Path) -> str | None:
+    # Every file a layer reads lies inside the repository: a symbolic link out of it is refused.
+    try:
+        inside = path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        inside = False
+    return None if inside else "resolves to outside the layer repository (symbolic link); refused"
+
+
 def _config_problems(exc: ValidationError, where: str) -> list[str]:
     problems = []
     for e in exc.errors():
@@ -309,6 +318,9 @@ def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = Non
     """Read and check one layer (config + weights). Returns the layer, or None and the problems found."""
     root = root or config_path.parent
     where = _rel(config_path, root)
+    outside = _outside(config_path, root)
+    if outside:
+        return None, [f"{where}: {outside}"]
     try:
         raw = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -328,6 +340,9 @@ def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = Non
     wwhere = _rel(weights_path, root)
     if not weights_path.is_file():
         return None, [f"{wwhere}: missing (weights of layer {cfg.name!r})"]
+    outside = _outside(weights_path, root)
+    if outside:
+        return None, [f"{wwhere}: {outside}"]
     try:
         tensors = load_file(str(weights_path), device="cpu")  # safetensors: no pickle, no code
     except (SafetensorError, OSError, ValueError) as exc:

@@ -13,13 +13,16 @@ import json
 import math
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
+from starlette.requests import ClientDisconnect
 
 from service import codec
 from service.batcher import Batcher, Pending, Result
@@ -165,6 +168,81 @@ async def require_api_key(request: Request) -> None:
         raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
 
 
+_Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class BareRoute(APIRoute):
+    """A route whose endpoint takes the bare ``Request``: FastAPI validates no parameters per request.
+
+    FastAPI's per-request parameter and dependency solving costs more CPU than decoding, batching and encoding an
+    inference request together (docs/operations.md, "Throughput"), so the inference routes read their query
+    parameter and headers themselves (``query_layer``, ``deadline_header``) and document them in
+    ``openapi_extra``. The route's dependencies (``require_api_key``) still run first, each called with the request.
+    """
+
+    def get_route_handler(self) -> _Endpoint:
+        endpoint = self.endpoint
+        checks = [d.call for d in self.dependant.dependencies]
+        if any(d.dependencies or d.path_params or d.query_params or d.header_params or d.cookie_params
+               or d.body_params for d in self.dependant.dependencies):
+            raise TypeError(f"{self.path}: a bare route's dependencies take the request and nothing else")
+
+        async def handler(request: Request) -> Response:
+            for check in checks:
+                await check(request)  # type: ignore[misc]
+            return await endpoint(request)  # type: ignore[no-any-return]
+
+        return handler
+
+
+def bare_post(path: str, **kwargs: Any) -> Callable[[_Endpoint], _Endpoint]:
+    """``router.post(path, **kwargs)`` for a ``BareRoute``."""
+
+    def register(endpoint: _Endpoint) -> _Endpoint:
+        router.add_api_route(path, endpoint, methods=["POST"], route_class_override=BareRoute, **kwargs)
+        return endpoint
+
+    return register
+
+
+def query_layer(request: Request) -> str:
+    """The required ``layer`` query parameter (422 when missing)."""
+    name = request.query_params.get("layer")
+    if name is None:
+        raise InvalidInputError("query.layer: Field required")
+    return name
+
+
+def deadline_header(request: Request) -> float | None:
+    """``X-Deadline-Ms`` in milliseconds, None when absent (422 unless a non-negative number)."""
+    text = request.headers.get("x-deadline-ms")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInputError(f"header.x-deadline-ms: Input should be a valid number, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise InvalidInputError("header.x-deadline-ms: Input should be greater than or equal to 0")
+    return value
+
+
+# How FastAPI documented these parameters when it parsed them itself (bare routes document them by hand).
+_LAYER_PARAMETER = {"name": "layer", "in": "query", "required": True, "description": "Layer name (see GET /v1/layers).",
+                    "schema": {"type": "string", "description": "Layer name (see GET /v1/layers).",
+                               "examples": ["demo"], "title": "Layer"}}
+
+
+def _deadline_parameter(description: str) -> dict[str, Any]:
+    return {"name": "x-deadline-ms", "in": "header", "required": False, "description": description,
+            "schema": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "null"}], "description": description,
+                       "title": "X-Deadline-Ms"}}
+
+
+def _path_parameter(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "title": name.title()}}
+
+
 def _layer(service: Service, name: str) -> tuple[Layer, Batcher]:
     layer = service.registry.get(name) if service.registry is not None else None
     if layer is None:
@@ -181,22 +259,27 @@ async def read_body(request: Request, limit: int) -> bytearray:
             size = int(declared)
         except ValueError:
             raise MalformedBodyError(f"Content-Length {declared!r} is not a number") from None
+        if size < 0:
+            raise MalformedBodyError(f"Content-Length {size} is negative")
         if size > limit:
             raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
     buf = bytearray(size) if size is not None else bytearray()
     filled = 0
-    async for chunk in request.stream():
-        if not chunk:
-            continue
-        end = filled + len(chunk)
-        if end > limit:
-            raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
-        if size is not None and end <= size:
-            buf[filled:end] = chunk
-        else:
-            del buf[filled:]
-            buf += chunk
-        filled = end
+    try:
+        async for chunk in request.stream():
+            if not chunk:
+                continue
+            end = filled + len(chunk)
+            if end > limit:
+                raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
+            if size is not None and end <= size:
+                buf[filled:end] = chunk
+            else:
+                del buf[filled:]
+                buf += chunk
+            filled = end
+    except ClientDisconnect:  # the client left while sending the body: a 499, not a server error
+        raise ClientGoneError("client disconnected while sending the body") from None
     if filled != len(buf):
         raise MalformedBodyError(f"body ended after {filled} of {len(buf)} bytes")
     return buf
@@ -285,17 +368,32 @@ async def run_inference(
         h_out, w_out = layer.output_hw(int(x4.shape[2]), int(x4.shape[3]))
         return Result(x4.new_empty((0, layer.config.out_channels, h_out, w_out)), 0, 0, 0.0, "")
     item: Pending = batcher.submit(x4, received=received, deadline=deadline)
-    gone = asyncio.ensure_future(_disconnected(request))
+    # Wait for whichever comes first: the result, the client leaving, the deadline or the request timeout. One
+    # future woken by callbacks: asyncio.wait would build sets, a waiter and callbacks on every call.
+    loop = asyncio.get_running_loop()
+    wake = loop.create_future()
+
+    def wake_up(_: object = None) -> None:
+        if not wake.done():
+            wake.set_result(None)
+
+    item.future.add_done_callback(wake_up)
+    gone = loop.create_task(_disconnected(request))
+    gone.add_done_callback(wake_up)
     try:
         while True:
             limit = timeout_at if item.started or deadline is None else min(timeout_at, deadline)
-            done, _ = await asyncio.wait({item.future, gone}, timeout=max(0.0, limit - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if item.future in done:
+            timer = loop.call_later(max(0.0, limit - time.monotonic()), wake_up)
+            try:
+                await wake
+            finally:
+                timer.cancel()
+            wake = loop.create_future()
+            if item.future.done():
                 if item.future.cancelled():
                     raise NotReadyError("the request was cancelled by the server")
                 return item.future.result()
-            if gone in done:
+            if gone.done():
                 batcher.drop(item, "disconnected")
                 raise ClientGoneError("client disconnected")
             now = time.monotonic()
@@ -314,10 +412,7 @@ async def run_inference(
 
 
 def _count(service: Service, layer_name: str, api: str, status: int, received: float) -> None:
-    m = service.metrics
-    m.requests.labels(layer_name, api, str(status)).inc()
-    if status == 200:
-        m.latency.labels(layer_name).observe(time.monotonic() - received)
+    service.metrics.count_request(layer_name, api, status, time.monotonic() - received)
 
 
 def _batch_headers(result: Result) -> dict[str, str]:
@@ -327,7 +422,7 @@ def _batch_headers(result: Result) -> dict[str, str]:
 # --- native API --------------------------------------------------------------------------------------------
 
 
-@router.post(
+@bare_post(
     "/deconv",
     tags=["inference"],
     summary="Run one layer on one tensor",
@@ -338,17 +433,15 @@ def _batch_headers(result: Result) -> dict[str, str]:
                                     "request's format (or the one Accept names), same dtype. Headers: "
                                     "X-Deconv-Batch-Size, X-Deconv-Queue-Ms."},
                **_ERRORS},
-    openapi_extra={"requestBody": {"required": True, "description": "One tensor [N, C_in, H, W] or [C_in, H, W] "
+    openapi_extra={"parameters": [_LAYER_PARAMETER, _deadline_parameter(
+                       "Fail with 504 if execution has not started this many ms after receipt.")],
+                   "requestBody": {"required": True, "description": "One tensor [N, C_in, H, W] or [C_in, H, W] "
                                    "in the layer's dtype, as .npy or safetensors (bfloat16: safetensors only).",
                                    "content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY}}},
 )
-async def deconv(
-    request: Request,
-    layer: str = Query(description="Layer name (see GET /v1/layers).", examples=["demo"]),
-    x_deadline_ms: float | None = Header(
-        None, ge=0, description="Fail with 504 if execution has not started this many ms after receipt."),
-) -> Response:
+async def deconv(request: Request) -> Response:
     """Run layer ``layer`` on the tensor in the body and return the output in the negotiated format."""
+    layer, x_deadline_ms = query_layer(request), deadline_header(request)
     received = time.monotonic()
     service = get_service(request)
     label = layer if service.registry is not None and service.registry.get(layer) else "unknown"
@@ -361,7 +454,7 @@ async def deconv(
             raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
         service.check_ready()
         body = await read_body(request, service.settings.max_body_bytes)
-        x4, unbatched = validate_input(spec, codec.decode(body, media))
+        x4, unbatched = validate_input(spec, codec.decode(body, media, service.settings.max_body_bytes))
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
         result = await run_inference(service, spec, batcher, x4, request, received, x_deadline_ms)
@@ -511,7 +604,7 @@ def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str,
         json_part, binary = view[:n], view[n:]
     try:
         request = json.loads(bytes(json_part))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise MalformedBodyError("inference request is not valid JSON (binary tensors need the "
                             "Inference-Header-Content-Length header)") from None
     if not isinstance(request, dict):
@@ -519,7 +612,7 @@ def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str,
     return request, binary
 
 
-def _kserve_input(request: dict[str, Any], binary: memoryview) -> torch.Tensor:
+def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | None = None) -> torch.Tensor:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise MalformedBodyError(f"'inputs' must list exactly one tensor (named {KSERVE_INPUT!r})")
@@ -537,12 +630,14 @@ def _kserve_input(request: dict[str, Any], binary: memoryview) -> torch.Tensor:
         raise MalformedBodyError(f"input shape must be a list of non-negative integers, got {shape!r}")
     if len(shape) not in (3, 4):
         raise InvalidInputError(f"expected shape [N, C, H, W] or [C, H, W], got {shape}")
-    count = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     params = spec.get("parameters") or {}
     if not isinstance(params, dict):
         raise MalformedBodyError("input 'parameters' must be an object")
     size = params.get("binary_data_size")
+    # 413 for a huge claim before anything is allocated (JSON data is bounded by its own length instead).
+    codec.check_size(shape, itemsize, "input", max_bytes if size is not None else None)
+    count = math.prod(shape)
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise MalformedBodyError(f"binary_data_size must be a non-negative integer, got {size!r}")
@@ -561,7 +656,7 @@ def _kserve_input(request: dict[str, Any], binary: memoryview) -> torch.Tensor:
         raise MalformedBodyError(f"input data holds {len(data)} values; shape {shape} needs {count}")
     try:
         arr = np.asarray(data, dtype=np.float64)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         raise MalformedBodyError("input data must be numbers (flat, or nested like the shape)") from None
     if arr.size != count:
         raise MalformedBodyError(f"input data holds {arr.size} values; shape {shape} needs {count}")
@@ -639,7 +734,7 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
         limit = service.settings.max_body_bytes
         body = _decompress(await read_body(request, limit), request.headers.get("content-encoding"), limit)
         req, binary = _parse_kserve(body, request.headers.get("inference-header-content-length"))
-        x = _kserve_input(req, binary)
+        x = _kserve_input(req, binary, limit)
         binary_out = _wants_binary(req)
         x4, unbatched = validate_input(layer, x)
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
@@ -660,8 +755,11 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
             status = 200
             return Response(content, media_type="application/octet-stream", headers=headers)
         out["data"] = y.double().reshape(-1).tolist()
+        # Non-finite outputs are written as NaN / Infinity / -Infinity, which Python's json (tritonclient) reads;
+        # strict JSON has no spelling for them (binary outputs carry them exactly).
+        content = json.dumps(response, separators=(",", ":")).encode()
         status = 200
-        return JSONResponse(response, headers=headers)
+        return Response(content, media_type="application/json", headers=headers)
     except ServiceError as exc:
         status = exc.status
         raise
@@ -672,24 +770,22 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
         _count(service, label, "kserve", status, received)
 
 
-@router.post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
-             response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
-             openapi_extra=_INFER_DOC)
-async def v2_infer(
-    request: Request, name: str,
-    x_deadline_ms: float | None = Header(None, ge=0, description="As on /deconv."),
-) -> Response:
+@bare_post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
+           response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
+           openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"),
+                                                       _deadline_parameter("As on /deconv.")]})
+async def v2_infer(request: Request) -> Response:
     """Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."""
-    return await _v2_infer(request, name, None, x_deadline_ms)
+    deadline_ms = deadline_header(request)
+    return await _v2_infer(request, request.path_params["name"], None, deadline_ms)
 
 
-@router.post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
-             response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
-             openapi_extra=_INFER_DOC)
-async def v2_infer_version(
-    request: Request, name: str, version: str,
-    x_deadline_ms: float | None = Header(None, ge=0, description="As on /deconv."),
-) -> Response:
+@bare_post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
+           response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
+           openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"), _path_parameter("version"),
+                                                       _deadline_parameter("As on /deconv.")]})
+async def v2_infer_version(request: Request) -> Response:
     """As ``/v2/models/{name}/infer``; the only version is ``1``."""
-    return await _v2_infer(request, name, version, x_deadline_ms)
+    deadline_ms = deadline_header(request)
+    return await _v2_infer(request, request.path_params["name"], request.path_params["version"], deadline_ms)
 

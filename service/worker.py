@@ -4,7 +4,9 @@ A GPU worker stages a batch through pinned host memory on its own CUDA stream: c
 inputs into a pinned buffer, copy host-to-device (non_blocking), run ``kernels.conv_transpose2d``, copy the
 output device-to-host into a pinned buffer (non_blocking), synchronize the stream, split the output back per
 request. Out of memory: the batch is split in halves and each half retried (down to one sample). Any failure
-fails only the requests of that batch; the worker keeps serving.
+fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an exception leaves
+its loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old
+one held fails with ``InternalError``, so that no request waits on a thread that will never answer.
 
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
@@ -17,15 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
 from service.errors import InternalError
+from service.faults import Faults
 from service.metrics import Metrics
 from service.registry import Layer
 
@@ -35,8 +40,13 @@ log = logging.getLogger("deconv.service")
 # never idles for an event-loop round trip between batches, while later requests keep batching in the queue.
 MAX_INFLIGHT_BATCHES = 2
 
+# Default longest execution of one batch before its worker thread counts as stalled (Settings.worker_timeout_s).
+WORKER_TIMEOUT_S = 120.0
+
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
+# A batch handed to the worker thread: its future, its layer and its inputs.
+_Job = tuple["Future[list[torch.Tensor]]", Layer, list[torch.Tensor]]
 
 
 def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
@@ -54,19 +64,130 @@ def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-class Worker:
-    """One device, one thread. ``run_batch`` runs on that thread; everything else on the event loop."""
+def _settle(future: Future[list[torch.Tensor]], result: list[torch.Tensor] | None = None,
+            error: BaseException | None = None) -> None:
+    # A future failed by a restart may still get an answer from the abandoned thread: the first one wins.
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:
+        pass
 
-    def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None) -> None:
+
+class Worker:
+    """One device, one thread. ``run_batch`` runs on that thread; everything else on the event loop.
+
+    Batches reach the thread through ``submit`` (a queue; each batch owns a ``concurrent.futures.Future``).
+    ``restart`` replaces the thread: the batches the old one held fail, later ones go to the new one.
+    """
+
+    def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
+                 faults: Faults | None = None) -> None:
         self.device = device
         self.name = str(device)
         self.metrics = metrics
+        self.faults = faults if faults else None
         self._forward = forward or kernel_forward
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"deconv-worker-{self.name}")
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.inflight_batches = 0
         self.inflight_samples = 0
+        self.restarts = 0
+        self.busy_since: float | None = None  # time.monotonic() when the current batch started executing
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._generation = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._held: set[Future[list[torch.Tensor]]] = set()  # batches handed to the current thread, unanswered
+        self._abandoned: list[threading.Thread] = []  # replaced threads, joined at shutdown if they come back
+        self._thread = self._start_thread()
+
+    # --- the thread -----------------------------------------------------------------------------------------
+
+    def _start_thread(self) -> threading.Thread:
+        # Called with self._lock held (or from __init__): a new generation with its own queue and held set.
+        self._generation += 1
+        self._jobs = queue.SimpleQueue()
+        self._held = set()
+        self.busy_since = None
+        thread = threading.Thread(target=self._serve, args=(self._jobs, self._generation), daemon=True,
+                                  name=f"deconv-worker-{self.name}-{self._generation}")
+        thread.start()
+        return thread
+
+    def _serve(self, jobs: queue.SimpleQueue[_Job | None], generation: int) -> None:
+        """The thread's loop: execute batches in order until told to stop or replaced."""
+        try:
+            while True:
+                job = jobs.get()
+                if job is None or generation != self._generation:
+                    return
+                future, layer, inputs = job
+                try:
+                    if not future.set_running_or_notify_cancel():
+                        continue  # cancelled before it started
+                except RuntimeError:
+                    continue  # already failed by a restart
+                self.busy_since = time.monotonic()
+                try:
+                    outputs = self.run_batch(layer, inputs)
+                except Exception as exc:
+                    _settle(future, error=exc)
+                else:
+                    _settle(future, outputs)
+                finally:
+                    if generation == self._generation:
+                        self.busy_since = None
+        except BaseException:
+            # Nothing above catches this (a crash, or an injected death): the thread ends here, as a thread
+            # that dies would, and its replacement answers the batches it held with an error.
+            if generation != self._generation or self._stopping:
+                log.info("worker %s: replaced thread %d ended", self.name, generation)
+                return
+            log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
+            self._replace(generation, "died")
+
+    def submit(self, layer: Layer, inputs: list[torch.Tensor]) -> Future[list[torch.Tensor]]:
+        """Hand a batch to the thread; the future resolves with one output per input (or ``InternalError``)."""
+        future: Future[list[torch.Tensor]] = Future()
+        with self._lock:
+            if self._stopping:
+                raise InternalError(f"worker {self.name} is stopped")
+            held = self._held
+            held.add(future)
+            self._jobs.put((future, layer, inputs))
+        future.add_done_callback(held.discard)
+        return future
+
+    def restart(self, reason: str) -> bool:
+        """Replace the current thread (``reason``: ``"died"`` or ``"stalled"``); False when stopped."""
+        return self._replace(self._generation, reason)
+
+    def _replace(self, generation: int, reason: str) -> bool:
+        with self._lock:
+            if self._stopping or generation != self._generation:
+                return False  # stopped, or already replaced
+            old_jobs, held = self._jobs, self._held
+            self.restarts += 1
+            self._abandoned.append(self._thread)
+            self._thread = self._start_thread()
+        old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
+        error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
+        for future in list(held):
+            _settle(future, error=error)
+        if self.metrics is not None:
+            self.metrics.worker_restarts.labels(self.name, reason).inc()
+            self.metrics.worker_busy.labels(self.name).set(0)
+        log.error("worker %s: thread %s; %d batch(es) it held failed; started a new thread", self.name, reason,
+                  len(held))
+        return True
+
+    def stalled(self, timeout_s: float) -> bool:
+        """Whether the current batch has been executing for longer than ``timeout_s``, or the thread is gone."""
+        since = self.busy_since
+        return (since is not None and time.monotonic() - since > timeout_s) or not self._thread.is_alive()
 
     @property
     def is_cuda(self) -> bool:
@@ -94,6 +215,8 @@ class Worker:
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
         try:
+            if self.faults is not None:
+                self.faults.before_batch(layer.name, sum(sizes))
             if self.is_cuda:
                 y = self._run_cuda(layer, inputs, weight, bias)
             else:
@@ -141,6 +264,8 @@ class Worker:
         stream. On the CPU ``out`` is None and the output is returned.
         """
         try:
+            if self.faults is not None:
+                self.faults.before_forward(layer.name, int(x.shape[0]))
             with torch.inference_mode():
                 if out is None:
                     return self._forward(x, weight, bias, layer)
@@ -169,21 +294,33 @@ class Worker:
         if self.metrics is not None:
             self.metrics.worker_failures.labels(self.name, kind).inc()
 
-    def shutdown(self) -> None:
-        """Stop the thread after the batches it holds."""
-        self._thread.shutdown(wait=True)
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the thread after the batches it holds (waiting at most ``timeout_s`` for them)."""
+        with self._lock:
+            self._stopping = True
+            self._jobs.put(None)
+            thread = self._thread
+        if self.faults is not None:
+            self.faults.release()
+        deadline = time.monotonic() + timeout_s
+        for t in [*self._abandoned, thread]:  # a thread still inside torch at interpreter exit aborts the process
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.error("worker %s: thread %s still busy %.0f s after shutdown; leaving it", self.name, t.name,
+                          timeout_s)
 
 
 class WorkerPool:
     """The workers, and which of them gets the next batch."""
 
     def __init__(self, workers: list[Worker], metrics: Metrics | None = None,
-                 max_inflight_batches: int = MAX_INFLIGHT_BATCHES) -> None:
+                 max_inflight_batches: int = MAX_INFLIGHT_BATCHES, worker_timeout_s: float = WORKER_TIMEOUT_S) -> None:
         if not workers:
             raise ValueError("a worker pool needs at least one worker")
         self.workers = workers
         self.metrics = metrics
         self.max_inflight_batches = max_inflight_batches
+        self.worker_timeout_s = worker_timeout_s
         self._freed: asyncio.Event | None = None
 
     @property
@@ -221,8 +358,7 @@ class WorkerPool:
         worker.inflight_samples += n
         self._report(worker)
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(worker._thread, worker.run_batch, layer, inputs)
+            return await asyncio.wrap_future(worker.submit(layer, inputs))
         finally:
             worker.inflight_samples -= n
             self._report(worker)
@@ -271,6 +407,18 @@ class WorkerPool:
             await self._freed.wait()
         worker.inflight_batches += 1
         return worker
+
+    async def watch(self, period_s: float | None = None) -> None:
+        """Restart every worker whose batch runs past ``worker_timeout_s`` or whose thread is gone (run as a task).
+
+        A thread that dies restarts itself at once; this catches the ones that hang.
+        """
+        period = period_s if period_s is not None else min(1.0, self.worker_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for worker in self.workers:
+                if worker.stalled(self.worker_timeout_s):
+                    worker.restart("stalled")
 
     def shutdown(self) -> None:
         """Stop every worker thread."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import struct
@@ -13,7 +14,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service import codec
-from service.errors import InvalidInputError, MalformedBodyError, UnsupportedMediaTypeError
+from service.errors import InvalidInputError, MalformedBodyError, PayloadTooLargeError, UnsupportedMediaTypeError
 
 from .conftest import load_npy, npy_bytes
 
@@ -59,6 +60,47 @@ def test_npy_encode_is_read_by_numpy(dtype):
     assert (len(data) - t.numel() * t.element_size()) % 64 == 0  # header padded like numpy's
 
 
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (1, 16, 16, 16), (0, 3), (2, 1, 10**6), (3, 4, 5, 6, 7)])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_npy_header_fast_path_agrees_with_literal_eval(shape, fortran):
+    # Headers as numpy writes them take the fast path and give exactly what ast.literal_eval gives.
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": fortran, "shape": shape})
+    text = buf.getvalue()[10:].decode("latin1")
+    fast = codec._npy_canonical_header(text)
+    assert fast is not None
+    assert fast == ast.literal_eval(text)
+    assert type(fast["shape"]) is tuple
+    assert all(type(d) is int for d in fast["shape"])
+
+
+@pytest.mark.parametrize("text", [
+    "{'shape': (2, 3), 'fortran_order': False, 'descr': '<f4'}",  # another key order
+    '{"descr": "<f4", "fortran_order": False, "shape": (2, 3)}',  # double quotes, no trailing comma
+    "{'descr': '<f4', 'fortran_order': False, 'shape': (2,3), }",  # no space after the comma
+])
+def test_npy_other_header_spellings_still_decode(text):
+    assert codec._npy_canonical_header(text) is None  # not numpy's layout: ast.literal_eval reads it
+    header = text.encode() + b" " * (-(10 + len(text) + 1) % 64) + b"\n"
+    body = codec.NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header
+    body += np.arange(6, dtype="<f4").tobytes()
+    np.testing.assert_array_equal(codec.decode_npy(bytearray(body)).numpy(), np.arange(6).reshape(2, 3))
+
+
+@pytest.mark.parametrize("shape", ["(3)", "(01, 2)", "(2, 3,)", "(-1, 2)"])
+def test_npy_near_canonical_shapes_are_judged_like_python(shape):
+    # "(3)" is the int 3 and "(01, 2)" a syntax error in Python: neither may sneak through the fast path.
+    text = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}"
+    assert codec._npy_canonical_header(text) is None
+    header = text.encode() + b"\n"
+    body = codec.NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header + b"\0" * 24
+    if shape == "(2, 3,)":
+        assert codec.decode_npy(bytearray(body)).shape == (2, 3)
+    else:
+        with pytest.raises(MalformedBodyError):
+            codec.decode_npy(bytearray(body))
+
+
 def test_npy_encode_refuses_bfloat16():
     with pytest.raises(UnsupportedMediaTypeError):
         codec.encode_npy(torch.zeros(2, dtype=torch.bfloat16))
@@ -101,8 +143,11 @@ def test_npy_malformed(body):
 def test_npy_huge_shape_is_refused_before_allocation():
     body = _handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1048576, 1048576, 1024), }",
                          b"\0" * 16)
-    with pytest.raises(MalformedBodyError, match="needs"):
+    with pytest.raises(PayloadTooLargeError, match="larger than any tensor"):
         codec.decode_npy(body)
+    claim = _handmade_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (1024, 1024), }", b"\0" * 16)
+    with pytest.raises(PayloadTooLargeError, match="over the limit of 65536 bytes"):
+        codec.decode_npy(claim, max_bytes=65536)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -17,6 +17,7 @@ def test_defaults(monkeypatch):
     assert (DEFAULT_LAYER_REPOSITORY / "demo.json").is_file()
     assert (s.max_batch_size, s.max_queue_delay_ms, s.max_queue_size) == (64, 2.0, 256)
     assert s.api_key is None
+    assert s.access_log is True
 
 
 def test_environment(monkeypatch, tmp_path):
@@ -35,6 +36,8 @@ def test_environment(monkeypatch, tmp_path):
     assert s.api_key.get_secret_value() == "sekret-value"
     assert "sekret-value" not in repr(s)  # the key never shows in logs
     assert s.log_level == "debug"
+    monkeypatch.setenv("DECONV_ACCESS_LOG", "false")
+    assert Settings().access_log is False
     monkeypatch.setenv("DECONV_API_KEY", "")
     assert Settings().api_key is None
 

@@ -205,6 +205,46 @@ def test_api_key_protects_inference_only(repo):
     run(main())
 
 
+def test_inference_parameters_are_checked_like_fastapi_did(repo):
+    # The inference routes read `layer` and X-Deadline-Ms themselves: the key first, then the parameters (422).
+    async def main() -> None:
+        async with serve_app(settings(repo, api_key="sekret")) as (_, client):
+            ok = npy_bytes(np.zeros((1, 4, 5, 5), np.float32))
+            assert_error(await client.post("/deconv", content=ok, headers={"content-type": NPY}), 401, "unauthorized")
+            auth = {"authorization": "Bearer sekret", "content-type": NPY}
+            body = assert_error(await client.post("/deconv", content=ok, headers=auth), 422, "invalid_input")
+            assert "layer" in body["error"]["message"]
+            for bad in ("-1", "nan", "soon", ""):
+                r = await client.post("/deconv?layer=small", content=ok, headers={**auth, "x-deadline-ms": bad})
+                body = assert_error(r, 422, "invalid_input")
+                assert "x-deadline-ms" in body["error"]["message"]
+                r = await client.post("/v2/models/small/infer", json=_kserve_json(np.zeros((1, 4, 5, 5), np.float32)),
+                                      headers={"authorization": "Bearer sekret", "x-deadline-ms": bad})
+                assert r.status_code == 422
+                assert r.json()["type"] == "invalid_input"
+            r = await client.post("/deconv?layer=small", content=ok, headers={**auth, "x-deadline-ms": "0"})
+            assert_error(r, 504, "deadline_exceeded")  # 0 ms: parsed, and passed before execution
+            r = await client.post("/deconv?layer=small", content=ok, headers={**auth, "x-deadline-ms": "5000.5"})
+            assert r.status_code == 200
+            r = await client.post("/v2/models/small/versions/1/infer", headers={"authorization": "Bearer sekret"},
+                                  json=_kserve_json(np.zeros((1, 4, 5, 5), np.float32)))
+            assert r.status_code == 200
+            assert r.json()["model_name"] == "small"
+            r = await client.post("/v2/models/small/versions/2/infer", headers={"authorization": "Bearer sekret"},
+                                  json=_kserve_json(np.zeros((1, 4, 5, 5), np.float32)))
+            assert r.status_code == 404
+            spec = (await client.get("/openapi.json")).json()
+            params = {p["name"]: p for p in spec["paths"]["/deconv"]["post"]["parameters"]}
+            assert (params["layer"]["in"], params["layer"]["required"]) == ("query", True)
+            assert params["x-deadline-ms"]["in"] == "header"
+            assert params["x-deadline-ms"]["schema"]["anyOf"][0] == {"type": "number", "minimum": 0}
+            v2 = spec["paths"]["/v2/models/{name}/versions/{version}/infer"]["post"]["parameters"]
+            assert [(p["name"], p["in"]) for p in v2] == [("name", "path"), ("version", "path"),
+                                                          ("x-deadline-ms", "header")]
+
+    run(main())
+
+
 def test_unknown_route_and_method_use_the_error_shape(repo):
     async def main() -> None:
         async with serve_app(settings(repo)) as (_, client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -183,3 +184,76 @@ def test_select_devices_without_a_gpu():
     for spec in ("all", [0]):
         with pytest.raises(RuntimeError, match="no CUDA device is visible"):
             select_devices(spec)
+
+
+def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers):
+    from service.faults import WorkerCrash
+
+    layer = layers["demo"]
+    gate = asyncio.Event()  # set on the loop once the first batch is executing
+
+    def dies_on_three(x, w, b, lay):
+        if x.shape[0] == 3:
+            loop.call_soon_threadsafe(gate.set)
+            time.sleep(0.2)  # the second batch waits behind this one in the thread's queue
+            raise WorkerCrash("simulated thread death")
+        return kernel_forward(x, w, b, lay)
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        m = Metrics()
+        worker = Worker(torch.device("cpu"), m, forward=dies_on_three)
+        worker.load(layer)
+        pool = WorkerPool([worker], m)
+        try:
+            first = asyncio.ensure_future(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]))
+            await gate.wait()
+            second = asyncio.ensure_future(pool.run(await pool.acquire(), layer, [torch.randn(1, 16, 4, 4)]))
+            for task in (first, second):
+                with pytest.raises(InternalError, match="died while holding this batch"):
+                    await asyncio.wait_for(task, 10)
+            (y,) = await pool.run(await pool.acquire(), layer, [torch.randn(2, 16, 4, 4)])
+            assert y.shape == (2, 8, 8, 8)
+            assert worker.restarts == 1
+            assert metric_value(m.render().decode(), "deconv_worker_restarts_total", worker="cpu", reason="died") == 1
+            assert worker.inflight_batches == 0
+        finally:
+            pool.shutdown()
+
+    loop: asyncio.AbstractEventLoop
+    run(main())
+
+
+def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
+    import threading
+
+    layer = layers["demo"]
+    release = threading.Event()
+
+    def hangs_on_three(x, w, b, lay):
+        if x.shape[0] == 3:
+            release.wait(10)
+        return kernel_forward(x, w, b, lay)
+
+    async def main() -> None:
+        m = Metrics()
+        worker = Worker(torch.device("cpu"), m, forward=hangs_on_three)
+        worker.load(layer)
+        pool = WorkerPool([worker], m, worker_timeout_s=0.3)
+        watchdog = asyncio.ensure_future(pool.watch(period_s=0.05))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(InternalError, match="stalled"):
+                await asyncio.wait_for(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]), 10)
+            assert 0.3 <= time.monotonic() - t0 < 5
+            (y,) = await pool.run(await pool.acquire(), layer, [torch.randn(1, 16, 4, 4)])
+            assert y.shape == (1, 8, 8, 8)
+            assert metric_value(m.render().decode(), "deconv_worker_restarts_total", worker="cpu",
+                                reason="stalled") == 1
+        finally:
+            watchdog.cancel()
+            release.set()  # the abandoned thread finishes; shutdown joins it
+            pool.shutdown()
+
+    run(main())
