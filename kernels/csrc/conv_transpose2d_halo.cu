@@ -217,7 +217,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
               const int hi = hi0 + row, wi = wa + col;
               const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
               T v = ok ? x_chunk[int64_t(ch) * hw_in + (hi * w_in + wi)] : from_acc<T>(0.f);
-              if constexpr (K == MmaKind::kTF32) v = __uint_as_float(tc::to_tf32(v));
               patch[ch * kCS + row * kRS + col] = v;
             }
           }
@@ -236,19 +235,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           }
         };
 
-        // TF32: round the stage's patch once after it landed (one pass over shared memory, then a barrier),
-        // instead of once per tap in the fragments. Element copies were rounded when stored.
-        auto round_stage = [&](int buf) {
-          uint4* q = reinterpret_cast<uint4*>(smem + buf * geo.stage_words);
-          for (int i = tid; i < geo.patch_words / 4; i += kThreads) {
-            uint4 w4 = q[i];
-            w4.x = tc::to_tf32(__uint_as_float(w4.x));
-            w4.y = tc::to_tf32(__uint_as_float(w4.y));
-            w4.z = tc::to_tf32(__uint_as_float(w4.z));
-            w4.w = tc::to_tf32(__uint_as_float(w4.w));
-            q[i] = w4;
-          }
-        };
 
         float acc[kMT][kNT][4];
 #pragma unroll
@@ -290,7 +276,15 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
             }
           }
         };
-        auto mma_tap = [&](uint32_t (&af)[kMT][4], uint32_t (&bf)[kNT][2]) { tc::mma_warp_tile<K>(acc, af, bf); };
+        auto mma_tap = [&](uint32_t (&af)[kMT][4], uint32_t (&bf)[kNT][2]) {
+          if constexpr (K == MmaKind::kTF32) {  // x is staged as fp32; the packed weights are rounded already
+#pragma unroll
+            for (int i = 0; i < kMT; ++i)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) af[i][e] = tc::to_tf32(__uint_as_float(af[i][e]));
+          }
+          tc::mma_warp_tile<K>(acc, af, bf);
+        };
 
 
         const int stages = geo.stages;
@@ -305,12 +299,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
             cp_async_wait<0>();
           }
           __syncthreads();  // stage c landed for everyone; stage c - 1's buffer is free
-          if constexpr (K == MmaKind::kTF32) {
-            if (geo.vec) {
-              round_stage(c % stages);
-              __syncthreads();
-            }
-          }
           {
             const int nxt = c + stages - 1;
             if (nxt < nchunks) load_stage(nxt, nxt % stages);
