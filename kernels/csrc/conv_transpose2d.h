@@ -61,8 +61,8 @@ size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 // Halo kernel (conv_transpose2d_halo.cu); `config` counts from 0 within the halo configurations.
-int halo_block_n(int config);                                  // output channels per block
-bool halo_fits(const ConvTranspose2dParams& p, int config);    // its shared memory fits this problem
+int halo_block_n(int config);                  // output channels per block
+int halo_choose(const ConvTranspose2dParams& p);  // the halo configuration for this problem, or -1: gather kernel
 cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* packed_weights,
                         int64_t ciw_pad, int64_t co_pad, cudaStream_t stream);
 

@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "conv_transpose2d.h"
@@ -151,8 +152,12 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
   const int64_t tiles_img = geo.tiles_h * geo.tiles_w;
   const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
   static_assert(kWarpM % TW == 0 || TW % kWarpM == 0, "a warp's pixels start a tile row or stay in one");
-  // This thread's first fragment pixel in the patch; m16 tile i adds the constant pixel_offset(i).
+  // This thread's first fragment pixel in the patch; m16 tile i adds pixel_offset(i).
   const int a_base = ((wm * kWarpM) / TW) * kRS + (wm * kWarpM) % TW + g8;
+  auto pixel_offset = [&](int i) {
+    const int m = (wm * kWarpM) % TW + i * 16;  // the tile's first pixel, counted from the warp's tile row
+    return (m / TW) * kRS + m % TW - (wm * kWarpM) % TW;
+  };
 
   for (int64_t z = blockIdx.z; z < num_z; z += gridDim.z) {
     const int64_t grp = z % p.groups;
@@ -195,7 +200,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           const int ci0 = c * kKC;
           const T* x_chunk = x_img + int64_t(ci0) * hw_in;
           if (geo.vec) {
-            // v = (ch * ph + row) * nvec + vc; x_tile is the patch origin (row hi0, column wa).
+            // v = (ch * ph + row) * nvec + vc; patch row 0, column 0 is x row hi0, column wa.
             const int total = kKC * ph * geo.nvec;
             for (int v = tid; v < total; v += kThreads) {
               const int rowv = fdiv(v, geo.nvec_div);
@@ -235,7 +240,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           }
         };
 
-
         float acc[kMT][kNT][4];
 #pragma unroll
         for (int i = 0; i < kMT; ++i)
@@ -256,8 +260,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
             const uint32_t* pa = st + t4 * kCS + a_base + off;
 #pragma unroll
             for (int i = 0; i < kMT; ++i) {
-              const int o = ((wm * kWarpM % TW) + i * 16) / TW * kRS + ((wm * kWarpM % TW) + i * 16) % TW -
-                            (wm * kWarpM) % TW;
+              const int o = pixel_offset(i);
               af[i][0] = pa[o];
               af[i][1] = pa[o + 8];
               af[i][2] = pa[4 * kCS + o];
@@ -267,8 +270,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
             const uint16_t* pa = reinterpret_cast<const uint16_t*>(st) + 2 * t4 * kCS + a_base + off;
 #pragma unroll
             for (int i = 0; i < kMT; ++i) {
-              const int o = ((wm * kWarpM % TW) + i * 16) / TW * kRS + ((wm * kWarpM % TW) + i * 16) % TW -
-                            (wm * kWarpM) % TW;
+              const int o = pixel_offset(i);
               af[i][0] = __byte_perm(pa[o], pa[kCS + o], 0x5410);
               af[i][1] = __byte_perm(pa[o + 8], pa[kCS + o + 8], 0x5410);
               af[i][2] = __byte_perm(pa[8 * kCS + o], pa[9 * kCS + o], 0x5410);
@@ -285,7 +287,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           }
           tc::mma_warp_tile<K>(acc, af, bf);
         };
-
 
         const int stages = geo.stages;
         for (int s = 0; s < stages - 1; ++s) {
@@ -359,10 +360,15 @@ int max_taps(int64_t stride, int64_t out_size, int64_t pad, int64_t dil, int64_t
   return static_cast<int>(best);
 }
 
+// Opt-in shared memory per block of the current device, queried once per device.
 size_t max_dynamic_smem() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
   int dev = 0, bytes = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices && (bytes = cached[dev].load(std::memory_order_relaxed)) > 0) return static_cast<size_t>(bytes);
   if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices) cached[dev].store(bytes, std::memory_order_relaxed);
   return static_cast<size_t>(bytes);
 }
 
@@ -442,12 +448,20 @@ cudaError_t launch_halo_kind(const ConvTranspose2dParams& p, int config, const u
 
 int halo_block_n(int config) { return kHaloShapes[config].bn; }
 
-bool halo_fits(const ConvTranspose2dParams& p, int config) {
-  if (config < 0 || config >= kNumHaloConfigs || p.dtype == DType::kFloat64) return false;
+int halo_choose(const ConvTranspose2dParams& p) {
+  if (p.dtype == DType::kFloat64) return -1;
   if (p.H_in > (int64_t(1) << 30) || p.W_in > (int64_t(1) << 30) || p.H_out > (int64_t(1) << 30) ||
       p.W_out > (int64_t(1) << 30) || p.H_in * p.W_in >= (int64_t(1) << 31))
-    return false;
-  return halo_plan(p, config).smem <= max_dynamic_smem();
+    return -1;
+  // The halo kernel pays off when taps share a patch, stages hold enough channels and the 32-pixel tile rows are
+  // mostly used.
+  const int64_t taps = max_taps(p.stride_h, p.H_out, p.pad_h, p.dil_h, p.kH) *
+                       max_taps(p.stride_w, p.W_out, p.pad_w, p.dil_w, p.kW);
+  const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups;
+  if (taps < 2 || cin_g < 16 || tc::div_up(p.W_out, p.stride_w) < 24) return -1;
+  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision.
+  const int config = cout_g > 64 ? 2 : cout_g > 32 ? 1 : cout_g > 16 ? 3 : 4;
+  return halo_plan(p, config).smem <= max_dynamic_smem() ? config : -1;
 }
 
 cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* wt, int64_t ciw_pad,

@@ -353,23 +353,6 @@ cudaError_t launch_kind(const ConvTranspose2dParams& p, int config, cudaStream_t
   }
 }
 
-// The halo kernel pays off when taps share a patch and the tile's 32-pixel rows are mostly used.
-int halo_choice(const ConvTranspose2dParams& p, int64_t cout_g, int64_t cin_g) {
-  int64_t taps_h = 0, taps_w = 0;
-  for (int64_t r = 0; r < p.stride_h; ++r) {
-    const int64_t t = make_axis_phase(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH).taps;
-    taps_h = t > taps_h ? t : taps_h;
-  }
-  for (int64_t r = 0; r < p.stride_w; ++r) {
-    const int64_t t = make_axis_phase(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW).taps;
-    taps_w = t > taps_w ? t : taps_w;
-  }
-  if (taps_h * taps_w < 2 || cin_g < 16 || div_up(p.W_out, p.stride_w) < 24) return -1;
-  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision.
-  const int config = cout_g > 64 ? 2 : cout_g > 32 ? 1 : cout_g > 16 ? 3 : 4;
-  return halo_fits(p, config) ? kNumGatherConfigs + config : -1;
-}
-
 }  // namespace
 
 int tensor_core_config(const ConvTranspose2dParams& p) {
@@ -379,8 +362,8 @@ int tensor_core_config(const ConvTranspose2dParams& p) {
   const int64_t cin_g = p.C_in / p.groups;
   // Too few channels to fill an mma tile: the SIMT kernel wastes less.
   if (cin_g < 4 || cout_g < 4) return -1;
-  const int halo = halo_choice(p, cout_g, cin_g);
-  if (halo >= 0) return halo;
+  const int halo = halo_choose(p);
+  if (halo >= 0) return kNumGatherConfigs + halo;
   if (cout_g > 64) return 0;
   if (cout_g > 32) return 1;
   if (cout_g > 16) return 2;
