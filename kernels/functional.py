@@ -24,8 +24,11 @@ IntPair = int | Sequence[int]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PRECISIONS = ("fp32", "tf32")
 
-# Which kernel family ran, as the extension reports it.
-KERNEL_PATHS = {0: "simt", 1: "tensor_core"}
+# Which kernel family ran, as the extension reports it: the SIMT kernel (any problem), the tensor-core kernels
+# (dense float32 / bfloat16 / float16 layers) and the narrow kernel (C_out / groups <= 8, every dtype).
+KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow"}
+# force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
+FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
 
 
 class ConvTranspose2dArgumentError(ValueError, RuntimeError):
@@ -205,13 +208,20 @@ def _forward_cuda(
     """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran.
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
-    it first to catch unwritten elements). ``force_path`` (``"simt"`` or ``"tensor_core"``) and ``force_config``
-    (a tensor-core tile configuration index) override the kernel choice, for tests and tuning.
+    it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"`` or ``"narrow"``) and
+    ``force_config`` (a tensor-core tile configuration index) override the kernel choice, for tests and tuning;
+    a forced ``"tensor_core"`` or ``"narrow"`` path that does not suit the problem falls back to the default choice
+    (the returned name says which ran).
+
+    Raises:
+        ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None).
     """
+    if force_path is not None and (not isinstance(force_path, str) or force_path not in FORCE_PATHS):
+        names = ", ".join(repr(name) for name in FORCE_PATHS if name is not None)
+        raise ConvTranspose2dArgumentError(f"force_path must be None or one of {names}, got {force_path!r}")
     ext = _load_extension()
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-                          list(args.dilation), args.groups, precision, out,
-                          {None: -1, "simt": 0, "tensor_core": 1}[force_path],
+                          list(args.dilation), args.groups, precision, out, FORCE_PATHS[force_path],
                           -1 if force_config is None else force_config)
     return y, KERNEL_PATHS[path]
 
@@ -263,9 +273,10 @@ def conv_transpose2d(
         stride, padding, output_padding, dilation: an int or an (height, width) pair. ``output_padding`` must be
             smaller than ``max(stride, dilation)`` per axis.
         groups: splits ``C_in`` and ``C_out`` into this many independent groups.
-        precision: for float32 inputs on CUDA, ``"tf32"`` (tensor cores with TF32 operands) or ``"fp32"``
-            (exact IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for
-            other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
+        precision: for float32 inputs on CUDA, ``"tf32"`` (tensor cores with TF32 operands; layers that run on
+            the narrow or SIMT kernels, e.g. few output channels, compute exact fp32 anyway) or ``"fp32"`` (exact
+            IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for other
+            dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
 
     Returns:
         ``[N, C_out, H_out, W_out]`` (or ``[C_out, H_out, W_out]``) in the input's dtype, with

@@ -35,7 +35,7 @@ void check_pair(const std::vector<int64_t>& v, const char* name) {
   TORCH_CHECK(v.size() == 2, "conv_transpose2d expects ", name, " as 2 values (height, width), got ", v.size(), ".");
 }
 
-// Returns (y, path) where path is 0 for the SIMT kernel and 1 for the tensor-core kernel.
+// Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
                                            const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
@@ -128,7 +128,9 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   p.groups = groups;
   p.dtype = dtype;
   p.precision = precision == "tf32" ? deconv::Precision::kTF32 : deconv::Precision::kExactFp32;
-  TORCH_CHECK(force_path >= -1 && force_path <= 1, "conv_transpose2d: force_path must be -1, 0 or 1.");
+  TORCH_CHECK(force_path >= -1 && force_path <= 2,
+              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores) or 2 (narrow), got ",
+              force_path, ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config out of range.");
   p.force_path = static_cast<int>(force_path);
@@ -154,7 +156,8 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
   m.def("forward", &forward,
-        "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel.",
+        "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel. "
+        "force_path: -1 chooses, 0/1/2 ask for that kernel; 1 and 2 fall back to the choice of -1 when not eligible.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1);

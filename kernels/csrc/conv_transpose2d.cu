@@ -10,8 +10,14 @@
 // A[m, k] = x[n, ci, hi, wi] (zero outside the input), B[k, co] = w[ci, co, a, b].
 // A phase with no valid tap on an axis writes the bias (or zeros).
 //
-// This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks a
-// kernel: the tensor-core kernel of conv_transpose2d_mma.cu when the problem suits it, else the SIMT one. It needs nothing newer than sm_80 and builds with CUDA 11.8.
+// This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks one of
+// three kernel families:
+//   narrow      (conv_transpose2d_narrow.cu) for C_out / groups <= 8 when its weights fit in shared memory:
+//               a thread holds every output channel of its pixels; every dtype, exact FFMA;
+//   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles) for dense layers
+//               in float32 / bfloat16 / float16;
+//   SIMT        (below) for everything else (float64, too few input channels, weights too large for narrow).
+// It needs nothing newer than sm_80 and builds with CUDA 11.8.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -22,27 +28,6 @@
 
 namespace deconv {
 namespace {
-
-// ---------------------------------------------------------------------------------------------------------
-// Accumulator type per storage type.
-template <typename T>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
-
-// Storage type of the output for an accumulator: double stays double, everything else rounds from fp32.
-template <typename T, typename Acc>
-__device__ __forceinline__ T store_cast(Acc v) {
-  if constexpr (sizeof(Acc) == 8) {
-    return static_cast<T>(v);
-  } else {
-    return from_acc<T>(v);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // SIMT implicit GEMM. One block computes a BM (pixels) x BN (output channels) tile of one (phase, group);
@@ -211,26 +196,42 @@ cudaError_t launch_simt(const ConvTranspose2dParams& p, cudaStream_t stream) {
 
 namespace {
 
-// -1 when the SIMT kernel runs, else the tensor-core tile configuration.
-int choose_config(const ConvTranspose2dParams& p) {
-  if (p.force_path == 0) return -1;
-  return tensor_core_config(p);
+struct KernelChoice {
+  KernelPath path;
+  int config;  // tensor-core tile configuration, -1 for the other paths
+};
+
+// force_path 0 runs the SIMT kernel; 1 and 2 run the tensor-core and narrow kernels when eligible, else what -1
+// chooses: the narrow kernel when eligible (unless force_config asks for the tensor cores), then the tensor
+// cores when eligible, then the SIMT kernel.
+KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
+  if (p.force_path == 0) return {KernelPath::kSimt, -1};
+  if (p.force_path == 1) {
+    const int config = tensor_core_config(p);
+    if (config >= 0) return {KernelPath::kTensorCore, config};
+  }
+  if (p.force_path == 2 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
+  if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
+  const int config = tensor_core_config(p);
+  if (config >= 0) return {KernelPath::kTensorCore, config};
+  return {KernelPath::kSimt, -1};
 }
 
 }  // namespace
 
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p) {
-  return tensor_core_workspace_bytes(p, choose_config(p));
+  const KernelChoice c = choose_kernel(p);
+  return c.path == KernelPath::kTensorCore ? tensor_core_workspace_bytes(p, c.config) : 0;
 }
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
-  const int config = choose_config(p);
-  if (config >= 0) {
+  const KernelChoice c = choose_kernel(p);
+  if (path_out != nullptr) *path_out = c.path;
+  if (c.path == KernelPath::kTensorCore) {
     if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    if (path_out != nullptr) *path_out = KernelPath::kTensorCore;
-    return launch_tensor_core(p, config, stream);
+    return launch_tensor_core(p, c.config, stream);
   }
-  if (path_out != nullptr) *path_out = KernelPath::kSimt;
+  if (c.path == KernelPath::kNarrow) return launch_narrow(p, stream);
   switch (p.dtype) {
     case DType::kFloat32:
       return launch_simt<float>(p, stream);

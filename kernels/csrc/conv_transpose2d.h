@@ -36,12 +36,16 @@ struct ConvTranspose2dParams {
   DType dtype;
   Precision precision;
   void* workspace;          // scratch of conv_transpose2d_workspace_bytes(p) bytes (packed weights), or nullptr
-  int force_path;           // -1: choose; 0: SIMT; 1: tensor cores (when eligible)
-  int force_config;         // -1: choose; else a tensor-core tile configuration index (tests and tuning)
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow. A forced path that is not eligible for the problem falls
+  // back to the choice of -1.
+  int force_path;
+  // -1: choose; else a tensor-core tile configuration index (tests and tuning). With force_path -1 it asks for
+  // the tensor cores, which then run ahead of the narrow kernel.
+  int force_config;
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
-enum class KernelPath : int { kSimt = 0, kTensorCore = 1 };
+enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2 };
 
 // Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none).
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
@@ -65,5 +69,11 @@ int halo_block_n(int config);                  // output channels per block
 int halo_choose(const ConvTranspose2dParams& p);  // the halo configuration for this problem, or -1: gather kernel
 cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* packed_weights,
                         int64_t ciw_pad, int64_t co_pad, cudaStream_t stream);
+
+// Narrow kernel (conv_transpose2d_narrow.cu): few output channels per group (C_out / groups <= 8), every dtype,
+// exact FFMA. Eligible when C_out / groups <= 8, the largest phase's weights fit in 48 KiB of shared memory,
+// strides are at most 32 and sizes leave room for 32-bit positions (memory offsets stay 64-bit).
+bool narrow_eligible(const ConvTranspose2dParams& p);
+cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 }  // namespace deconv

@@ -27,4 +27,24 @@ __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
+// Accumulator type per storage type: fp32, or fp64 for double.
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+
+// Accumulator -> storage type: double stays double, everything else rounds from fp32.
+template <typename T, typename Acc>
+__device__ __forceinline__ T store_cast(Acc v) {
+  if constexpr (sizeof(Acc) == 8) {
+    return static_cast<T>(v);
+  } else {
+    return from_acc<T>(v);
+  }
+}
+
 }  // namespace deconv

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+import kernels.functional as kf
 from kernels import ConvTranspose2dArgumentError
 from kernels.functional import normalize_args
 
@@ -199,3 +200,42 @@ def test_empty_batch_keeps_autograd():
     assert x.grad.shape == x.shape
     assert w.grad is not None
     assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+# force_path (tests and tuning) is checked before the extension is built, so these run without a GPU.
+
+
+@pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
+def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
+    monkeypatch.setattr(kf, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
+    with pytest.raises(ConvTranspose2dArgumentError,
+                       match=r"force_path must be None or one of 'simt', 'tensor_core', 'narrow', got "):
+        kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
+
+
+@pytest.mark.parametrize(
+    ("force_path", "code", "ran"),
+    [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow")],
+)
+def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran):
+    calls = []
+
+    class FakeExtension:
+        @staticmethod
+        def forward(x, weight, bias, stride, padding, output_padding, dilation, groups, precision, out,
+                    force_path_code, force_config):
+            calls.append((force_path_code, force_config))
+            y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
+            return y, {"simt": 0, "tensor_core": 1, "narrow": 2}[ran]
+
+    monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
+    x, w = x4(), w4()
+    y, path = kf._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
+    assert calls == [(code, -1)]
+    assert path == ran
+    assert torch.equal(y, F.conv_transpose2d(x, w))
+
+
+def test_kernel_path_names_cover_every_force_path_name():
+    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow"}
+    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2}

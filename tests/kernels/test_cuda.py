@@ -157,13 +157,96 @@ def test_forced_paths(problem: str, route: str, mode: str) -> None:
     assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+def _path(mode: str, **problem) -> str:
+    """The kernel family the dispatcher picks for a problem (whose result must be right as well)."""
+    err, tol, path = run_case(**problem, mode=mode)
+    assert err <= tol, f"{problem}/{mode} ran {path}: rel err {err:.3e} > {tol:.0e}"
+    return path
+
+
 def test_default_path_choice() -> None:
-    """Dense problems go to the tensor cores; fp64 and channel-starved ones to the SIMT kernel."""
-    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="tf32")[2] == "tensor_core"
-    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="fp32")[2] == "tensor_core"
-    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="bf16")[2] == "tensor_core"
-    assert run_case(n=1, c_in=64, c_out=64, h=8, w=8, k=3, mode="fp64")[2] == "simt"
-    assert run_case(n=1, c_in=2, c_out=2, h=8, w=8, k=3, mode="tf32")[2] == "simt"
+    """Dense problems go to the tensor cores, few output channels per group (<= 8) to the narrow kernel, float64
+    with many output channels to the SIMT kernel."""
+    dense = dict(n=1, c_in=64, c_out=64, h=8, w=8, k=3)
+    assert _path("tf32", **dense) == "tensor_core"
+    assert _path("fp32", **dense) == "tensor_core"
+    assert _path("bf16", **dense) == "tensor_core"
+    assert _path("fp64", **dense) == "simt"
+    assert _path("tf32", n=1, c_in=2, c_out=2, h=8, w=8, k=3) == "narrow"
+    # The bundled dcgan_rgb layer's shape (C_in 16 -> C_out 3, 4x4, stride 2), in every mode.
+    rgb = dict(n=2, c_in=16, c_out=3, h=16, w=16, k=4, stride=2, padding=1, bias=False)
+    for mode in MODES:
+        assert _path(mode, **rgb) == "narrow", mode
+    # The boundary: 8 output channels per group run narrow, 9 the tensor cores.
+    up = dict(n=1, c_in=16, h=8, w=8, k=4, stride=2, padding=1)
+    assert _path("tf32", **up, c_out=8) == "narrow"
+    assert _path("bf16", **up, c_out=8) == "narrow"
+    assert _path("tf32", **up, c_out=9) == "tensor_core"
+    assert _path("bf16", c_in=64, c_out=64, groups=8, n=1, h=8, w=8, k=3) == "narrow"  # 8 per group
+    assert _path("bf16", c_in=64, c_out=72, groups=8, n=1, h=8, w=8, k=3) == "tensor_core"  # 9 per group
+
+
+def test_narrow_falls_back_when_not_eligible() -> None:
+    """Forcing the narrow kernel where it does not apply runs the default choice (and the right answer)."""
+    # Weights of the largest phase beyond 48 KiB of shared memory: 1024 channels x 9 taps x 4 lanes x 4 bytes.
+    big = dict(n=1, c_in=1024, c_out=3, h=4, w=4, k=3)
+    assert _path("fp32", **big) == "simt"
+    assert run_case(**big, mode="fp32", force_path="narrow")[2] == "simt"
+    # A stride beyond the narrow kernel's phase table (32 per axis).
+    assert run_case(n=2, c_in=4, c_out=3, h=3, w=3, k=2, stride=(33, 1), mode="bf16", force_path="narrow")[2] == "simt"
+    # Too many output channels per group.
+    wide = dict(n=1, c_in=16, c_out=16, h=8, w=8, k=3)
+    assert run_case(**wide, mode="tf32", force_path="narrow")[2] == "tensor_core"
+    assert run_case(**wide, mode="fp64", force_path="narrow")[2] == "simt"
+
+
+# Narrow-kernel problems (C_out / groups <= 8): every output-channel count it specialises (1-8, 4- and 8-lane
+# accumulators), groups, strides with zero-tap phases, dilation, output_padding, odd and tiny sizes, and the
+# launch shapes (128 or 256 threads, one or two pixels a thread, more (phase, group)s than grid.z holds).
+NARROW_FAMILIES = {
+    "cout1": dict(n=2, c_in=5, c_out=1, h=9, w=11, k=3),
+    "cout2_stride2": dict(n=3, c_in=7, c_out=2, h=7, w=6, k=4, stride=2, padding=1),
+    "dcgan_rgb": dict(n=1, c_in=16, c_out=3, h=32, w=32, k=4, stride=2, padding=1, bias=False),
+    "dcgan_rgb_batch3": dict(n=3, c_in=16, c_out=3, h=32, w=32, k=4, stride=2, padding=1),
+    "cout4_asym": dict(n=1, c_in=9, c_out=4, h=6, w=13, k=(2, 5), stride=(1, 3), padding=(0, 2)),
+    "cout5_groups2": dict(n=2, c_in=6, c_out=10, h=7, w=8, k=3, stride=2, padding=1, groups=2),
+    "cout7_dilation": dict(n=2, c_in=5, c_out=7, h=8, w=9, k=3, dilation=(2, 3), padding=(1, 0)),
+    "cout8_output_padding": dict(n=3, c_in=6, c_out=8, h=5, w=7, k=3, stride=2, padding=1, output_padding=1),
+    "groups3_strided_dilated": dict(n=2, c_in=9, c_out=6, h=7, w=9, k=(3, 5), stride=(2, 3), padding=(1, 2),
+                                    dilation=(2, 1), groups=3),
+    "depthwise": dict(n=2, c_in=6, c_out=6, h=9, w=8, k=3, stride=2, padding=1, groups=6),
+    "stride_gt_kernel": dict(n=2, c_in=4, c_out=3, h=5, w=6, k=2, stride=3),  # zero-tap phases: bias only
+    "stride_gt_kernel_no_bias": dict(n=1, c_in=4, c_out=5, h=4, w=5, k=(1, 2), stride=(4, 3), bias=False),
+    "dilation_stride": dict(n=2, c_in=8, c_out=3, h=6, w=9, k=3, stride=5, padding=1, dilation=2),
+    "output_padding_dilation": dict(n=1, c_in=4, c_out=4, h=6, w=6, k=3, dilation=3, output_padding=2),
+    "big_padding": dict(n=1, c_in=4, c_out=2, h=9, w=9, k=5, padding=3),
+    "input_1x1": dict(n=1, c_in=8, c_out=3, h=1, w=1, k=3, stride=2),
+    "input_1x37": dict(n=3, c_in=5, c_out=4, h=1, w=37, k=(3, 4), stride=(1, 2), padding=(1, 1)),
+    "input_33x65": dict(n=1, c_in=6, c_out=3, h=33, w=65, k=3, stride=2, padding=1, output_padding=1),
+    "many_channels": dict(n=2, c_in=96, c_out=6, h=5, w=9, k=(2, 3)),  # 36 KiB of fp64 weights
+    "stride32_zero_taps": dict(n=1, c_in=3, c_out=2, h=3, w=4, k=(3, 5), stride=(32, 7), padding=(1, 2)),
+    # 12 phases x 5500 groups = 66000 (phase, group)s, past grid.z's 65535: the kernel loops over z.
+    "z_loop_many_groups": dict(n=1, c_in=5500, c_out=5500, h=2, w=3, k=(2, 3), stride=(3, 4), groups=5500),
+    # 81920 output pixels: 256-thread blocks, one pixel a thread.
+    "threads256": dict(n=5, c_in=16, c_out=3, h=64, w=64, k=4, stride=2, padding=1),
+    # Over 2^20 output pixels: two pixels a thread, with phase rows of odd length (a half-empty last pair).
+    "two_pixels": dict(n=2, c_in=4, c_out=3, h=300, w=517, k=3, stride=2, padding=1),
+    "two_pixels_cout8": dict(n=1, c_in=5, c_out=8, h=520, w=1031, k=(2, 3), stride=(2, 1), padding=(0, 1)),
+}
+NARROW_PROBLEMS = {
+    **NARROW_FAMILIES,
+    **{f"forced_{name}": cfg for name, cfg in FORCED.items() if cfg["c_out"] // cfg.get("groups", 1) <= 8},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("problem", list(NARROW_PROBLEMS))
+def test_narrow_forced(problem: str, mode: str) -> None:
+    """The narrow kernel, forced, on every narrow family and every FORCED problem it applies to."""
+    err, tol, path = run_case(**NARROW_PROBLEMS[problem], mode=mode, force_path="narrow",
+                              seed=zlib.crc32(problem.encode()) % 10_000)
+    assert path == "narrow"
+    assert err <= tol, f"{problem}/narrow/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("hw", [(1, 1), (1, 37), (31, 1), (33, 65), (127, 129)])
@@ -299,8 +382,12 @@ def test_runs_on_current_stream_and_device_errors() -> None:
         kernels.conv_transpose2d(x, w.cpu())
 
 
-def test_64bit_indexing() -> None:
-    """An output of more than 2**31 elements: check rows at the very end against the reference."""
+@pytest.mark.parametrize("route", ["narrow", "simt"])
+def test_64bit_indexing(route: str) -> None:
+    """An output of more than 2**31 elements: check rows at the very end against the reference.
+
+    C_out = 4 runs the narrow kernel by default; the SIMT kernel is forced to keep its 64-bit offsets covered.
+    """
     free, _ = torch.cuda.mem_get_info()
     if free < 24 * 2**30:
         pytest.skip("needs about 24 GiB of free GPU memory")
@@ -308,7 +395,8 @@ def test_64bit_indexing() -> None:
     # y: [2, 4, 16402, 16402] bf16 = 2.15e9 elements (> 2**31)
     x = torch.randn(2, 2, 16400, 16400, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(2, 4, 3, 3, device="cuda", dtype=torch.bfloat16, generator=g)
-    y = kernels.conv_transpose2d(x, w)
+    y, path = _forward_cuda(x, w, None, normalize_args(), "fp32", force_path=None if route == "narrow" else "simt")
+    assert path == route
     assert y.numel() > 2**31
     # With k = 3 and stride 1, the last 14 output rows depend on the last 14 input rows only.
     ref_tail = reference(x[:, :, -14:], w, None)[:, :, -14:]
