@@ -4,6 +4,7 @@ Scenarios (each server started here as a subprocess on 127.0.0.1, then stopped):
 
 - ``batching``: ``python -m service`` with the bundled layers and its default batching limits;
 - ``no-batching``: the same with ``DECONV_MAX_BATCH_SIZE=1`` (every kernel call holds one request);
+  ``--http-processes N`` runs both as a multi-process server (N HTTP processes feeding one engine process);
 - ``naive``: ``bench/naive_server.py``, a FastAPI endpoint calling ``nn.ConvTranspose2d`` per request.
 
 Each scenario runs a bounded number of requests from ``--clients`` concurrent clients (httpx.AsyncClient, one
@@ -63,6 +64,7 @@ def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tup
         cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
         env.update({"DECONV_LAYER_REPOSITORY": str(args.repository), "DECONV_DEVICES": args.devices,
                     "DECONV_LOG_LEVEL": "warning"})
+        env["DECONV_HTTP_PROCESSES"] = str(args.http_processes)
         if scenario == "no-batching":
             env["DECONV_MAX_BATCH_SIZE"] = "1"
         elif args.max_queue_delay_ms is not None:
@@ -73,19 +75,46 @@ def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tup
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path | None) -> None:
+def _http_processes(url: str) -> float:
+    """``deconv_http_processes`` from /metrics (HTTP processes serving; the engine's connections when several)."""
+    for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():
+        if line.startswith("deconv_http_processes "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path | None,
+               http_processes: int = 1) -> None:
+    """Wait for /health/ready and until ``http_processes`` HTTP processes serve (0: do not ask /metrics)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             text = log_path.read_text(errors="replace") if log_path else ""
             raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
         try:
-            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+            if (httpx.get(f"{url}/health/ready", timeout=2).status_code == 200
+                    and (http_processes == 0 or _http_processes(url) >= http_processes)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+def process_tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``pid`` and of each child, keyed ``"<pid> <command>"``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    cpu = {}
+    for p in [pid, *(int(c) for c in out.split())]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        role = next((m for m in ("service.engine", "service.frontend", "naive_server") if m in cmd), "service")
+        cpu[f"{p} {role}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return cpu
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -290,9 +319,14 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
     else:
         proc, url = start_server(name, args, log_path)
     try:
-        wait_ready(url, proc, args.startup_timeout, log_path if proc else None)
+        wait_ready(url, proc, args.startup_timeout, log_path if proc else None,
+                   args.http_processes if name in ("batching", "no-batching") else 0)  # naive: no /metrics
         sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
+        before = process_tree_cpu(proc.pid) if proc is not None else {}
         result = drive_processes(url, args, args.requests)
+        after = process_tree_cpu(proc.pid) if proc is not None else {}
+        # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes).
+        result["server_cpu_s"] = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
     finally:
         if proc is not None:
             stop_server(proc)
@@ -302,7 +336,8 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    head = f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7}"
+    head = (f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7} "
+            f"{'srv us/req':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -311,8 +346,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
         def fmt(v: float | None, spec: str) -> str:
             return format(v, spec) if v is not None else "-"
 
+        cpu = r.get("server_cpu_s")
+        per_req = 1e6 * sum(cpu.values()) / r["requests"] if cpu else None  # server CPU per request, all processes
         print(f"{r['scenario']:<12} {r['requests_per_s']:>9.1f} {fmt(r['p50_ms'], '>9.2f')} "
-              f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7}")
+              f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7} "
+              f"{fmt(per_req, '>10.0f')}")
 
 
 def main() -> None:
@@ -328,6 +366,8 @@ def main() -> None:
     p.add_argument("--height", type=int, default=16)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--devices", default="auto", help="DECONV_DEVICES for the servers started here")
+    p.add_argument("--http-processes", type=int, default=1,
+                   help="DECONV_HTTP_PROCESSES of the batching and no-batching servers (1: single process)")
     p.add_argument("--max-queue-delay-ms", type=float, default=None, help="DECONV_MAX_QUEUE_DELAY_MS (batching)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
@@ -370,6 +410,7 @@ def main() -> None:
             "config": {"layer": args.layer, "input_shape": [args.batch, int(x.shape[1]), args.height, args.width],
                        "dtype": str(x.dtype), "clients": args.clients, "requests": args.requests,
                        "warmup": args.warmup, "devices": args.devices, "load_processes": args.procs,
+                       "http_processes": args.http_processes,
                        "client": args.client,
                        "max_queue_delay_ms": args.max_queue_delay_ms},
             "results": results,

@@ -15,11 +15,11 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
-from service.batcher import Batcher
+from service.batcher import Batcher, Queue
 from service.config import Settings, parse_devices
 from service.errors import NotReadyError, install_error_handlers
 from service.faults import Faults
@@ -40,7 +40,7 @@ class Service:
         self.metrics = Metrics()
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
-        self.batchers: dict[str, Batcher] = {}
+        self.batchers: dict[str, Queue] = {}
         self.backend = ""
         self.state = "starting"
         self.reason = "starting: kernels and self-tests have not finished"
@@ -50,6 +50,12 @@ class Service:
         self.faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
         self.drained = False  # set by stop(): every queued request was answered in time
         self.freeze_gc = False  # the server process (python -m service) sets it: see freeze_heap
+        self.listeners: list[Callable[[], None]] = []  # called on the event loop after every change of state
+
+    def _set_state(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason
+        for listener in self.listeners:
+            listener()
 
     # --- readiness ----------------------------------------------------------------------------------------
 
@@ -91,6 +97,7 @@ class Service:
         log.info("draining: not ready any more; executing %d queued request(s) now", queued)
         for batcher in self.batchers.values():
             batcher.begin_drain()
+        self._set_state(self.state, self.reason)  # tell the listeners (not from the signal handler)
 
     # --- life cycle ---------------------------------------------------------------------------------------
 
@@ -106,12 +113,7 @@ class Service:
         if self.faults:
             log.critical("TEST MODE: injecting faults once ready (DECONV_FAULTS=%s); never run this in production",
                          self.faults.describe())
-        defaults = BatchLimits(s.max_batch_size, s.max_batch_bytes, s.max_queue_delay_ms, s.max_queue_size)
-        try:
-            self.registry = load_repository(s.layer_repository, defaults)
-        except RepositoryError as exc:
-            log.error("%s", exc)
-            raise
+        self.registry = self.load_registry()
         devices, why = select_devices(parse_devices(s.devices))
         self.backend = "cuda" if devices[0].type == "cuda" else "cpu"
         log.info("%s", why)
@@ -126,7 +128,19 @@ class Service:
             batcher = Batcher(layer, self.pool, self.metrics)
             batcher.start()
             self.batchers[layer.name] = batcher
+        self.metrics.http_processes.set(1)  # a multi-process server's engine counts its connections instead
         self._warm_up = asyncio.create_task(self._prepare(), name="deconv-warm-up")
+
+    def load_registry(self, weights: bool = True) -> Registry:
+        """Load and check the layer repository of the settings (logged and raised when invalid); ``weights=False``
+        reads only the weights' shapes and dtypes (meta tensors)."""
+        s = self.settings
+        defaults = BatchLimits(s.max_batch_size, s.max_batch_bytes, s.max_queue_delay_ms, s.max_queue_size)
+        try:
+            return load_repository(s.layer_repository, defaults, weights)
+        except RepositoryError as exc:
+            log.error("%s", exc)
+            raise
 
     async def _prepare(self) -> None:
         assert self.registry is not None
@@ -159,8 +173,8 @@ class Service:
         if self.state == "starting":
             if self.freeze_gc:
                 freeze_heap()
-            self.state, self.reason = "ready", "ready"
             self.metrics.ready.set(1)
+            self._set_state("ready", "ready")
             self.faults.arm()
             log.info("ready: %d layer(s) on %s passed their self-tests in %.1f s", len(self.registry),
                      self.backend, time.perf_counter() - t0)
@@ -168,7 +182,7 @@ class Service:
     def _fail(self, reason: str) -> None:
         log.error("not ready: %s", reason)
         if self.state == "starting":
-            self.state, self.reason = "failed", reason
+            self._set_state("failed", reason)
 
     async def stop(self) -> None:
         """Refuse new work, finish every queued request (bounded by the request timeout), stop the workers."""
@@ -234,14 +248,23 @@ Transposed-convolution (ConvTranspose2d) layers on the deconv CUDA kernels, with
 """
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app. ``settings`` default to ``Settings()`` (the ``DECONV_*`` environment), read here."""
+def create_app(settings: Settings | None = None, engine_socket: str | None = None) -> FastAPI:
+    """Build the app. ``settings`` default to ``Settings()`` (the ``DECONV_*`` environment), read here.
+
+    With ``engine_socket`` the app is one HTTP process of a multi-process server: its requests go to the engine
+    process listening there (``service.frontend``) instead of batchers and workers of its own.
+    """
     from service import routes
 
     settings = settings if settings is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
     app = FastAPI(title="deconv", version=VERSION, description=DESCRIPTION, lifespan=lifespan)
-    app.state.service = Service(settings)
+    if engine_socket is not None:
+        from service.frontend import FrontendService
+
+        app.state.service = FrontendService(settings, engine_socket)
+    else:
+        app.state.service = Service(settings)
     install_error_handlers(app)
     app.include_router(routes.router)
     return app

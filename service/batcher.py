@@ -49,6 +49,40 @@ class Executor(Protocol):
         ...
 
 
+class Ticket(Protocol):
+    """What ``submit`` returns: the request's future and whether it left the queue (``Pending`` is one)."""
+
+    future: asyncio.Future[Result]
+    state: str
+
+    @property
+    def started(self) -> bool:
+        """Whether the request will be answered without a further deadline check by its caller."""
+        ...
+
+
+class Queue(Protocol):
+    """What the routes need from a layer's batcher (``Batcher``, or ``service.frontend.RemoteBatcher`` in an HTTP
+    process of a multi-process server)."""
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting in this process's queue."""
+        ...
+
+    def submit(self, x: torch.Tensor, *, received: float | None = None, deadline: float | None = None) -> Any:
+        """Queue a validated input; returns its ``Ticket``."""
+        ...
+
+    def drop(self, item: Any, reason: str) -> bool:
+        """Give up on a queued request; whether nobody waits for it any more."""
+        ...
+
+    def begin_drain(self) -> None:
+        """Refuse new requests; queued ones still run."""
+        ...
+
+
 @dataclass(frozen=True)
 class Result:
     """What a request gets back: its output and how it was batched."""

@@ -6,10 +6,12 @@ can pass their own. Every field is documented in docs/operations.md.
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The bundled layer repository: <repo>/layers, next to this package.
@@ -26,6 +28,10 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
+    http_processes: int = Field(
+        1, ge=1, le=64, description="Processes serving HTTP. 1: one process does everything. N > 1: N processes "
+        "parse HTTP and decode tensors, feeding one engine process that batches and runs every layer, so that "
+        "HTTP scales over N cores while requests from all of them still share batches.")
     layer_repository: Path = Field(
         DEFAULT_LAYER_REPOSITORY, description="Directory with one <name>.json + <name>.safetensors per layer."
     )
@@ -104,3 +110,18 @@ def parse_devices(spec: str) -> Literal["auto", "cpu", "all"] | list[int]:
     if len(set(indices)) != len(indices):
         raise ValueError(f"devices lists a GPU twice: {spec!r}")
     return indices
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """``Settings`` from the environment (and ``overrides``); exits with the validation errors when invalid."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        sys.exit(f"invalid settings:\n{exc}")
+
+
+def configure_logging(settings: Settings, role: str = "") -> None:
+    """Log lines at the settings' level; ``role`` tags each line in the processes of a multi-process server."""
+    tag = f" [{role}]" if role else ""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s")

@@ -1,14 +1,28 @@
 """Prometheus metrics of one app, in a registry of its own (several apps in one process do not clash).
 
 Served at ``GET /metrics``; every name is listed in docs/operations.md.
+
+A multi-process server (``DECONV_HTTP_PROCESSES`` > 1) runs prometheus-client's multiprocess mode: the supervisor
+sets ``PROMETHEUS_MULTIPROC_DIR`` for every process it starts, each process writes its series there, and
+``/metrics`` in any HTTP process reports the sum over all of them (gauges as the ``multiprocess_mode`` below says).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# Set by the supervisor of a multi-process server before it starts the processes (prometheus-client reads it).
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess() -> bool:
+    """Whether this process reports through prometheus-client's multiprocess mode."""
+    return bool(os.environ.get(MULTIPROCESS_ENV))
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -35,7 +49,8 @@ class Metrics:
         self.batch_requests = Histogram(
             "deconv_batch_requests", "Requests per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge(
-            "deconv_queue_depth", "Requests waiting in the layer's queue.", ["layer"], registry=r)
+            "deconv_queue_depth", "Requests waiting in the layer's queue.", ["layer"], registry=r,
+            multiprocess_mode="livesum")
         self.dropped = Counter(
             "deconv_requests_dropped",
             "Queued requests dropped before execution: client disconnected or cancelled, or deadline passed.",
@@ -43,10 +58,11 @@ class Metrics:
         self.worker_batches = Counter(
             "deconv_worker_batches", "Batches executed, by worker.", ["worker"], registry=r)
         self.worker_busy = Gauge(
-            "deconv_worker_busy", "1 while the worker executes a batch.", ["worker"], registry=r)
+            "deconv_worker_busy", "1 while the worker executes a batch.", ["worker"], registry=r,
+            multiprocess_mode="livesum")
         self.worker_inflight = Gauge(
             "deconv_worker_inflight_samples", "Samples handed to the worker and not finished.", ["worker"],
-            registry=r)
+            registry=r, multiprocess_mode="livesum")
         self.worker_failures = Counter(
             "deconv_worker_failures",
             "Batch failures by worker and kind: 'oom_retry' (split in halves and retried), 'oom', 'error'.",
@@ -57,9 +73,17 @@ class Metrics:
             "longer than the worker timeout).", ["worker", "reason"], registry=r)
         self.gpu_memory = Gauge(
             "deconv_gpu_memory_bytes", "GPU memory held by PyTorch's allocator, by device and kind.",
-            ["device", "kind"], registry=r)
+            ["device", "kind"], registry=r, multiprocess_mode="livesum")
+        self.http_processes = Gauge(
+            "deconv_http_processes", "Processes serving HTTP: 1 in a single-process server; in a multi-process "
+            "server, the HTTP processes connected to the engine.", registry=r, multiprocess_mode="livesum")
+        # Multi-process: 1 only while every process (the engine and each HTTP process) says 1.
         self.ready = Gauge("deconv_ready", "1 once every layer passed its self-test and while not draining.",
-                           registry=r)
+                           registry=r, multiprocess_mode="livemin")
+        self._exposed = r
+        if multiprocess():
+            self._exposed = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(self._exposed)
         self._gpus: list[int] = []
         # Series of answered requests by (layer, api, status): labels() costs more than the update itself.
         self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
@@ -78,9 +102,14 @@ class Metrics:
         """Report memory of these CUDA devices at every scrape."""
         self._gpus = list(indices)
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition, with GPU memory read now."""
+    def sample_gpus(self) -> None:
+        """Read the watched devices' memory into ``gpu_memory`` now."""
         for i in self._gpus:
             self.gpu_memory.labels(f"cuda:{i}", "allocated").set(torch.cuda.memory_allocated(i))
             self.gpu_memory.labels(f"cuda:{i}", "reserved").set(torch.cuda.memory_reserved(i))
-        return generate_latest(self.registry)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, with GPU memory read now (every process's series when multi-process;
+        there the engine process samples GPU memory once a second)."""
+        self.sample_gpus()
+        return generate_latest(self._exposed)

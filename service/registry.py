@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from kernels.functional import ConvTranspose2dArgumentError, normalize_args, output_size
@@ -309,13 +309,33 @@ def _check_weights(cfg: LayerConfig, tensors: dict[str, torch.Tensor], where: st
             problems.append(f"{where}: tensor '{key}': shape {list(t.shape)}, the config needs {shape} {layout}")
         if t.dtype != dtype:
             problems.append(f"{where}: tensor '{key}': dtype {t.dtype}, the config's dtype is {cfg.dtype}")
-        elif t.numel() and not bool(torch.isfinite(t).all()):
+        elif t.numel() and not t.is_meta and not bool(torch.isfinite(t).all()):
             problems.append(f"{where}: tensor '{key}': holds NaN or infinity")
     return problems
 
 
-def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = None) -> tuple[Layer | None, list[str]]:
-    """Read and check one layer (config + weights). Returns the layer, or None and the problems found."""
+# safetensors dtype codes of the dtypes a layer may have (anything else fails the dtype check by name).
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def _read_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """The file's tensors as meta tensors (shape and dtype from its header; no data read or allocated)."""
+    tensors = {}
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+            sl = f.get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8)
+            tensors[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+    return tensors
+
+
+def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = None,
+               weights: bool = True) -> tuple[Layer | None, list[str]]:
+    """Read and check one layer (config + weights). Returns the layer, or None and the problems found.
+
+    With ``weights=False`` only the weights file's header is read: the layer's tensors are meta tensors (shape and
+    dtype checked, values neither read nor checked), for processes that validate requests but never compute.
+    """
     root = root or config_path.parent
     where = _rel(config_path, root)
     outside = _outside(config_path, root)
@@ -344,7 +364,8 @@ def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = Non
     if outside:
         return None, [f"{wwhere}: {outside}"]
     try:
-        tensors = load_file(str(weights_path), device="cpu")  # safetensors: no pickle, no code
+        # safetensors: no pickle, no code
+        tensors = load_file(str(weights_path), device="cpu") if weights else _read_shapes(weights_path)
     except (SafetensorError, OSError, ValueError) as exc:
         return None, [f"{wwhere}: cannot read as safetensors: {exc}"]
     problems = _check_weights(cfg, tensors, wwhere)
@@ -362,8 +383,8 @@ def load_layer(config_path: Path, defaults: BatchLimits, root: Path | None = Non
     return Layer(cfg, weight, bias, limits), []
 
 
-def load_repository(root: Path, defaults: BatchLimits) -> Registry:
-    """Load and check every layer under ``root``.
+def load_repository(root: Path, defaults: BatchLimits, weights: bool = True) -> Registry:
+    """Load and check every layer under ``root`` (``weights=False``: shapes only, see ``load_layer``).
 
     Files other than ``*.json`` and ``*.safetensors`` (a README, the script that made the weights) are ignored.
 
@@ -377,7 +398,7 @@ def load_repository(root: Path, defaults: BatchLimits) -> Registry:
     problems: list[str] = []
     configs = sorted(root.glob("*.json"))
     for path in configs:
-        layer, found = load_layer(path, defaults, root)
+        layer, found = load_layer(path, defaults, root, weights)
         problems.extend(found)
         if layer is not None:
             layers[layer.name] = layer

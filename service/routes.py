@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from service import codec
-from service.batcher import Batcher, Pending, Result
+from service.batcher import Queue, Result, Ticket
 from service.errors import (
     DeadlineExceededError,
     InvalidInputError,
@@ -243,7 +243,7 @@ def _path_parameter(name: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "title": name.title()}}
 
 
-def _layer(service: Service, name: str) -> tuple[Layer, Batcher]:
+def _layer(service: Service, name: str) -> tuple[Layer, Queue]:
     layer = service.registry.get(name) if service.registry is not None else None
     if layer is None:
         raise UnknownLayerError(f"no layer named {name!r}; GET /v1/layers lists them")
@@ -355,7 +355,7 @@ async def _disconnected(request: Request) -> None:
 
 
 async def run_inference(
-    service: Service, layer: Layer, batcher: Batcher, x4: torch.Tensor, request: Request, received: float,
+    service: Service, layer: Layer, batcher: Queue, x4: torch.Tensor, request: Request, received: float,
     deadline_ms: float | None,
 ) -> Result:
     """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
@@ -367,7 +367,7 @@ async def run_inference(
     if x4.shape[0] == 0:  # nothing to compute: an empty batch of the right shape
         h_out, w_out = layer.output_hw(int(x4.shape[2]), int(x4.shape[3]))
         return Result(x4.new_empty((0, layer.config.out_channels, h_out, w_out)), 0, 0, 0.0, "")
-    item: Pending = batcher.submit(x4, received=received, deadline=deadline)
+    item: Ticket = batcher.submit(x4, received=received, deadline=deadline)
     # Wait for whichever comes first: the result, the client leaving, the deadline or the request timeout. One
     # future woken by callbacks: asyncio.wait would build sets, a waiter and callbacks on every call.
     loop = asyncio.get_running_loop()

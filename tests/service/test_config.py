@@ -9,7 +9,8 @@ from service.config import DEFAULT_LAYER_REPOSITORY, Settings, parse_devices
 
 
 def test_defaults(monkeypatch):
-    for key in ("DECONV_PORT", "DECONV_HOST", "DECONV_DEVICES", "DECONV_LAYER_REPOSITORY", "DECONV_API_KEY"):
+    for key in ("DECONV_PORT", "DECONV_HOST", "DECONV_DEVICES", "DECONV_LAYER_REPOSITORY", "DECONV_API_KEY",
+                "DECONV_HTTP_PROCESSES"):
         monkeypatch.delenv(key, raising=False)
     s = Settings()
     assert (s.host, s.port, s.devices) == ("127.0.0.1", 8000, "auto")
@@ -18,6 +19,7 @@ def test_defaults(monkeypatch):
     assert (s.max_batch_size, s.max_queue_delay_ms, s.max_queue_size) == (64, 2.0, 256)
     assert s.api_key is None
     assert s.access_log is True
+    assert s.http_processes == 1
 
 
 def test_environment(monkeypatch, tmp_path):
@@ -38,6 +40,8 @@ def test_environment(monkeypatch, tmp_path):
     assert s.log_level == "debug"
     monkeypatch.setenv("DECONV_ACCESS_LOG", "false")
     assert Settings().access_log is False
+    monkeypatch.setenv("DECONV_HTTP_PROCESSES", "4")
+    assert Settings().http_processes == 4
     monkeypatch.setenv("DECONV_API_KEY", "")
     assert Settings().api_key is None
 
@@ -49,7 +53,7 @@ def test_bad_devices(spec):
 
 
 @pytest.mark.parametrize("field", [{"max_batch_size": 0}, {"port": 70000}, {"request_timeout_s": 0},
-                                   {"log_level": "loud"}])
+                                   {"log_level": "loud"}, {"http_processes": 0}, {"http_processes": 65}])
 def test_bad_values(field):
     with pytest.raises(ValidationError):
         Settings(**field)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from service.app import Service
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
 from service.registry import Layer
 
-from .conftest import NPY, SAFETENSORS, load_npy, metric_value, npy_bytes, run, serve_app
+from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app
 
 pytestmark = pytest.mark.cuda
 
@@ -104,3 +106,45 @@ def test_kserve_on_gpu():
             assert _err(y, _reference(layer, x)) <= layer.tolerance
 
     run(main(), COMPILE_TIMEOUT_S + 120)
+
+
+def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
+    """Two HTTP processes feeding the GPU engine: every bundled layer, concurrent requests, GPU metrics."""
+    from service.registry import BatchLimits, load_repository
+
+    proc = ServerProcess({"DECONV_DEVICES": "all", "DECONV_HTTP_PROCESSES": "2", "DECONV_MAX_QUEUE_DELAY_MS": "20"},
+                         tmp_path / "server.log")
+    registry = load_repository(DEFAULT_LAYER_REPOSITORY, BatchLimits(64, 1 << 28, 2.0, 256))
+
+    async def one(client: httpx.AsyncClient, layer: Layer, n: int) -> None:
+        c = layer.config
+        x = torch.randn(n, c.in_channels, 12, 9, dtype=torch.float64).to(layer.dtype)
+        if layer.dtype == torch.bfloat16:
+            body, ctype = st_save({"x": x}), SAFETENSORS
+        else:
+            body, ctype = npy_bytes(x.numpy()), NPY
+        r = await client.post(f"/deconv?layer={c.name}", content=body, headers={"content-type": ctype})
+        assert r.status_code == 200, r.text[:300]
+        y = st_load(r.content)["output"] if ctype == SAFETENSORS else torch.from_numpy(load_npy(r.content).copy())
+        assert y.dtype == layer.dtype
+        assert _err(y, _reference(layer, x)) <= layer.tolerance, c.name
+
+    async def main() -> None:
+        jobs = [(layer, n) for layer in registry for n in (1, 2, 3, 4)]
+        clients = [httpx.AsyncClient(base_url=proc.url, timeout=60) for _ in jobs]  # one connection each
+        try:
+            await asyncio.gather(*(one(cl, layer, n) for cl, (layer, n) in zip(clients, jobs, strict=True)))
+            await asyncio.sleep(1.5)  # the engine samples GPU memory once a second
+            text = (await clients[0].get("/metrics")).text
+        finally:
+            for cl in clients:
+                await cl.aclose()
+        assert metric_value(text, "deconv_http_processes") == 2
+        assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
+        assert metric_value(text, "deconv_requests_total", layer="demo", api="native", status="200") == 4
+
+    try:
+        proc.wait_ready(COMPILE_TIMEOUT_S)
+        run(main(), 300)
+    finally:
+        assert proc.stop(60) == 0, proc.log()

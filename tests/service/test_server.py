@@ -1,4 +1,8 @@
-"""A real uvicorn server in a subprocess: batching, 429, deadlines, disconnects, SIGTERM drain, tritonclient."""
+"""A real uvicorn server in a subprocess: batching, 429, deadlines, disconnects, SIGTERM drain, tritonclient.
+
+The server-level tests run twice: as one process, and as a multi-process server (two HTTP processes feeding one
+engine process, ``DECONV_HTTP_PROCESSES=2``), which must behave the same from outside.
+"""
 
 from __future__ import annotations
 
@@ -42,11 +46,16 @@ def _repo(root: Path, delay_ms: float = SLOW_DELAY_MS) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, Any]]]:
+PROCESSES = pytest.mark.parametrize("processes", ["1", "2"], ids=["single", "multi"])
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["single", "multi"])
+def server(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, Any]]]:
     root = tmp_path_factory.mktemp("layers")
     modules = _repo(root)
-    proc = ServerProcess({"DECONV_LAYER_REPOSITORY": str(root)}, root / "server.log")
+    proc = ServerProcess({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": request.param},
+                         root / "server.log")
     try:
         proc.wait_ready()
         yield proc, modules
@@ -175,9 +184,10 @@ def test_tritonclient_binary_and_json(server):
         client.close()
 
 
-def test_sigterm_drains_requests_in_flight(tmp_path, server_factory):
+@PROCESSES
+def test_sigterm_drains_requests_in_flight(tmp_path, server_factory, processes):
     modules = _repo(tmp_path, delay_ms=60_000)
-    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path)})
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_HTTP_PROCESSES": processes})
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=proc.url, timeout=30) as client:
@@ -201,12 +211,14 @@ def test_sigterm_drains_requests_in_flight(tmp_path, server_factory):
         httpx.get(f"{proc.url}/health/live", timeout=2)
 
 
-def test_invalid_repository_stops_the_server_before_it_starts(tmp_path):
+@PROCESSES
+def test_invalid_repository_stops_the_server_before_it_starts(tmp_path, processes):
     write_layer(tmp_path, "bad")
     cfg = json.loads((tmp_path / "bad.json").read_text())
     cfg["stride"] = [0, 1]
     (tmp_path / "bad.json").write_text(json.dumps(cfg))
-    env = {"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_DEVICES": "cpu", "DECONV_PORT": "0"}
+    env = {"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_DEVICES": "cpu", "DECONV_PORT": "0",
+           "DECONV_HTTP_PROCESSES": processes}
     done = subprocess.run([sys.executable, "-m", "service"], cwd=REPO_ROOT, env={**os.environ, **env},
                           capture_output=True, text=True, timeout=90, check=False)
     assert done.returncode == 3  # uvicorn's start-up failure

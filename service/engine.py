@@ -1,0 +1,208 @@
+"""The engine process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1): layers, batchers and workers.
+
+``python -m service.engine --socket PATH`` (started by ``service.supervisor``, never by hand) runs the same
+``Service`` as a single-process server (repository check, kernels, self-tests, one batcher per layer, one worker
+per device) without HTTP: the HTTP processes connect to the Unix socket at PATH and send it the requests they
+decoded (``service.ipc``). Requests from every HTTP process share one queue per layer, so they batch together.
+
+Signals: SIGTERM drains (queued requests run at once, new ones get 503), waits for the HTTP processes to hang
+up, and exits 0 when everything queued was answered (1 otherwise; 3 when the repository or devices are invalid).
+SIGINT is left to the supervisor. When the supervisor dies (this process's stdin reaches end of file) the engine
+drains and exits the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from service import ipc
+from service.app import Service
+from service.batcher import Batcher, Pending, Result
+from service.config import Settings, configure_logging, load_settings
+from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
+from service.registry import RepositoryError
+
+log = logging.getLogger("deconv.service")
+
+GPU_SAMPLE_PERIOD_S = 1.0
+
+
+class EngineConnection(ipc.FrameProtocol):
+    """One HTTP process's connection: its requests in, their results out."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.pending: dict[int, tuple[Batcher, Pending]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.engine.connections.add(self)
+        self.engine.service.metrics.http_processes.set(len(self.engine.connections))
+        self.send(self.engine.state_frame())
+
+    def frame_received(self, kind: int, body: bytearray) -> None:
+        if kind == ipc.SUBMIT:
+            self._submit(ipc.parse_submit(body))
+        elif kind == ipc.DROP:
+            self._drop(*ipc.parse_drop(body))
+        else:
+            raise ipc.ProtocolError(f"unexpected frame kind {kind} from an HTTP process")
+
+    def _submit(self, req: ipc.Submit) -> None:
+        service = self.engine.service
+        try:
+            names = self.engine.layers
+            if not 0 <= req.layer < len(names):
+                raise UnknownLayerError(f"no layer with index {req.layer}")
+            service.check_ready()
+            batcher = service.batchers[names[req.layer]]
+            item = batcher.submit(req.x, received=req.received, deadline=req.deadline)
+        except ServiceError as exc:
+            self.send(ipc.error_frame(req.request_id, exc))
+            return
+        self.pending[req.request_id] = (batcher, item)
+        item.future.add_done_callback(functools.partial(self._answer, req.request_id))
+
+    def _answer(self, request_id: int, future: asyncio.Future[Result]) -> None:
+        self.pending.pop(request_id, None)
+        if future.cancelled():  # dropped at its caller's request: nobody waits for it
+            return
+        exc = future.exception()
+        if exc is None:
+            r = future.result()
+            self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker))
+        else:
+            error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
+            self.send(ipc.error_frame(request_id, error))
+
+    def _drop(self, request_id: int, reason: str) -> None:
+        entry = self.pending.get(request_id)
+        if entry is None:  # already answered; the answer crossed the drop on the way
+            return
+        batcher, item = entry
+        if batcher.drop(item, reason) and reason == "deadline":
+            waited_ms = 1e3 * ((item.deadline or item.enqueued) - item.enqueued)
+            self.send(ipc.error_frame(request_id, DeadlineExceededError(
+                f"X-Deadline-Ms of {waited_ms:g} ms passed before execution")))
+
+    def lost(self, exc: Exception | None) -> None:
+        self.engine.connections.discard(self)
+        self.engine.service.metrics.http_processes.set(len(self.engine.connections))
+        for batcher, item in list(self.pending.values()):  # the HTTP process is gone: nobody waits for these
+            batcher.drop(item, "disconnected")
+        self.pending.clear()
+        if exc is not None:
+            log.error("engine: an HTTP process's connection failed: %s", exc)
+
+
+class Engine:
+    """The service without HTTP, serving the HTTP processes on a Unix socket."""
+
+    def __init__(self, settings: Settings, socket_path: str) -> None:
+        self.service = Service(settings)
+        self.service.freeze_gc = True
+        self.socket_path = socket_path
+        self.connections: set[EngineConnection] = set()
+        self.layers: list[str] = []
+
+    def state_frame(self) -> list[bytes | memoryview]:
+        """The ``STATE`` frame for the service as it is now."""
+        s = self.service
+        return ipc.state_frame(s.state, s.reason, s.backend, self.layers)
+
+    def _broadcast(self) -> None:
+        frame = self.state_frame()
+        for conn in list(self.connections):
+            conn.send(frame)
+
+    async def run(self) -> int:
+        """Serve until SIGTERM (or the supervisor's death); the exit status."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which sends SIGTERM
+        watch_parent(lambda: loop.call_soon_threadsafe(stop.set))
+        try:
+            await self.service.start()
+        except (RepositoryError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError):
+                log.error("%s", exc)
+            return 3
+        assert self.service.registry is not None
+        self.layers = self.service.registry.names()
+        self.service.metrics.http_processes.set(0)  # counts connections from here on
+        self.service.listeners.append(self._broadcast)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        server = await loop.create_unix_server(lambda: EngineConnection(self), path=self.socket_path)
+        log.info("engine: serving %d layer(s) to the HTTP processes on %s", len(self.layers), self.socket_path)
+        sampler = loop.create_task(self._sample_gpus())
+        await stop.wait()
+        log.info("engine: stopping")
+        await self.service.stop()  # every queued request runs and is answered (or fails past the timeout)
+        server.close()
+        # The HTTP processes hang up once they have sent their last answers; wait for them, bounded.
+        deadline = time.monotonic() + self.service.settings.request_timeout_s + 5
+        while self.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+        return 0 if self.service.drained else 1
+
+    async def _sample_gpus(self) -> None:
+        while True:  # /metrics is served by the HTTP processes, which cannot read this process's GPU memory
+            self.service.metrics.sample_gpus()
+            await asyncio.sleep(GPU_SAMPLE_PERIOD_S)
+
+
+def watch_parent(on_exit: Callable[[], object]) -> None:
+    """Call ``on_exit()`` (from a thread) when stdin, a pipe held by the supervisor, reaches end of file."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return
+
+    def wait() -> None:
+        # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts interpreter shutdown.
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        log.warning("the supervisor is gone: shutting down")
+        on_exit()
+
+    threading.Thread(target=wait, name="deconv-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m service.engine --socket PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m service.engine",
+                                     description="The engine process of a multi-process deconv server.")
+    parser.add_argument("--socket", required=True, help="Unix socket path to serve the HTTP processes on")
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    configure_logging(settings, "engine")
+    try:  # the event loop uvicorn runs in the HTTP processes (uvicorn[standard]); asyncio's own otherwise
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        status = runner.run(Engine(settings, args.socket).run())
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

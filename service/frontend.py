@@ -1,0 +1,262 @@
+"""An HTTP process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1).
+
+``python -m service.frontend --engine-socket PATH --fd N`` (started by ``service.supervisor``) serves the same
+FastAPI app as a single-process server on the listening socket it inherited as file descriptor N, shared with the
+other HTTP processes. It parses HTTP, decodes and validates tensors, and hands each request to the engine process
+over the Unix socket at PATH (``service.ipc``) instead of batching and computing it itself: ``RemoteBatcher``
+stands in for ``service.batcher.Batcher`` and the routes do not know the difference.
+
+Readiness mirrors the engine's (its ``STATE`` frames), so ``/health/ready`` is 200 only once the engine's
+self-tests passed. SIGTERM: 503 for new requests, every request sent to the engine is still answered, then exit.
+If the engine connection is lost, the requests waiting on it fail with 500 and the process reports not ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+
+from service import ipc
+from service.app import Service, create_app, freeze_heap
+from service.batcher import Result
+from service.config import Settings, configure_logging, load_settings
+from service.errors import InternalError, NotReadyError
+from service.registry import Layer
+
+log = logging.getLogger("deconv.service")
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+class RemotePending:
+    """A request sent to the engine: ``queued`` until answered or given up (``dropping``: a deadline drop was
+    asked for and the engine's answer, 504 or the result, is awaited; ``dropped``: nobody waits any more)."""
+
+    __slots__ = ("future", "request_id", "state")
+
+    def __init__(self, request_id: int, future: asyncio.Future[Result]) -> None:
+        self.request_id = request_id
+        self.future = future
+        self.state = "queued"
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine will answer without a further deadline check here."""
+        return self.state != "queued"
+
+
+class EngineClient(ipc.FrameProtocol):
+    """This process's connection to the engine: requests out, results and state in."""
+
+    def __init__(self, service: FrontendService) -> None:
+        super().__init__()
+        self.service = service
+        self.pending: dict[int, tuple[RemotePending, torch.dtype]] = {}
+        self.ids = itertools.count(1)
+
+    def frame_received(self, kind: int, body: bytearray) -> None:
+        if kind == ipc.RESULT:
+            entry = self.pending.pop(ipc.result_id(body), None)
+            if entry is not None and not entry[0].future.done():
+                out = ipc.parse_result(body, entry[1])
+                entry[0].future.set_result(Result(out.y, out.batch_samples, out.batch_requests, out.queue_s,
+                                                  out.worker))
+        elif kind == ipc.ERROR:
+            request_id, error = ipc.parse_error(body)
+            entry = self.pending.pop(request_id, None)
+            if entry is not None and not entry[0].future.done():
+                entry[0].future.set_exception(error)
+        elif kind == ipc.STATE:
+            self.service.engine_state(ipc.parse_state(body))
+        else:
+            raise ipc.ProtocolError(f"unexpected frame kind {kind} from the engine")
+
+    def protocol_error(self, exc: ipc.ProtocolError) -> None:
+        log.error("engine connection: %s", exc)
+        super().protocol_error(exc)
+
+    def lost(self, exc: Exception | None) -> None:
+        error = InternalError("the engine process stopped before answering; retry")
+        for item, _ in self.pending.values():
+            if not item.future.done():
+                item.future.set_exception(error)
+        self.pending.clear()
+        self.service.engine_lost(exc)
+
+
+class RemoteBatcher:
+    """``Batcher``'s interface for the routes, forwarding each request to the engine's batcher of the layer."""
+
+    def __init__(self, layer: Layer, index: int, client: EngineClient) -> None:
+        self.layer = layer
+        self.index = index  # the layer's position in the engine's list (checked against the engine's STATE)
+        self.client = client
+        self._draining = False
+
+    @property
+    def depth(self) -> int:
+        """Requests queued here: none (the queue is in the engine)."""
+        return 0
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; those sent are still answered."""
+        self._draining = True
+
+    def submit(self, x: torch.Tensor, *, received: float | None = None,
+               deadline: float | None = None) -> RemotePending:
+        """Send ``x`` ([n, C_in, H, W], validated) to the engine; the returned entry's future gets the answer.
+
+        Raises:
+            NotReadyError: draining, or the engine connection is gone (503).
+        """
+        if self._draining:
+            raise NotReadyError("server is shutting down")
+        client = self.client
+        if client.transport is None or client.transport.is_closing():
+            raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
+        item = RemotePending(next(client.ids), asyncio.get_running_loop().create_future())
+        client.pending[item.request_id] = (item, x.dtype)
+        client.send(ipc.submit_frame(item.request_id, self.index, x,
+                                     time.monotonic() if received is None else received, deadline))
+        return item
+
+    def drop(self, item: RemotePending, reason: str) -> bool:
+        """Give up on a request: the engine takes it out of its queue if it has not run yet.
+
+        Returns True when nobody waits for it any more; False for ``"deadline"``, whose outcome the engine
+        decides (504 if it was still queued, else its result), and for a request already answered.
+        """
+        if item.state != "queued" or item.future.done():
+            return False
+        self.client.send(ipc.drop_frame(item.request_id, reason))
+        if reason == "deadline":
+            item.state = "dropping"
+            return False
+        item.state = "dropped"
+        self.client.pending.pop(item.request_id, None)
+        item.future.cancel()
+        return True
+
+
+class FrontendService(Service):
+    """The service of an HTTP process: the layer repository (to validate and describe) and the engine link."""
+
+    def __init__(self, settings: Settings, engine_socket: str) -> None:
+        super().__init__(settings)
+        self.engine_socket = engine_socket
+        self.client: EngineClient | None = None
+        self.reason = "starting: waiting for the engine process"
+        self._frozen = False
+
+    @property
+    def idle(self) -> bool:
+        """Whether every request sent to the engine has been answered."""
+        return self.client is None or not self.client.pending
+
+    def _drain_now(self) -> None:
+        waiting = len(self.client.pending) if self.client is not None else 0
+        log.info("draining: not ready any more; waiting for the engine to answer %d request(s)", waiting)
+        for batcher in self.batchers.values():
+            batcher.begin_drain()
+
+    async def start(self) -> None:
+        """Load the repository (the same files as the engine) and connect to the engine.
+
+        Raises:
+            RepositoryError: the layer repository is invalid.
+            ConnectionError: the engine socket did not accept a connection within ``CONNECT_TIMEOUT_S``.
+        """
+        from service.engine import watch_parent
+
+        self._loop = loop = asyncio.get_running_loop()
+        parent_gone = asyncio.Event()
+
+        def on_parent_gone() -> None:
+            parent_gone.set()
+            _terminate()
+
+        watch_parent(lambda: loop.call_soon_threadsafe(on_parent_gone))
+        self.registry = self.load_registry(weights=False)  # the engine holds the weights; shapes suffice here
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                _, client = await loop.create_unix_connection(lambda: EngineClient(self), self.engine_socket)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline or parent_gone.is_set():
+                    raise ConnectionError(f"no engine at {self.engine_socket}: {exc}") from exc
+                await asyncio.sleep(0.05)
+        assert isinstance(client, EngineClient)
+        self.client = client
+        for index, layer in enumerate(self.registry):
+            self.batchers[layer.name] = RemoteBatcher(layer, index, client)
+
+    def engine_state(self, state: dict[str, Any]) -> None:
+        """Take over the engine's readiness (unless this process is draining)."""
+        assert self.registry is not None
+        self.backend = str(state["backend"])
+        if state["layers"] != self.registry.names():
+            new, reason = "failed", (f"the engine serves layers {state['layers']}, this process "
+                                     f"{self.registry.names()}: the repository changed while starting; restart")
+        else:
+            new, reason = str(state["state"]), str(state["reason"])
+        if self.state == "draining" or (self.state == "failed" and new != "failed"):
+            return
+        self.state, self.reason = new, reason
+        self.metrics.ready.set(1 if new == "ready" else 0)
+        if new == "ready" and self.freeze_gc and not self._frozen:
+            self._frozen = True
+            freeze_heap()
+
+    def engine_lost(self, exc: Exception | None) -> None:
+        """The engine connection closed: not ready from now on (the supervisor stops the server)."""
+        if self.state != "draining":
+            log.error("the engine connection was lost%s; not ready", f": {exc}" if exc else "")
+            self.state, self.reason = "failed", "the engine process is gone"
+            self.metrics.ready.set(0)
+
+    async def stop(self) -> None:
+        """Refuse new work and wait (bounded by the request timeout) until the engine answered what was sent."""
+        self.begin_drain()
+        drained = await self.wait_idle(self.settings.request_timeout_s)
+        if not drained:
+            log.error("draining took longer than %.0f s", self.settings.request_timeout_s)
+        if self.client is not None:
+            self.client.close()
+        self.drained = drained
+        log.info("stopped" if drained else "stopped; the drain was incomplete")
+
+
+def _terminate() -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m service.frontend --engine-socket PATH --fd N``."""
+    from service.server import serve
+
+    parser = argparse.ArgumentParser(prog="python -m service.frontend",
+                                     description="An HTTP process of a multi-process deconv server.")
+    parser.add_argument("--engine-socket", required=True, help="the engine's Unix socket")
+    parser.add_argument("--fd", type=int, required=True, help="inherited listening socket")
+    args = parser.parse_args(argv)
+    settings = load_settings()
+    configure_logging(settings, "http %(process)d")
+    app = create_app(settings, engine_socket=args.engine_socket)
+    app.state.service.freeze_gc = True
+    sys.exit(serve(app, settings, sockets=[socket.socket(fileno=args.fd)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The multi-process server (``DECONV_HTTP_PROCESSES`` > 1): its frames, and what its supervisor does when a
+process fails. Behaviour seen from outside (batching, 429, 504, drain, tritonclient) is covered by test_server.py,
+which runs every server test in both modes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from service import ipc
+from service.errors import DeadlineExceededError, InternalError, OverloadedError
+
+from .conftest import (
+    NPY,
+    REPO_ROOT,
+    ServerProcess,
+    load_npy,
+    metric_value,
+    npy_bytes,
+    reference,
+    rel_err,
+    run,
+    write_layer,
+)
+
+# --- frames ---------------------------------------------------------------------------------------------------
+
+
+class Recorder(ipc.FrameProtocol):
+    """Collects the frames it receives; remembers a protocol error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[tuple[int, bytearray]] = []
+        self.error: ipc.ProtocolError | None = None
+
+    def frame_received(self, kind: int, body: bytearray) -> None:
+        self.frames.append((kind, body))
+
+    def protocol_error(self, exc: ipc.ProtocolError) -> None:
+        self.error = exc
+
+
+def _wire(parts: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def _feed(data: bytes, chunk: int) -> Recorder:
+    async def main() -> Recorder:
+        rec = Recorder()
+        for i in range(0, len(data), chunk):
+            rec.data_received(data[i:i + chunk])
+        return rec
+
+    return run(main())
+
+
+@pytest.mark.parametrize("dtype", ipc.DTYPES)
+def test_submit_and_result_round_trip_bit_exact(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, 5, 7, generator=g, dtype=torch.float64).to(dtype)
+    data = _wire(ipc.submit_frame(41, 2, x, 123.5, 130.25)) + _wire(ipc.submit_frame(42, 0, x[:1], 1.0, None))
+    y = torch.randn(3, 6, 10, 14, generator=g, dtype=torch.float64).to(dtype)
+    data += _wire(ipc.result_frame(41, y, 17, 5, 0.00125, "cuda:0"))
+    for chunk in (1, 7, 4096):  # frames split anywhere in the stream are reassembled
+        rec = _feed(data, chunk)
+        assert rec.error is None
+        assert [k for k, _ in rec.frames] == [ipc.SUBMIT, ipc.SUBMIT, ipc.RESULT]
+        a, b = (ipc.parse_submit(body) for _, body in rec.frames[:2])
+        assert (a.request_id, a.layer, a.received, a.deadline) == (41, 2, 123.5, 130.25)
+        assert (b.request_id, b.layer, b.deadline) == (42, 0, None)
+        assert a.x.dtype == dtype
+        assert torch.equal(a.x, x)
+        assert torch.equal(b.x, x[:1])
+        out = ipc.parse_result(rec.frames[2][1], dtype)
+        assert (out.request_id, out.batch_samples, out.batch_requests, out.worker) == (41, 17, 5, "cuda:0")
+        assert out.queue_s == 0.00125
+        assert torch.equal(out.y, y)
+
+
+def test_error_state_and_drop_frames() -> None:
+    data = (_wire(ipc.error_frame(7, OverloadedError("queue full", retry_after_s=2.5)))
+            + _wire(ipc.error_frame(8, DeadlineExceededError("late")))
+            + _wire(ipc.state_frame("ready", "ready", "cuda", ["a", "b"]))
+            + _wire(ipc.drop_frame(9, "deadline")))
+    rec = _feed(data, 3)
+    (k1, e1), (k2, e2), (k3, s), (k4, d) = rec.frames
+    assert (k1, k2, k3, k4) == (ipc.ERROR, ipc.ERROR, ipc.STATE, ipc.DROP)
+    rid, err = ipc.parse_error(e1)
+    assert rid == 7
+    assert isinstance(err, OverloadedError)
+    assert (err.status, err.message, err.headers) == (429, "queue full", {"Retry-After": "3"})
+    rid, err = ipc.parse_error(e2)
+    assert rid == 8
+    assert isinstance(err, DeadlineExceededError)
+    assert err.status == 504
+    assert ipc.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"]}
+    assert ipc.parse_drop(d) == (9, "deadline")
+
+
+def test_unknown_error_type_becomes_internal() -> None:
+    body = bytearray((5).to_bytes(8, "little")) + b'{"type": "no_such_type", "message": "m", "headers": {}}'
+    rid, err = ipc.parse_error(body)
+    assert rid == 5
+    assert isinstance(err, InternalError)
+    assert err.message == "m"
+
+
+@pytest.mark.parametrize("bad", [
+    b"\x00\x00\x00\x00",  # a frame of length 0
+    bytes(ipc._frame(ipc.SUBMIT, b"\x01\x02")[0]) + b"\x01\x02",  # a SUBMIT too short for its header
+])
+def test_malformed_frames_are_protocol_errors(bad: bytes) -> None:
+    rec = _feed(bad + b"\x00" * 8, 64)
+    if rec.error is None:
+        with pytest.raises(ipc.ProtocolError):
+            ipc.parse_submit(rec.frames[0][1])
+    else:
+        assert "empty frame" in str(rec.error)
+
+
+def test_tensor_size_must_match_its_header() -> None:
+    x = torch.ones(1, 2, 3, 4)
+    frame = bytearray(_wire(ipc.submit_frame(1, 0, x, 0.0, None)))
+    with pytest.raises(ipc.ProtocolError, match="needs 96 bytes, the frame holds 92"):
+        ipc.parse_submit(frame[5:-4])
+    assert math.isnan(ipc._SUBMIT.unpack_from(frame, 5)[-1])  # no deadline travels as NaN
+
+
+# --- the processes --------------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0): look at its state.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"processes still running: {[p for p in pids if not _gone(p)]}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> tuple[Path, Any]:
+    module = write_layer(tmp_path, "fast", in_channels=4, out_channels=6, kernel_size=4, stride=2, padding=1)
+    return tmp_path, module
+
+
+def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo, server_factory):
+    root, module = repo
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "3",
+                           "DECONV_MAX_QUEUE_DELAY_MS": "300"})
+    assert len(_children(proc.proc.pid)) == 4  # the engine and three HTTP processes
+
+    async def main() -> None:
+        xs = [np.random.default_rng(i).standard_normal((1, 4, 5, 5)).astype(np.float32) for i in range(24)]
+
+        async def one(x: np.ndarray) -> httpx.Response:  # its own connection: any HTTP process may accept it
+            async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+                return await client.post("/deconv?layer=fast", content=npy_bytes(x), headers={"content-type": NPY})
+
+        responses = await asyncio.gather(*(one(x) for x in xs))
+        for x, r in zip(xs, responses, strict=True):
+            assert r.status_code == 200, r.text[:300]
+            assert rel_err(load_npy(r.content), reference(module, torch.from_numpy(x))) < 1e-5
+        assert max(int(r.headers["x-deconv-batch-size"]) for r in responses) > 1
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            texts = [(await client.get("/metrics")).text for _ in range(6)]
+        for text in texts:  # whichever process answers, it reports every process's counts
+            assert metric_value(text, "deconv_requests_total", layer="fast", api="native", status="200") == 24
+            assert metric_value(text, "deconv_batch_size_sum", layer="fast") == 24
+            assert metric_value(text, "deconv_ready") == 1
+
+    run(main())
+
+
+def test_engine_death_stops_the_server(repo, server_factory):
+    root, _ = repo
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2"})
+    children = _children(proc.proc.pid)
+    engine = next(p for p in children if b"service.engine" in Path(f"/proc/{p}/cmdline").read_bytes())
+    os.kill(engine, signal.SIGKILL)
+    assert proc.proc.wait(30) == 1
+    _wait_gone(children)
+    log = proc.log()
+    assert "the engine (pid" in log
+    assert "exited with status -9: stopping the server" in log
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{proc.url}/health/live", timeout=2)
+
+
+def test_children_stop_when_the_supervisor_is_killed(repo, tmp_path):
+    root, _ = repo
+    proc = ServerProcess({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2"},
+                         tmp_path / "server.log")
+    try:
+        proc.wait_ready()
+        children = _children(proc.proc.pid)
+        assert len(children) == 3
+        proc.proc.kill()
+        _wait_gone(children)
+        assert "the supervisor is gone: shutting down" in proc.log()
+    finally:
+        proc.stop()
+
+
+def test_port_in_use_fails_at_start(repo, tmp_path):
+    root, _ = repo
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "DECONV_LAYER_REPOSITORY": str(root), "DECONV_DEVICES": "cpu",
+               "DECONV_HTTP_PROCESSES": "2", "DECONV_HOST": "127.0.0.1", "DECONV_PORT": str(port)}
+        done = subprocess.run([sys.executable, "-m", "service"], cwd=REPO_ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, check=False)
+    assert done.returncode == 3
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
