@@ -47,7 +47,7 @@ _DROP = struct.Struct("<QB")
 _RESULT = struct.Struct("<QIId4IB")
 _ID = struct.Struct("<Q")
 
-# A frame longer than this is a bug on the other side: the connection is closed rather than buffering it.
+# The length field is 32 bits: a larger frame cannot be sent (the sender raises ProtocolError).
 MAX_FRAME_BYTES = 2**32 - 1
 
 _ERROR_TYPES: dict[str, type[errors.ServiceError]] = {}
