@@ -22,10 +22,11 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from service.codec import AnyTensor
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
 from service.metrics import Metrics
 from service.registry import Layer
@@ -44,7 +45,7 @@ class Executor(Protocol):
         """Give back an unused slot."""
         ...
 
-    async def run(self, slot: Any, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def run(self, slot: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         """Execute one batch on the reserved slot (released when done); one output per input."""
         ...
 
@@ -83,11 +84,11 @@ class Queue(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Result:
-    """What a request gets back: its output and how it was batched."""
+class Result(NamedTuple):
+    """What a request gets back: its output and how it was batched (a tuple: cheaper to make than a frozen
+    dataclass, and the engine process makes one per request)."""
 
-    output: torch.Tensor  # [n, C_out, H_out, W_out]
+    output: AnyTensor  # [n, C_out, H_out, W_out] (a RawTensor when the input was one)
     batch_samples: int  # samples in the kernel call this request shared
     batch_requests: int  # requests in that kernel call
     queue_s: float  # time from enqueue to the start of the batch
@@ -99,7 +100,7 @@ class Pending:
     """A queued request: its input, its limits and its future."""
 
     seq: int
-    x: torch.Tensor  # [n, C_in, H, W]
+    x: AnyTensor  # [n, C_in, H, W]
     key: tuple[torch.dtype, int, int]  # (dtype, H, W): requests with equal keys can share a kernel call
     samples: int
     out_bytes: int
@@ -166,6 +167,7 @@ class Batcher:
             self._remove(item, "dropped")
             if not item.future.done():
                 item.future.set_exception(NotReadyError("server is shutting down"))
+        self._report_depth()
 
     @property
     def depth(self) -> int:
@@ -174,7 +176,7 @@ class Batcher:
 
     # --- the door -----------------------------------------------------------------------------------------
 
-    def submit(self, x: torch.Tensor, *, received: float | None = None, deadline: float | None = None) -> Pending:
+    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None) -> Pending:
         """Queue ``x`` ([n, C_in, H, W], already validated against the layer) and return its pending entry.
 
         Args:
@@ -217,6 +219,7 @@ class Batcher:
         if item.state != "queued":
             return False
         self._remove(item, "dropped")
+        self._report_depth()
         if not item.future.done():
             item.future.cancel()
         if self.metrics is not None:
@@ -293,6 +296,7 @@ class Batcher:
                     item.future.set_exception(DeadlineExceededError(
                         f"deadline passed after {1e3 * (now - item.enqueued):.0f} ms in the queue"))
         if not self._queue:
+            self._report_depth()
             return []
         key = next(iter(self._queue.values())).key
         limits = self.layer.limits
@@ -309,6 +313,7 @@ class Batcher:
             nbytes += item.out_bytes
         for item in batch:
             self._remove(item, "running")
+        self._report_depth()  # once per batch rather than once per request
         return batch
 
     def _remove(self, item: Pending, state: str) -> None:
@@ -319,7 +324,6 @@ class Batcher:
             if totals[0] == 0:
                 del self._totals[item.key]
         item.state = state
-        self._report_depth()
 
     def _report_depth(self) -> None:
         if self.metrics is not None:

@@ -78,13 +78,76 @@ def view_tensor(buf: BufferLike, offset: int, dtype: torch.dtype, shape: Sequenc
     count = math.prod(shape)
     if count == 0:
         return torch.empty(tuple(shape), dtype=dtype)
-    with warnings.catch_warnings():
-        # A read-only buffer (bytes) is fine here: the service never writes into request tensors.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    if isinstance(buf, bytearray) or (isinstance(buf, memoryview) and not buf.readonly):
         flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+    else:
+        with warnings.catch_warnings():
+            # A read-only buffer (bytes) is fine here: the service never writes into request tensors.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
     if flat.data_ptr() % flat.element_size():
         flat = flat.clone()
     return flat.view(tuple(shape))
+
+
+class RawTensor:
+    """A dense C-order tensor kept as the bytes it arrived in, not yet (or no longer) a torch tensor.
+
+    The engine process of a multi-process server queues its requests as these: a torch tensor per request would
+    cost its event loop more than the rest of the request's handling. The worker copies a batch's inputs into
+    one staging tensor (``copy_into``) and hands back each request's output as a slice of the batch's
+    output (``split_rows``).
+    """
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        if data.nbytes != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{data.nbytes} bytes cannot hold a {list(shape)} {dtype} tensor")
+        self.data = data  # C-contiguous bytes (format "B")
+        self.dtype = dtype
+        self.shape = shape
+
+    def element_size(self) -> int:
+        """Bytes per element, as ``torch.Tensor.element_size``."""
+        return self.dtype.itemsize
+
+    def tensor(self) -> torch.Tensor:
+        """A torch tensor over the same bytes (no copy when aligned)."""
+        return view_tensor(self.data, 0, self.dtype, self.shape)
+
+
+AnyTensor = torch.Tensor | RawTensor
+"""A request's input or output: a torch tensor, or (in the engine process) a ``RawTensor``."""
+
+
+def copy_into(dst: torch.Tensor, parts: Sequence[RawTensor]) -> None:
+    """Fill ``dst`` (contiguous, on the CPU, of the parts' dtype) with ``parts`` one after the other."""
+    out = tensor_bytes(dst)
+    offset = 0
+    for part in parts:
+        end = offset + part.data.nbytes
+        out[offset:end] = part.data
+        offset = end
+    if offset != out.nbytes:
+        raise ValueError(f"the parts hold {offset} bytes, the destination {out.nbytes}")
+
+
+def split_rows(y: torch.Tensor, sizes: Sequence[int]) -> list[RawTensor]:
+    """``y`` [sum(sizes), ...] (contiguous, on the CPU) as one ``RawTensor`` per ``sizes`` entry of rows.
+
+    The parts are views of ``y``'s memory, which stays allocated as long as any of them lives.
+    """
+    data = tensor_bytes(y)
+    row_shape = tuple(int(d) for d in y.shape[1:])
+    row_bytes = math.prod(row_shape) * y.element_size()
+    parts = []
+    offset = 0
+    for n in sizes:
+        end = offset + n * row_bytes
+        parts.append(RawTensor(data[offset:end], y.dtype, (n, *row_shape)))
+        offset = end
+    return parts
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

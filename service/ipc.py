@@ -29,12 +29,12 @@ import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from service import errors
-from service.codec import tensor_bytes, view_tensor
+from service.codec import RawTensor, tensor_bytes, view_tensor
 
 SUBMIT, DROP, STATE, RESULT, ERROR = 1, 2, 3, 4, 5
 
@@ -97,13 +97,13 @@ def state_frame(state: str, reason: str, backend: str, layers: list[str]) -> lis
     return _frame(STATE, body)
 
 
-def result_frame(request_id: int, y: torch.Tensor, batch_samples: int, batch_requests: int, queue_s: float,
-                 worker: str) -> list[bytes | memoryview]:
+def result_frame(request_id: int, y: torch.Tensor | RawTensor, batch_samples: int, batch_requests: int,
+                 queue_s: float, worker: str) -> list[bytes | memoryview]:
     """``RESULT`` carrying output ``y`` ``[N, C, H, W]``."""
     name = worker.encode()[:255]
-    n, c, h, w = (int(d) for d in y.shape)
+    n, c, h, w = y.shape
     head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name))
-    return _frame(RESULT, head, name, tensor_bytes(y))
+    return _frame(RESULT, head, name, y.data if isinstance(y, RawTensor) else tensor_bytes(y))
 
 
 def error_frame(request_id: int, error: errors.ServiceError) -> list[bytes | memoryview]:
@@ -115,13 +115,12 @@ def error_frame(request_id: int, error: errors.ServiceError) -> list[bytes | mem
 # --- decoding -------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Submit:
-    """A decoded ``SUBMIT``."""
+class Submit(NamedTuple):
+    """A decoded ``SUBMIT`` (a tuple: the engine makes one per request)."""
 
     request_id: int
     layer: int
-    x: torch.Tensor
+    x: RawTensor  # a view of the frame's body
     received: float
     deadline: float | None
 
@@ -146,13 +145,18 @@ def _tensor(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, 
 
 
 def parse_submit(body: bytearray) -> Submit:
-    """Decode a ``SUBMIT`` body; the tensor is a view of ``body``."""
+    """Decode a ``SUBMIT`` body; the input is a ``RawTensor`` over ``body`` (no torch tensor: see ``RawTensor``)."""
     try:
         rid, layer, code, _, n, c, h, w, received, deadline = _SUBMIT.unpack_from(body)
         dtype = DTYPES[code]
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"bad SUBMIT frame: {exc}") from exc
-    x = _tensor(body, _SUBMIT.size, dtype, (n, c, h, w))
+    shape = (n, c, h, w)
+    need = n * c * h * w * dtype.itemsize
+    if len(body) - _SUBMIT.size != need:
+        raise ProtocolError(f"tensor {list(shape)} {dtype} needs {need} bytes, the frame holds "
+                            f"{len(body) - _SUBMIT.size}")
+    x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
     return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
+from service.codec import AnyTensor, RawTensor, copy_into, split_rows
 from service.errors import InternalError
 from service.faults import Faults
 from service.metrics import Metrics
@@ -46,7 +47,7 @@ WORKER_TIMEOUT_S = 120.0
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
 # A batch handed to the worker thread: its future, its layer and its inputs.
-_Job = tuple["Future[list[torch.Tensor]]", Layer, list[torch.Tensor]]
+_Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 
 
 def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
@@ -64,7 +65,7 @@ def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def _settle(future: Future[list[torch.Tensor]], result: list[torch.Tensor] | None = None,
+def _settle(future: Future[list[AnyTensor]], result: list[AnyTensor] | None = None,
             error: BaseException | None = None) -> None:
     # A future failed by a restart may still get an answer from the abandoned thread: the first one wins.
     try:
@@ -100,7 +101,7 @@ class Worker:
         self._stopping = False
         self._generation = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._held: set[Future[list[torch.Tensor]]] = set()  # batches handed to the current thread, unanswered
+        self._held: set[Future[list[AnyTensor]]] = set()  # batches handed to the current thread, unanswered
         self._abandoned: list[threading.Thread] = []  # replaced threads, joined at shutdown if they come back
         self._thread = self._start_thread()
 
@@ -149,9 +150,9 @@ class Worker:
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
 
-    def submit(self, layer: Layer, inputs: list[torch.Tensor]) -> Future[list[torch.Tensor]]:
+    def submit(self, layer: Layer, inputs: list[AnyTensor]) -> Future[list[AnyTensor]]:
         """Hand a batch to the thread; the future resolves with one output per input (or ``InternalError``)."""
-        future: Future[list[torch.Tensor]] = Future()
+        future: Future[list[AnyTensor]] = Future()
         with self._lock:
             if self._stopping:
                 raise InternalError(f"worker {self.name} is stopped")
@@ -204,8 +205,12 @@ class Worker:
             torch.cuda.synchronize(self.device)  # the worker's stream reads them later
         self._weights[layer.name] = (w, b)
 
-    def run_batch(self, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run_batch(self, layer: Layer, inputs: list[AnyTensor]
+                  ) -> list[AnyTensor]:
         """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
+
+        Inputs that are ``RawTensor`` (the engine process's requests) get ``RawTensor`` outputs: views of the
+        batch's output, so that the event loop handles no torch tensor per request.
 
         Raises:
             InternalError: the kernel failed, or even one sample does not fit in GPU memory.
@@ -220,8 +225,9 @@ class Worker:
             if self.is_cuda:
                 y = self._run_cuda(layer, inputs, weight, bias)
             else:
-                x = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-                y = self._forward_span(layer, x, weight, bias, None)
+                y = self._forward_span(layer, _gather(inputs), weight, bias, None)
+            if isinstance(inputs[0], RawTensor):
+                return split_rows(y.contiguous(), sizes)
             return list(y.split(sizes))
         except InternalError:
             raise
@@ -240,7 +246,7 @@ class Worker:
                 self.metrics.worker_busy.labels(self.name).set(0)
                 self.metrics.worker_batches.labels(self.name).inc()
 
-    def _run_cuda(self, layer: Layer, inputs: list[torch.Tensor], weight: torch.Tensor,
+    def _run_cuda(self, layer: Layer, inputs: list[AnyTensor], weight: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
         assert self._stream is not None
         n = sum(int(x.shape[0]) for x in inputs)
@@ -249,7 +255,7 @@ class Worker:
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             # One copy from the request bodies into pinned memory; uploads and downloads are then asynchronous.
             host_in = torch.empty((n, c_in, h, w), dtype=layer.dtype, pin_memory=True)  # [N, C_in, H, W]
-            torch.cat(inputs, out=host_in)
+            _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
             self._forward_span(layer, host_in, weight, bias, host_out)
@@ -310,6 +316,21 @@ class Worker:
                           timeout_s)
 
 
+def _gather(inputs: list[AnyTensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inputs concatenated along the batch dimension (into ``out`` when given)."""
+    if isinstance(inputs[0], RawTensor):
+        raw: list[RawTensor] = inputs  # type: ignore[assignment]
+        if out is None:
+            n = sum(x.shape[0] for x in raw)
+            out = torch.empty((n, *raw[0].shape[1:]), dtype=raw[0].dtype)
+        copy_into(out, raw)
+        return out
+    tensors: list[AnyTensor] = inputs  # type: ignore[assignment]
+    if out is not None:
+        return torch.cat(tensors, out=out)
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 class WorkerPool:
     """The workers, and which of them gets the next batch."""
 
@@ -352,7 +373,7 @@ class WorkerPool:
         if self._freed is not None:
             self._freed.set()
 
-    async def run(self, worker: Worker, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def run(self, worker: Worker, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         """Execute a batch on ``worker`` (reserved with ``acquire``; released here) off the event loop."""
         n = sum(int(x.shape[0]) for x in inputs)
         worker.inflight_samples += n

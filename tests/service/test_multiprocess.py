@@ -21,7 +21,11 @@ import pytest
 import torch
 
 from service import ipc
+from service.codec import RawTensor, copy_into, split_rows, tensor_bytes
+from service.config import DEFAULT_LAYER_REPOSITORY
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
+from service.registry import BatchLimits, load_repository
+from service.worker import Worker
 
 from .conftest import (
     NPY,
@@ -82,13 +86,54 @@ def test_submit_and_result_round_trip_bit_exact(dtype: torch.dtype) -> None:
         a, b = (ipc.parse_submit(body) for _, body in rec.frames[:2])
         assert (a.request_id, a.layer, a.received, a.deadline) == (41, 2, 123.5, 130.25)
         assert (b.request_id, b.layer, b.deadline) == (42, 0, None)
-        assert a.x.dtype == dtype
-        assert torch.equal(a.x, x)
-        assert torch.equal(b.x, x[:1])
+        assert (a.x.dtype, a.x.shape, b.x.shape) == (dtype, (3, 4, 5, 7), (1, 4, 5, 7))
+        assert torch.equal(a.x.tensor(), x)
+        assert torch.equal(b.x.tensor(), x[:1])
         out = ipc.parse_result(rec.frames[2][1], dtype)
         assert (out.request_id, out.batch_samples, out.batch_requests, out.worker) == (41, 17, 5, "cuda:0")
         assert out.queue_s == 0.00125
         assert torch.equal(out.y, y)
+
+
+@pytest.mark.parametrize("dtype", ipc.DTYPES)
+def test_raw_tensors_gather_and_split_bit_exact(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(n, 3, 4, 5, generator=g, dtype=torch.float64).to(dtype) for n in (2, 1, 3)]
+    raws = [RawTensor(memoryview(bytearray(tensor_bytes(x))), dtype, tuple(x.shape)) for x in xs]
+    staged = torch.full((6, 3, 4, 5), float("nan"), dtype=dtype)
+    copy_into(staged, raws)
+    assert torch.equal(staged, torch.cat(xs))
+    with pytest.raises(ValueError, match=r"the parts hold \d+ bytes, the destination"):
+        copy_into(torch.empty(3, 3, 4, 5, dtype=dtype), raws[:1])
+    parts = split_rows(staged, [2, 1, 3])
+    assert [p.shape for p in parts] == [(2, 3, 4, 5), (1, 3, 4, 5), (3, 3, 4, 5)]
+    for part, x in zip(parts, xs, strict=True):
+        assert torch.equal(part.tensor(), x)
+    # A RESULT built from a RawTensor carries the same bytes as one built from the tensor.
+    assert b"".join(ipc.result_frame(1, parts[2], 6, 3, 0.0, "w")) == b"".join(
+        ipc.result_frame(1, xs[2], 6, 3, 0.0, "w"))
+    with pytest.raises(ValueError, match="cannot hold"):
+        RawTensor(memoryview(b"\0" * 7), dtype, (1, 1, 1, 1))
+
+
+def test_cpu_worker_answers_raw_inputs_with_raw_outputs() -> None:
+    layer = load_repository(DEFAULT_LAYER_REPOSITORY, BatchLimits(64, 1 << 28, 2.0, 256)).get("demo")
+    assert layer is not None
+    worker = Worker(torch.device("cpu"))
+    worker.load(layer)
+    g = torch.Generator().manual_seed(3)
+    c = layer.config
+    xs = [torch.randn(n, c.in_channels, 6, 5, generator=g).to(layer.dtype) for n in (1, 2)]
+    raws = [RawTensor(memoryview(bytearray(tensor_bytes(x))), x.dtype, tuple(x.shape)) for x in xs]
+    try:
+        expected = worker.run_batch(layer, xs)
+        got = worker.run_batch(layer, raws)
+    finally:
+        worker.shutdown()
+    assert all(isinstance(y, RawTensor) for y in got)
+    for y, ref in zip(got, expected, strict=True):
+        assert isinstance(ref, torch.Tensor)
+        assert torch.equal(y.tensor(), ref)
 
 
 def test_error_state_and_drop_frames() -> None:
