@@ -101,14 +101,18 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, l
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
-def process_tree_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``pid`` and of each child, keyed ``"<pid> <command>"``."""
+def process_tree_cpu(pid: int, main_thread: bool = False) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``pid`` and of each child, keyed ``"<pid> <command>"``.
+
+    ``main_thread``: of each process's main thread only (its event loop; the GPU worker is another thread).
+    """
     tick = os.sysconf("SC_CLK_TCK")
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
     cpu = {}
     for p in [pid, *(int(c) for c in out.split())]:
+        stat = f"/proc/{p}/task/{p}/stat" if main_thread else f"/proc/{p}/stat"
         try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
@@ -321,12 +325,23 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
     try:
         wait_ready(url, proc, args.startup_timeout, log_path if proc else None,
                    args.http_processes if name in ("batching", "no-batching") else 0)  # naive: no /metrics
+        limits = None
+        if name != "naive":  # the batching limits the server applied to the layer (defaults included)
+            info = httpx.get(f"{url}/v1/layers/{args.layer}", timeout=5).json()
+            limits = {k: info[k] for k in ("max_batch_size", "max_batch_bytes", "max_queue_delay_ms",
+                                          "max_queue_size")}
         sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
         before = process_tree_cpu(proc.pid) if proc is not None else {}
+        before_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
         result = drive_processes(url, args, args.requests)
         after = process_tree_cpu(proc.pid) if proc is not None else {}
-        # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes).
+        after_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+        # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes), and
+        # of each process's main thread (the event loop: at about wall_s, that loop is what limits throughput).
+        result["layer_limits"] = limits
         result["server_cpu_s"] = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
+        result["server_main_thread_cpu_s"] = {k: round(after_main[k] - before_main.get(k, 0.0), 2)
+                                              for k in after_main}
     finally:
         if proc is not None:
             stop_server(proc)
@@ -337,7 +352,7 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
 
 def print_table(results: list[dict[str, Any]]) -> None:
     head = (f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7} "
-            f"{'srv us/req':>10}")
+            f"{'srv us/req':>10} {'busiest loop':>12}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -348,9 +363,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
         cpu = r.get("server_cpu_s")
         per_req = 1e6 * sum(cpu.values()) / r["requests"] if cpu else None  # server CPU per request, all processes
+        loops = r.get("server_main_thread_cpu_s")
+        busiest = 100 * max(loops.values()) / r["wall_s"] if loops else None  # % of one core, busiest event loop
         print(f"{r['scenario']:<12} {r['requests_per_s']:>9.1f} {fmt(r['p50_ms'], '>9.2f')} "
               f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7} "
-              f"{fmt(per_req, '>10.0f')}")
+              f"{fmt(per_req, '>10.0f')} {f'{busiest:.0f}%' if busiest is not None else '-':>12}")
 
 
 def main() -> None:
