@@ -134,9 +134,10 @@ def copy_into(dst: torch.Tensor, parts: Sequence[RawTensor]) -> None:
 
 
 def split_rows(y: torch.Tensor, sizes: Sequence[int]) -> list[RawTensor]:
-    """``y`` [sum(sizes), ...] (contiguous, on the CPU) as one ``RawTensor`` per ``sizes`` entry of rows.
+    """``y`` [sum(sizes), ...] as one ``RawTensor`` per ``sizes`` entry of rows.
 
-    The parts are views of ``y``'s memory, which stays allocated as long as any of them lives.
+    The parts are views of ``y``'s memory when ``y`` is contiguous on the CPU (else of a contiguous copy), which
+    stays allocated as long as any of them lives.
     """
     data = tensor_bytes(y)
     row_shape = tuple(int(d) for d in y.shape[1:])

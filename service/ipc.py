@@ -137,10 +137,14 @@ class Output:
     worker: str
 
 
-def _tensor(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+def _check_tensor_bytes(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     need = math.prod(shape) * dtype.itemsize
     if len(body) - offset != need:
         raise ProtocolError(f"tensor {list(shape)} {dtype} needs {need} bytes, the frame holds {len(body) - offset}")
+
+
+def _tensor(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    _check_tensor_bytes(body, offset, dtype, shape)
     return view_tensor(body, offset, dtype, shape)
 
 
@@ -152,10 +156,7 @@ def parse_submit(body: bytearray) -> Submit:
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"bad SUBMIT frame: {exc}") from exc
     shape = (n, c, h, w)
-    need = n * c * h * w * dtype.itemsize
-    if len(body) - _SUBMIT.size != need:
-        raise ProtocolError(f"tensor {list(shape)} {dtype} needs {need} bytes, the frame holds "
-                            f"{len(body) - _SUBMIT.size}")
+    _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
     x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
     return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline)
 

@@ -227,7 +227,7 @@ class Worker:
             else:
                 y = self._forward_span(layer, _gather(inputs), weight, bias, None)
             if isinstance(inputs[0], RawTensor):
-                return split_rows(y.contiguous(), sizes)
+                return split_rows(y, sizes)
             return list(y.split(sizes))
         except InternalError:
             raise
@@ -325,7 +325,7 @@ def _gather(inputs: list[AnyTensor], out: torch.Tensor | None = None) -> torch.T
             out = torch.empty((n, *raw[0].shape[1:]), dtype=raw[0].dtype)
         copy_into(out, raw)
         return out
-    tensors: list[AnyTensor] = inputs  # type: ignore[assignment]
+    tensors: list[torch.Tensor] = inputs  # type: ignore[assignment]
     if out is not None:
         return torch.cat(tensors, out=out)
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
