@@ -226,6 +226,50 @@ def _forward_cuda(
     return y, KERNEL_PATHS[path]
 
 
+def conv_transpose2d_staged(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    out: torch.Tensor,
+) -> str:
+    """``conv_transpose2d`` from host memory into host memory, for a thread that serves batches.
+
+    Uploads ``input`` ([N, C_in, H, W] on the CPU; pinned memory makes the copy asynchronous) to ``weight``'s GPU,
+    runs the kernels, writes the output into ``out`` ([N, C_out, H_out, W_out], contiguous, on the CPU) and waits
+    for the current CUDA stream, releasing the GIL once for all of it rather than once per tensor operation. No
+    autograd. Returns the kernel family that ran.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
+    """
+    if input.dim() != 4 or input.device.type != "cpu" or out.device.type != "cpu" or not weight.is_cuda:
+        raise ConvTranspose2dArgumentError("conv_transpose2d_staged takes a 4-D CPU input and output and CUDA weights")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    for name, t in (("weight", weight), ("bias", bias), ("out", out)):
+        if t is not None and t.dtype != input.dtype:
+            raise ConvTranspose2dArgumentError(f"{name} dtype {t.dtype} differs from input dtype {input.dtype}")
+    n, c_in, h, w = input.shape
+    if weight.dim() != 4 or weight.shape[0] != c_in or c_in % args.groups != 0:
+        raise ConvTranspose2dArgumentError(f"input has {c_in} channels; weight {list(weight.shape)} with groups "
+                                           f"{args.groups} expects {weight.shape[0]}")
+    c_out = weight.shape[1] * args.groups
+    if bias is not None and (bias.shape != (c_out,) or bias.device != weight.device):
+        raise ConvTranspose2dArgumentError(f"bias must be [{c_out}] on {weight.device}")
+    h_out, w_out = _out_hw(input, weight, args)
+    if min(h, w, h_out, w_out) <= 0 or out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
+        raise ConvTranspose2dArgumentError(f"out must be a contiguous [{n}, {c_out}, {h_out}, {w_out}] tensor for "
+                                           f"input {list(input.shape)}, got {list(out.shape)}")
+    mode = resolve_precision(input.dtype, precision)
+    path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
+                                            list(args.output_padding), list(args.dilation), args.groups, mode, out)
+    return KERNEL_PATHS[path]
+
+
 class _ConvTranspose2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]

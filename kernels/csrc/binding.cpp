@@ -1,6 +1,8 @@
 // Torch binding for the ConvTranspose2d kernels: tensor checks, dtype dispatch and the current CUDA stream.
-// Python (kernels/functional.py) validates arguments first with friendlier messages; these checks are the last
-// line of defence for anyone calling the extension directly.
+// Python (kernels/functional.py) validates arguments first with friendlier messages, and every caller goes through
+// it: these checks are the last line of defence. Known problem: with the GPU machine's torch 2.11 build, a failing
+// TORCH_CHECK here ended the interpreter (SIGSEGV) instead of raising, while errors that torch raises inside calls
+// made from here (out of memory) reach Python as exceptions.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -35,28 +37,27 @@ void check_pair(const std::vector<int64_t>& v, const char* name) {
   TORCH_CHECK(v.size() == 2, "conv_transpose2d expects ", name, " as 2 values (height, width), got ", v.size(), ".");
 }
 
-// Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
-std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
-                                           const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
-                                           const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
-                                           std::vector<int64_t> stride, std::vector<int64_t> padding,
-                                           std::vector<int64_t> output_padding, std::vector<int64_t> dilation,
-                                           int64_t groups, const std::string& precision,
-                                           const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
-                                           int64_t force_path, int64_t force_config) {
+// The sizes of one problem, after every argument check.
+struct Problem {
+  int64_t N, C_in, H_in, W_in, C_out, H_out, W_out, kH, kW;
+};
+
+// Checks the arguments against each other (not the devices); throws with a message naming the first problem.
+Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
+                      const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
+                      const c10::optional<torch::Tensor>& bias, const std::vector<int64_t>& stride,
+                      const std::vector<int64_t>& padding, const std::vector<int64_t>& output_padding,
+                      const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision) {
   check_pair(stride, "stride");
   check_pair(padding, "padding");
   check_pair(output_padding, "output_padding");
   check_pair(dilation, "dilation");
-  TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
   TORCH_CHECK(x.dim() == 4, "conv_transpose2d: input must be 4-D [N, C_in, H, W], got ", x.dim(), "-D.");
   TORCH_CHECK(weight.dim() == 4, "conv_transpose2d: weight must be 4-D [C_in, C_out/groups, kH, kW], got ",
               weight.dim(), "-D.");
-  TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device(),
-              " but input is on ", x.device(), ".");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "conv_transpose2d: weight dtype ", weight.scalar_type(),
               " differs from input dtype ", x.scalar_type(), ".");
-  const deconv::DType dtype = to_dtype(x.scalar_type());
+  to_dtype(x.scalar_type());
   TORCH_CHECK(groups > 0, "conv_transpose2d: groups must be positive, got ", groups, ".");
   for (int i = 0; i < 2; ++i) {
     TORCH_CHECK(stride[i] > 0, "conv_transpose2d: stride must be positive.");
@@ -65,60 +66,60 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
     TORCH_CHECK(output_padding[i] >= 0 && output_padding[i] < std::max(stride[i], dilation[i]),
                 "conv_transpose2d: output_padding must be smaller than either stride or dilation.");
   }
-  const int64_t N = x.size(0), C_in = x.size(1), H_in = x.size(2), W_in = x.size(3);
-  const int64_t kH = weight.size(2), kW = weight.size(3);
-  TORCH_CHECK(kH > 0 && kW > 0, "conv_transpose2d: kernel size must be positive.");
-  TORCH_CHECK(weight.size(0) == C_in, "conv_transpose2d: input has ", C_in, " channels but weight expects ",
+  Problem pr{};
+  pr.N = x.size(0);
+  pr.C_in = x.size(1);
+  pr.H_in = x.size(2);
+  pr.W_in = x.size(3);
+  pr.kH = weight.size(2);
+  pr.kW = weight.size(3);
+  TORCH_CHECK(pr.kH > 0 && pr.kW > 0, "conv_transpose2d: kernel size must be positive.");
+  TORCH_CHECK(weight.size(0) == pr.C_in, "conv_transpose2d: input has ", pr.C_in, " channels but weight expects ",
               weight.size(0), ".");
-  TORCH_CHECK(C_in > 0 && C_in % groups == 0, "conv_transpose2d: input channels (", C_in,
+  TORCH_CHECK(pr.C_in > 0 && pr.C_in % groups == 0, "conv_transpose2d: input channels (", pr.C_in,
               ") must be a positive multiple of groups (", groups, ").");
-  TORCH_CHECK(H_in > 0 && W_in > 0, "conv_transpose2d: input height and width must be positive.");
-  const int64_t C_out = weight.size(1) * groups;
-  TORCH_CHECK(C_out > 0, "conv_transpose2d: weight has no output channels.");
-  const int64_t H_out = out_size(H_in, kH, stride[0], padding[0], output_padding[0], dilation[0]);
-  const int64_t W_out = out_size(W_in, kW, stride[1], padding[1], output_padding[1], dilation[1]);
-  TORCH_CHECK(H_out > 0 && W_out > 0, "conv_transpose2d: output size (", H_out, " x ", W_out,
+  TORCH_CHECK(pr.H_in > 0 && pr.W_in > 0, "conv_transpose2d: input height and width must be positive.");
+  pr.C_out = weight.size(1) * groups;
+  TORCH_CHECK(pr.C_out > 0, "conv_transpose2d: weight has no output channels.");
+  pr.H_out = out_size(pr.H_in, pr.kH, stride[0], padding[0], output_padding[0], dilation[0]);
+  pr.W_out = out_size(pr.W_in, pr.kW, stride[1], padding[1], output_padding[1], dilation[1]);
+  TORCH_CHECK(pr.H_out > 0 && pr.W_out > 0, "conv_transpose2d: output size (", pr.H_out, " x ", pr.W_out,
               ") is too small.");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C_out, "conv_transpose2d: bias must be [", C_out, "].");
-    TORCH_CHECK(bias->device() == x.device(), "conv_transpose2d: bias is on ", bias->device(),
-                " but input is on ", x.device(), ".");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == pr.C_out, "conv_transpose2d: bias must be [", pr.C_out, "].");
+    TORCH_CHECK(bias->device() == weight.device(), "conv_transpose2d: bias is on ", bias->device(),
+                " but weight is on ", weight.device(), ".");
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "conv_transpose2d: bias dtype differs from input.");
   }
   TORCH_CHECK(precision == "fp32" || precision == "tf32",
               "conv_transpose2d: precision must be 'fp32' or 'tf32', got '", precision, "'.");
+  return pr;
+}
 
-  const c10::cuda::CUDAGuard guard(x.device());
+// Runs a checked problem: x, weight, bias and y on one CUDA device, on its current stream. Returns the kernel path.
+int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+               const torch::Tensor& y, const Problem& pr, const std::vector<int64_t>& stride,
+               const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+               const std::string& precision, int64_t force_path, int64_t force_config) {
+  if (pr.N == 0) return 0;
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wc = weight.contiguous();
   torch::Tensor bc;
   if (bias.has_value()) bc = bias->contiguous();
-  torch::Tensor y;
-  if (out.has_value()) {
-    TORCH_CHECK(out->device() == x.device() && out->scalar_type() == x.scalar_type() && out->is_contiguous() &&
-                    out->sizes() == at::IntArrayRef({N, C_out, H_out, W_out}),
-                "conv_transpose2d: out must be a contiguous [", N, ", ", C_out, ", ", H_out, ", ", W_out,
-                "] tensor of the input's dtype and device.");
-    y = *out;
-  } else {
-    y = torch::empty({N, C_out, H_out, W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  }
-  if (N == 0) return {y, 0};
-
   deconv::ConvTranspose2dParams p{};
   p.x = xc.data_ptr();
   p.w = wc.data_ptr();
   p.bias = bias.has_value() ? bc.data_ptr() : nullptr;
   p.y = y.data_ptr();
-  p.N = N;
-  p.C_in = C_in;
-  p.H_in = H_in;
-  p.W_in = W_in;
-  p.C_out = C_out;
-  p.H_out = H_out;
-  p.W_out = W_out;
-  p.kH = kH;
-  p.kW = kW;
+  p.N = pr.N;
+  p.C_in = pr.C_in;
+  p.H_in = pr.H_in;
+  p.W_in = pr.W_in;
+  p.C_out = pr.C_out;
+  p.H_out = pr.H_out;
+  p.W_out = pr.W_out;
+  p.kH = pr.kH;
+  p.kW = pr.kW;
   p.stride_h = stride[0];
   p.stride_w = stride[1];
   p.pad_h = padding[0];
@@ -126,13 +127,8 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   p.dil_h = dilation[0];
   p.dil_w = dilation[1];
   p.groups = groups;
-  p.dtype = dtype;
+  p.dtype = to_dtype(x.scalar_type());
   p.precision = precision == "tf32" ? deconv::Precision::kTF32 : deconv::Precision::kExactFp32;
-  TORCH_CHECK(force_path >= -1 && force_path <= 2,
-              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores) or 2 (narrow), got ",
-              force_path, ".");
-  TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
-              "conv_transpose2d: force_config out of range.");
   p.force_path = static_cast<int>(force_path);
   p.force_config = static_cast<int>(force_config);
   // Scratch (packed weights) from PyTorch's caching allocator, on the current stream: freed when this returns,
@@ -143,12 +139,74 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
     workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
   }
-
   deconv::KernelPath path = deconv::KernelPath::kSimt;
   const cudaError_t err =
       deconv::conv_transpose2d_forward(p, at::cuda::getCurrentCUDAStream(x.device().index()).stream(), &path);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d kernel launch failed: ", cudaGetErrorString(err));
-  return {y, static_cast<int64_t>(path)};
+  return static_cast<int64_t>(path);
+}
+
+// Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
+std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
+                                           const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
+                                           const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
+                                           std::vector<int64_t> stride, std::vector<int64_t> padding,
+                                           std::vector<int64_t> output_padding, std::vector<int64_t> dilation,
+                                           int64_t groups, const std::string& precision,
+                                           const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
+                                           int64_t force_path, int64_t force_config) {
+  TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
+  TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device(),
+              " but input is on ", x.device(), ".");
+  const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  TORCH_CHECK(force_path >= -1 && force_path <= 2,
+              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores) or 2 (narrow), got ",
+              force_path, ".");
+  TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
+              "conv_transpose2d: force_config out of range.");
+  const c10::cuda::CUDAGuard guard(x.device());
+  torch::Tensor y;
+  if (out.has_value()) {
+    TORCH_CHECK(out->device() == x.device() && out->scalar_type() == x.scalar_type() && out->is_contiguous() &&
+                    out->sizes() == at::IntArrayRef({pr.N, pr.C_out, pr.H_out, pr.W_out}),
+                "conv_transpose2d: out must be a contiguous [", pr.N, ", ", pr.C_out, ", ", pr.H_out, ", ", pr.W_out,
+                "] tensor of the input's dtype and device.");
+    y = *out;
+  } else {
+    y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  }
+  const int64_t path =
+      launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, force_path, force_config);
+  return {y, path};
+}
+
+// One batch staged through host memory, for a serving worker thread: upload x_host, run the kernels, download into
+// y_host and wait for the current stream, with the Python GIL released once for all of it. Called from Python op by
+// op, each of those steps would release and re-take the GIL, and each re-take waits for whichever thread holds it:
+// in a server, an event loop that holds it most of the time. Every check runs before the GIL is released; an error
+// while it is released (out of memory, a failed launch) propagates once the GIL is held again.
+int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, W_in] on the CPU (pinned: asynchronous)
+                       const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                       std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> output_padding,
+                       std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
+                       const torch::Tensor& y_host) {  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
+  TORCH_CHECK(x_host.device().is_cpu() && y_host.device().is_cpu(),
+              "conv_transpose2d_staged: input and output must be CPU tensors.");
+  TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_staged: weight must be a CUDA tensor.");
+  const Problem pr =
+      check_problem(x_host, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  TORCH_CHECK(y_host.scalar_type() == x_host.scalar_type() && y_host.is_contiguous() &&
+                  y_host.sizes() == at::IntArrayRef({pr.N, pr.C_out, pr.H_out, pr.W_out}),
+              "conv_transpose2d_staged: out must be a contiguous [", pr.N, ", ", pr.C_out, ", ", pr.H_out, ", ",
+              pr.W_out, "] CPU tensor of the input's dtype.");
+  const py::gil_scoped_release no_gil;
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
+  const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
+  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
+  y_host.copy_(y, /*non_blocking=*/true);
+  at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
+  return path;
 }
 
 }  // namespace
@@ -161,4 +219,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1);
+  m.def("forward_staged", &forward_staged,
+        "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
+        "with the GIL released throughout. Returns the kernel path as forward does.",
+        py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
+        py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"));
 }

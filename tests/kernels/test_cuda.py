@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.functional import _forward_cuda, normalize_args, output_size
+from kernels.functional import _forward_cuda, conv_transpose2d_staged, normalize_args, output_size
 
 pytestmark = pytest.mark.cuda
 
@@ -382,6 +382,72 @@ def test_runs_on_current_stream_and_device_errors() -> None:
         kernels.conv_transpose2d(x, w.cpu())
 
 
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("family", ["stride2", "groups4_strided", "output_padding_dilation", "wide_odd", "depthwise"])
+def test_staged_host_to_host(family: str, mode: str, pinned: bool) -> None:
+    """The serving worker's call: host input -> kernels -> poisoned host output, on a side stream, GIL released."""
+    cfg = dict(FAMILIES[family])
+    dtype, precision, tol = MODES[mode]
+    n, c_in, c_out, h, w, k = (cfg.pop(key) for key in ("n", "c_in", "c_out", "h", "w", "k"))
+    groups = int(cfg.get("groups", 1))
+    kh, kw = (k, k) if isinstance(k, int) else k
+    args = normalize_args(cfg.get("stride", 1), cfg.get("padding", 0), cfg.get("output_padding", 0), groups,
+                          cfg.get("dilation", 1))
+    x = torch.randn(n, c_in, h, w).to(dtype)
+    wt = torch.randn(c_in, c_out // groups, kh, kw, device="cuda").to(dtype)
+    b = torch.randn(c_out, device="cuda").to(dtype)
+    ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
+    wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
+    out = torch.full((n, c_out, ho, wo), float("nan"), dtype=dtype, pin_memory=pinned)
+    x_host = x.pin_memory() if pinned else x
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        path = conv_transpose2d_staged(x_host, wt, b, args, precision, out)
+    assert path in ("simt", "tensor_core", "narrow")
+    ref = reference(x.cuda(), wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=groups, dilation=args.dilation)
+    assert rel_err(out.cuda(), ref) <= tol  # written before the call returned: no synchronisation here
+
+
+def test_staged_rejects_wrong_devices_and_shapes() -> None:
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(2, 8, 5, 5)
+    w = torch.randn(8, 4, 4, 4, device="cuda")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="CPU input"):
+        conv_transpose2d_staged(x.cuda(), w, None, args, "fp32", torch.empty(2, 4, 10, 10))
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="CUDA weights"):
+        conv_transpose2d_staged(x, w.cpu(), None, args, "fp32", torch.empty(2, 4, 10, 10))
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="out must be"):
+        conv_transpose2d_staged(x, w, None, args, "fp32", torch.empty(2, 4, 9, 10))
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="dtype"):
+        conv_transpose2d_staged(x, w, None, args, "fp32", torch.empty(2, 4, 10, 10, dtype=torch.float16))
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="bias"):
+        conv_transpose2d_staged(x, w, torch.zeros(5, device="cuda"), args, "fp32", torch.empty(2, 4, 10, 10))
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="channels"):
+        conv_transpose2d_staged(torch.randn(2, 7, 5, 5), w, None, args, "fp32", torch.empty(2, 4, 10, 10))
+
+
+def test_staged_out_of_memory_raises_and_the_next_call_works() -> None:
+    """Out of memory while the GIL is released: torch's OutOfMemoryError (the worker halves the batch on it)."""
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(64, 64, 64, 64)  # 64 MiB
+    w = torch.randn(64, 64, 4, 4, device="cuda")
+    out = torch.full((64, 64, 128, 128), float("nan"))  # 256 MiB: more than the device may hold below
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (128 << 20)) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            conv_transpose2d_staged(x, w, None, args, "fp32", out)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    conv_transpose2d_staged(x[:2], w, None, args, "fp32", out[:2])
+    ref = reference(x[:2].cuda(), w, None, stride=2, padding=1)
+    assert rel_err(out[:2].cuda(), ref) <= 1e-5
+
+
 @pytest.mark.parametrize("route", ["narrow", "simt"])
 def test_64bit_indexing(route: str) -> None:
     """An output of more than 2**31 elements: check rows at the very end against the reference.
@@ -417,6 +483,7 @@ def test_kernelbench_full_size(prob: dict, mode: str) -> None:
     g = torch.Generator(device="cuda").manual_seed(prob["id"])
     x = torch.rand(prob["batch"], prob["in_channels"], prob["height"], prob["width"], device="cuda",
                    generator=g).to(dtype)
+    torch.manual_seed(prob["id"])  # the layer's initialisation too: the result must not depend on test order
     m = nn.ConvTranspose2d(prob["in_channels"], prob["out_channels"], tuple(prob["kernel_size"]),
                            tuple(prob["stride"]), tuple(prob["padding"]), tuple(prob["output_padding"]),
                            prob["groups"], prob["bias"], tuple(prob["dilation"])).cuda().to(dtype)
