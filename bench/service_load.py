@@ -315,6 +315,35 @@ def device_name(devices: str) -> str:
     return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
+TIMINGS = ("deconv_queue_time_seconds", "deconv_batch_seconds", "deconv_request_latency_seconds")
+
+
+def server_timings(url: str, layer: str) -> dict[str, float]:
+    """The server's histogram sums and counts of ``TIMINGS`` for ``layer`` (from /metrics; empty when absent)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base, _, labels = name.partition("{")
+        if base.endswith(("_sum", "_count")) and base.rsplit("_", 1)[0] in TIMINGS and f'layer="{layer}"' in labels:
+            out[base] = float(value)
+    return out
+
+
+def timing_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Mean ms per request in the queue and per batch from start to outputs, and mean server-side latency,
+    over the measured requests."""
+    out = {}
+    for metric, key in zip(TIMINGS, ("queue_ms", "batch_ms", "server_latency_ms"), strict=True):
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        if count > 0:
+            out[key] = round(1e3 * (after[f"{metric}_sum"] - before.get(f"{metric}_sum", 0.0)) / count, 3)
+    return out or None
+
+
 def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndarray, workdir: Path) -> dict[str, Any]:
     proc = None
     log_path = workdir / f"{name}.log"
@@ -331,11 +360,14 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
             limits = {k: info[k] for k in ("max_batch_size", "max_batch_bytes", "max_queue_delay_ms",
                                           "max_queue_size")}
         sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
+        timings = server_timings(url, args.layer) if name != "naive" else {}
         before = process_tree_cpu(proc.pid) if proc is not None else {}
         before_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
         result = drive_processes(url, args, args.requests)
         after = process_tree_cpu(proc.pid) if proc is not None else {}
         after_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+        # Where a request's time went on the server: queue, batch (start to outputs), receipt to response.
+        result["server_timings"] = timing_breakdown(timings, server_timings(url, args.layer)) if timings else None
         # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes), and
         # of each process's main thread (the event loop: at about wall_s, that loop is what limits throughput).
         result["layer_limits"] = limits
@@ -352,7 +384,7 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
 
 def print_table(results: list[dict[str, Any]]) -> None:
     head = (f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7} "
-            f"{'srv us/req':>10} {'busiest loop':>12}")
+            f"{'srv us/req':>10} {'busiest loop':>12} {'queue/batch/server ms':>22}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -365,9 +397,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
         per_req = 1e6 * sum(cpu.values()) / r["requests"] if cpu else None  # server CPU per request, all processes
         loops = r.get("server_main_thread_cpu_s")
         busiest = 100 * max(loops.values()) / r["wall_s"] if loops else None  # % of one core, busiest event loop
+        t = r.get("server_timings") or {}
+        split = "/".join(fmt(t.get(k), ".2f") for k in ("queue_ms", "batch_ms", "server_latency_ms"))
         print(f"{r['scenario']:<12} {r['requests_per_s']:>9.1f} {fmt(r['p50_ms'], '>9.2f')} "
               f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7} "
-              f"{fmt(per_req, '>10.0f')} {f'{busiest:.0f}%' if busiest is not None else '-':>12}")
+              f"{fmt(per_req, '>10.0f')} {f'{busiest:.0f}%' if busiest is not None else '-':>12} {split:>22}")
 
 
 def main() -> None:

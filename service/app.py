@@ -51,6 +51,9 @@ class Service:
         self.drained = False  # set by stop(): every queued request was answered in time
         self.freeze_gc = False  # the server process (python -m service) sets it: see freeze_heap
         self.listeners: list[Callable[[], None]] = []  # called on the event loop after every change of state
+        # False in the engine of a multi-process server: its HTTP processes observe each request's queue time, from
+        # the RESULT frame, in parallel and off the engine's event loop.
+        self.observe_queue_time = True
 
     def _set_state(self, state: str, reason: str) -> None:
         self.state, self.reason = state, reason
@@ -125,7 +128,7 @@ class Service:
         if self.backend == "cuda":
             self.metrics.watch_gpus([d.index for d in devices if d.index is not None])
         for layer in self.registry:
-            batcher = Batcher(layer, self.pool, self.metrics)
+            batcher = Batcher(layer, self.pool, self.metrics, observe_queue_time=self.observe_queue_time)
             batcher.start()
             self.batchers[layer.name] = batcher
         self.metrics.http_processes.set(1)  # a multi-process server's engine counts its connections instead

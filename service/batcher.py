@@ -118,8 +118,10 @@ class Pending:
 class Batcher:
     """The queue and batching loop of one layer."""
 
-    def __init__(self, layer: Layer, executor: Executor, metrics: Metrics | None = None) -> None:
+    def __init__(self, layer: Layer, executor: Executor, metrics: Metrics | None = None,
+                 observe_queue_time: bool = True) -> None:
         self.layer = layer
+        self.observe_queue_time = observe_queue_time  # False: the caller observes each result's queue_s itself
         self.executor = executor
         self.metrics = metrics
         self._queue: dict[int, Pending] = {}  # insertion order = arrival order
@@ -135,6 +137,7 @@ class Batcher:
             self._batch_size = metrics.batch_size.labels(name)
             self._batch_requests = metrics.batch_requests.labels(name)
             self._queue_time = metrics.queue_time.labels(name)
+            self._batch_time = metrics.batch_time.labels(name)
 
     # --- life cycle ---------------------------------------------------------------------------------------
 
@@ -336,10 +339,13 @@ class Batcher:
         if self.metrics is not None:
             self._batch_size.observe(samples)
             self._batch_requests.observe(len(batch))
-            for item in batch:
-                self._queue_time.observe(start - item.enqueued)
+            if self.observe_queue_time:
+                for item in batch:
+                    self._queue_time.observe(start - item.enqueued)
         try:
             outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
+            if self.metrics is not None:
+                self._batch_time.observe(time.monotonic() - start)
         except Exception as exc:
             if not isinstance(exc, ServiceError):
                 log.error("batch of layer %s failed", name, exc_info=exc)

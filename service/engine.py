@@ -111,6 +111,7 @@ class Engine:
 
     def __init__(self, settings: Settings, socket_path: str) -> None:
         self.service = Service(settings)
+        self.service.observe_queue_time = False  # the HTTP processes do, from the RESULT frames
         self.service.freeze_gc = True
         self.socket_path = socket_path
         self.connections: set[EngineConnection] = set()

@@ -1,10 +1,10 @@
 """An HTTP process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1).
 
-``python -m service.frontend --engine-socket PATH --fd N`` (started by ``service.supervisor``) serves the same
-FastAPI app as a single-process server on the listening socket it inherited as file descriptor N, shared with the
-other HTTP processes. It parses HTTP, decodes and validates tensors, and hands each request to the engine process
-over the Unix socket at PATH (``service.ipc``) instead of batching and computing it itself: ``RemoteBatcher``
-stands in for ``service.batcher.Batcher`` and the routes do not know the difference.
+``python -m service.frontend --engine-socket PATH --connections-fd N`` (started by ``service.supervisor``) serves
+the same FastAPI app as a single-process server, on the connections the supervisor accepts and passes over the Unix
+socket it inherited as file descriptor N. It parses HTTP, decodes and validates tensors, and hands each request to
+the engine process over the Unix socket at PATH (``service.ipc``) instead of batching and computing it itself:
+``RemoteBatcher`` stands in for ``service.batcher.Batcher`` and the routes do not know the difference.
 
 Readiness mirrors the engine's (its ``STATE`` frames), so ``/health/ready`` is 200 only once the engine's
 self-tests passed. SIGTERM: 503 for new requests, every request sent to the engine is still answered, then exit.
@@ -61,7 +61,7 @@ class EngineClient(ipc.FrameProtocol):
     def __init__(self, service: FrontendService) -> None:
         super().__init__()
         self.service = service
-        self.pending: dict[int, tuple[RemotePending, torch.dtype]] = {}
+        self.pending: dict[int, tuple[RemotePending, torch.dtype, Any]] = {}  # id -> entry, dtype, queue histogram
         self.ids = itertools.count(1)
 
     def frame_received(self, kind: int, body: bytearray) -> None:
@@ -69,6 +69,7 @@ class EngineClient(ipc.FrameProtocol):
             entry = self.pending.pop(ipc.result_id(body), None)
             if entry is not None and not entry[0].future.done():
                 out = ipc.parse_result(body, entry[1])
+                entry[2].observe(out.queue_s)  # the engine leaves the queue-time histogram to this process
                 entry[0].future.set_result(Result(out.y, out.batch_samples, out.batch_requests, out.queue_s,
                                                   out.worker))
         elif kind == ipc.ERROR:
@@ -87,7 +88,7 @@ class EngineClient(ipc.FrameProtocol):
 
     def lost(self, exc: Exception | None) -> None:
         error = InternalError("the engine process stopped before answering; retry")
-        for item, _ in self.pending.values():
+        for item, _, _ in self.pending.values():
             if not item.future.done():
                 item.future.set_exception(error)
         self.pending.clear()
@@ -101,6 +102,7 @@ class RemoteBatcher:
         self.layer = layer
         self.index = index  # the layer's position in the engine's list (checked against the engine's STATE)
         self.client = client
+        self._queue_time = client.service.metrics.queue_time.labels(layer.name)
         self._draining = False
 
     @property
@@ -125,7 +127,7 @@ class RemoteBatcher:
         if client.transport is None or client.transport.is_closing():
             raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
         item = RemotePending(next(client.ids), asyncio.get_running_loop().create_future())
-        client.pending[item.request_id] = (item, x.dtype)
+        client.pending[item.request_id] = (item, x.dtype, self._queue_time)
         client.send(ipc.submit_frame(item.request_id, self.index, x,
                                      time.monotonic() if received is None else received, deadline))
         return item
@@ -243,19 +245,20 @@ def _terminate() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m service.frontend --engine-socket PATH --fd N``."""
+    """``python -m service.frontend --engine-socket PATH --connections-fd N``."""
     from service.server import serve
 
     parser = argparse.ArgumentParser(prog="python -m service.frontend",
                                      description="An HTTP process of a multi-process deconv server.")
     parser.add_argument("--engine-socket", required=True, help="the engine's Unix socket")
-    parser.add_argument("--fd", type=int, required=True, help="inherited listening socket")
+    parser.add_argument("--connections-fd", type=int, required=True,
+                        help="inherited Unix socket over which the supervisor passes accepted connections")
     args = parser.parse_args(argv)
     settings = load_settings()
     configure_logging(settings, "http %(process)d")
     app = create_app(settings, engine_socket=args.engine_socket)
     app.state.service.freeze_gc = True
-    sys.exit(serve(app, settings, sockets=[socket.socket(fileno=args.fd)]))
+    sys.exit(serve(app, settings, connections=socket.socket(fileno=args.connections_fd)))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ class Metrics:
         self.queue_time = Histogram(
             "deconv_queue_time_seconds", "Time a request waited in its layer's queue before its batch ran.",
             ["layer"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_time = Histogram(
+            "deconv_batch_seconds", "Time from a batch's start to its outputs: waiting for a busy worker thread, "
+            "staging, the kernel and the copies.", ["layer"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram(
             "deconv_batch_size", "Samples per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_requests = Histogram(

@@ -3,6 +3,8 @@ multi-process server (``service.frontend``)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import socket
 from types import FrameType
@@ -13,13 +15,66 @@ from fastapi import FastAPI
 from service.app import Service
 from service.config import Settings
 
+log = logging.getLogger("deconv.service")
+MAX_FDS_PER_MESSAGE = 16
+
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the service to drain as soon as the shutdown signal arrives."""
+    """uvicorn's server, telling the service to drain as soon as the shutdown signal arrives.
 
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    With ``connections`` (an HTTP process of a multi-process server) it has no listening socket: it serves the
+    connections the supervisor accepted and passes over that Unix socket (``service.supervisor``).
+    """
+
+    def __init__(self, config: uvicorn.Config, service: Service, connections: socket.socket | None = None) -> None:
         super().__init__(config)
         self.service = service
+        self.connections = connections
+        self._handovers: set[asyncio.Task[object]] = set()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.connections is None:
+            await super().startup(sockets)
+            return
+        await super().startup(sockets=[])  # the app's start-up, and no listener of its own
+        self.connections.setblocking(False)
+        asyncio.get_running_loop().add_reader(self.connections.fileno(), self._take_connections)
+
+    def _take_connections(self) -> None:
+        """Serve every connection waiting on the channel (one file descriptor per message)."""
+        assert self.connections is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self.connections, 64, MAX_FDS_PER_MESSAGE)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.error("connection channel from the supervisor failed: %s", exc)
+                self._close_channel()
+                return
+            if not data and not fds:  # the supervisor closed it (it exited): nothing more comes
+                self._close_channel()
+                return
+            for fd in fds:
+                task = loop.create_task(loop.connect_accepted_socket(self._protocol, socket.socket(fileno=fd)))
+                self._handovers.add(task)
+                task.add_done_callback(self._handed_over)
+
+    def _protocol(self) -> asyncio.Protocol:
+        # What uvicorn's own listeners create per connection (Server.startup's create_protocol).
+        return self.config.http_protocol_class(  # type: ignore[call-arg,no-any-return]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state)
+
+    def _handed_over(self, task: asyncio.Task[object]) -> None:
+        self._handovers.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the client left before it was served
+            log.debug("a handed-over connection could not be served: %s", task.exception())
+
+    def _close_channel(self) -> None:
+        if self.connections is not None and self.connections.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self.connections.fileno())
+            self.connections.close()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig in (signal.SIGTERM, signal.SIGINT):
@@ -34,11 +89,13 @@ class DrainingServer(uvicorn.Server):
         # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
         # instead of finding the port closed (or being reset from the listen backlog).
         await self.service.wait_idle(float(self.config.timeout_graceful_shutdown or 0))
+        self._close_channel()  # connections still in it are closed; the supervisor hands new ones to others
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
-    """Serve ``app`` until SIGTERM/SIGINT, on ``sockets`` or else on the settings' host and port.
+def serve(app: FastAPI, settings: Settings, connections: socket.socket | None = None) -> int:
+    """Serve ``app`` until SIGTERM/SIGINT: the connections passed over ``connections``, or else on the settings'
+    host and port.
 
     Returns the exit status: 0 after a complete drain, 1 when requests were still queued when the drain timeout
     ran out, 3 when start-up failed (invalid layer repository, devices missing).
@@ -50,8 +107,8 @@ def serve(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None 
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )
     service: Service = app.state.service
-    server = DrainingServer(config, service)
-    server.run(sockets=sockets)
+    server = DrainingServer(config, service, connections)
+    server.run()
     if not server.started:
         return 3
     return 0 if service.drained else 1

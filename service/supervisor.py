@@ -5,18 +5,17 @@ requests per second however fast the GPU is. Here the work is split:
 
 * one **engine** process (``service.engine``): the layer repository, the self-tests, one batcher per layer and one
   worker per GPU, exactly as in a single-process server, but fed over a Unix socket instead of HTTP;
-* N **HTTP** processes (``service.frontend``): accept connections on the port (each on its own listening
-  socket, bound here with SO_REUSEPORT, so that the kernel spreads connections evenly), decode and validate
-  tensors, and forward each request to the engine. Requests from every HTTP process share the engine's queues, so
-  they batch together.
+* N **HTTP** processes (``service.frontend``): serve the connections this process hands them, decode and
+  validate tensors, and forward each request to the engine. Requests from every HTTP process share the engine's
+  queues, so they batch together.
 
-This process binds the port, starts the engine, waits for its socket, starts the HTTP processes and then only
-watches: SIGTERM or SIGINT is passed on as SIGTERM to every process (each drains: nothing accepted is lost), and if
-any process exits on its own the others are stopped and the supervisor exits non-zero, so that whatever restarts
-the server (Docker's restart policy, Kubernetes) sees the failure. Children run in their own session, so a Ctrl-C
-in a terminal reaches only the supervisor, and they stop by themselves if the supervisor dies (their stdin, a pipe
-from it, reaches end of file). Metrics from all processes are merged through prometheus-client's multiprocess
-mode (``service.metrics``).
+This process binds the port, starts the engine, waits for its socket, starts the HTTP processes, then accepts every
+connection itself and passes it to the HTTP processes in turn (``ConnectionDispatcher``), and watches: SIGTERM or
+SIGINT is passed on as SIGTERM to every process (each drains: nothing accepted is lost), and if any process exits on
+its own the others are stopped and the supervisor exits non-zero, so that whatever restarts the server (Docker's
+restart policy, Kubernetes) sees the failure. Children run in their own session, so a Ctrl-C in a terminal reaches
+only the supervisor, and they stop by themselves if the supervisor dies (their stdin, a pipe from it, reaches end of
+file). Metrics from all processes are merged through prometheus-client's multiprocess mode (``service.metrics``).
 
 Exit status: 0 when every process drained cleanly after SIGTERM/SIGINT, 3 when start-up failed (invalid layer
 repository, devices missing, port in use), 1 otherwise.
@@ -42,6 +41,83 @@ from service.config import Settings
 log = logging.getLogger("deconv.service")
 
 ENGINE_START_TIMEOUT_S = 120.0  # the engine loads the repository before its socket appears (kernels build later)
+HANDOVER_TIMEOUT_S = 1.0  # how long a connection waits for one HTTP process's channel before the next one is tried
+
+
+class ConnectionDispatcher:
+    """Accepts the port's connections on a thread and hands each to the next HTTP process, round robin.
+
+    A connection travels as a file descriptor (SCM_RIGHTS) over the HTTP process's end of a Unix socket pair;
+    from then on the HTTP process alone serves it. Handing out in turn keeps the processes evenly loaded under
+    keep-alive clients. Listening sockets of their own would not: one socket shared by every process gives a burst
+    of connections to whichever process wakes first (an event loop accepts all it can), and ``SO_REUSEPORT``
+    spreads them by address hash, which left one process with twice the connections of another under 64 clients.
+
+    A process whose channel is closed (it exited) is skipped from then on; one whose channel stays full for
+    ``HANDOVER_TIMEOUT_S`` is skipped for that connection. A connection no process takes is closed.
+    """
+
+    def __init__(self, listener: socket.socket, channels: list[socket.socket]) -> None:
+        self.listener = listener
+        self.channels: list[socket.socket | None] = list(channels)
+        self.handed_out = [0] * len(channels)  # connections given to each process
+        self.refused = 0  # connections closed because no process took them
+        self._next = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deconv-accept", daemon=True)
+
+    def start(self) -> None:
+        """Start accepting."""
+        self.listener.settimeout(0.2)  # so that the thread sees stop() within that time
+        for channel in self.channels:
+            if channel is not None:
+                channel.settimeout(HANDOVER_TIMEOUT_S)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting (connections waiting in the backlog are closed with the listener)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:  # out of file descriptors, or a connection reset while queued
+                if self._stop.is_set():
+                    return
+                log.warning("accepting a connection failed: %s", exc)
+                time.sleep(0.01)
+                continue
+            with conn:  # this process's copy: the HTTP process that took it holds its own
+                if not self.hand_over(conn):
+                    self.refused += 1
+                    if self.refused == 1 or self.refused % 1000 == 0:
+                        log.error("no HTTP process took a connection (%d so far): closed", self.refused)
+
+    def hand_over(self, conn: socket.socket) -> bool:
+        """Pass ``conn`` to the next HTTP process that takes it; whether one did."""
+        count = len(self.channels)
+        for _ in range(count):
+            index = self._next
+            self._next = (index + 1) % count
+            channel = self.channels[index]
+            if channel is None:
+                continue
+            try:
+                socket.send_fds(channel, [b"c"], [conn.fileno()])
+            except TimeoutError:  # that process is not taking connections now: the next one
+                continue
+            except OSError:  # its end is closed: it exited or is shutting down
+                channel.close()
+                self.channels[index] = None
+                continue
+            self.handed_out[index] += 1
+            return True
+        return False
 
 
 def supervise(settings: Settings) -> int:
@@ -60,7 +136,7 @@ def supervise(settings: Settings) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     try:
-        listeners = _listen(settings.host, settings.port, settings.http_processes)
+        listener = socket.create_server((settings.host, settings.port), backlog=4096)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 3
@@ -76,6 +152,8 @@ def supervise(settings: Settings) -> int:
 
     children: list[subprocess.Popen[bytes]] = []
     failed: subprocess.Popen[bytes] | None = None
+    dispatcher: ConnectionDispatcher | None = None
+    ours: list[socket.socket] = []  # this process's ends of the HTTP processes' connection channels
     try:
         engine = spawn("service.engine", "--socket", str(socket_path))
         children.append(engine)
@@ -86,14 +164,18 @@ def supervise(settings: Settings) -> int:
                 break
             time.sleep(0.02)
         if failed is None and not stop.is_set():
-            host, port = listeners[0].getsockname()[:2]
-            for listener in listeners:
-                fd = listener.fileno()
-                children.append(spawn("service.frontend", "--engine-socket", str(socket_path), "--fd", str(fd),
-                                      fds=(fd,)))
-                listener.close()  # its HTTP process holds it now: the port closes when the last of them exits
-            log.info("listening on http://%s:%d with %d HTTP processes (pids %s) feeding the engine (pid %d)",
-                     host, port, settings.http_processes, ", ".join(str(c.pid) for c in children[1:]), engine.pid)
+            host, port = listener.getsockname()[:2]
+            for _ in range(settings.http_processes):
+                mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                children.append(spawn("service.frontend", "--engine-socket", str(socket_path),
+                                      "--connections-fd", str(theirs.fileno()), fds=(theirs.fileno(),)))
+                theirs.close()  # its HTTP process holds it now
+                ours.append(mine)
+            dispatcher = ConnectionDispatcher(listener, ours)
+            dispatcher.start()
+            log.info("listening on http://%s:%d with %d HTTP processes (pids %s, connections handed out in turn) "
+                     "feeding the engine (pid %d)", host, port, settings.http_processes,
+                     ", ".join(str(c.pid) for c in children[1:]), engine.pid)
             while failed is None and not stop.wait(0.1):
                 failed = next((c for c in children if c.poll() is not None), None)
         if failed is not None:
@@ -101,10 +183,14 @@ def supervise(settings: Settings) -> int:
             code = failed.poll()
             log.error("%s (pid %d) %s: stopping the server", role, failed.pid,
                       f"exited with status {code}" if code is not None else "did not start in time")
+        # The port stays open while the HTTP processes drain: a connection arriving meanwhile is answered 503.
         codes = _stop_all(children, settings.request_timeout_s + 15)
     finally:
-        for listener in listeners:
-            listener.close()
+        if dispatcher is not None:
+            dispatcher.stop()
+        for channel in ours:
+            channel.close()
+        listener.close()
         for child in children:
             if child.poll() is None:
                 child.kill()
@@ -114,26 +200,6 @@ def supervise(settings: Settings) -> int:
     if failed is not None:
         return 3 if failed.returncode == 3 else 1
     return 0 if all(c == 0 for c in codes) else 1
-
-
-def _listen(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` listening sockets on one port (SO_REUSEPORT), one per HTTP process.
-
-    The kernel spreads new connections over them by address hash. One socket shared by every process would hand
-    a burst of connections to whichever process wakes first (an event loop accepts all it can), leaving the
-    others idle under keep-alive clients.
-    """
-    first = socket.create_server((host, port), backlog=4096, reuse_port=True)
-    sockets = [first]
-    try:
-        bound = first.getsockname()[1]  # the port chosen when port is 0
-        for _ in range(count - 1):
-            sockets.append(socket.create_server((host, bound), backlog=4096, reuse_port=True))
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:

@@ -1,12 +1,12 @@
 """Workers: one per device, each executing batches on a dedicated thread, off the event loop.
 
-A GPU worker stages a batch through pinned host memory on its own CUDA stream: concatenate the requests'
-inputs into a pinned buffer, copy host-to-device (non_blocking), run ``kernels.conv_transpose2d``, copy the
-output device-to-host into a pinned buffer (non_blocking), synchronize the stream, split the output back per
-request. Out of memory: the batch is split in halves and each half retried (down to one sample). Any failure
-fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an exception leaves
-its loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old
-one held fails with ``InternalError``, so that no request waits on a thread that will never answer.
+A GPU worker stages a batch through pinned host memory on its own CUDA stream: concatenate the requests' inputs into
+a pinned buffer, then in one call that releases the GIL once (``conv_transpose2d_staged``) copy it host-to-device,
+run the kernels, copy the output device-to-host into a pinned buffer and wait for the stream; split the output back
+per request. Out of memory: the batch is split in halves and each half retried (down to one sample). Any failure
+fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an exception leaves its
+loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old one
+held fails with ``InternalError``, so that no request waits on a thread that will never answer.
 
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
+from kernels.functional import conv_transpose2d_staged, normalize_args
 from service.codec import AnyTensor, RawTensor, copy_into, split_rows
 from service.errors import InternalError
 from service.faults import Faults
@@ -46,6 +47,9 @@ WORKER_TIMEOUT_S = 120.0
 
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
+# (pinned host input [N, C_in, H, W], CUDA weight, bias, layer, pinned host output [N, C_out, H_out, W_out]): the
+# GPU worker's step, which leaves the output in place and returns once it is there.
+StagedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer, torch.Tensor], object]
 # A batch handed to the worker thread: its future, its layer and its inputs.
 _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 
@@ -55,6 +59,14 @@ def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     c = layer.config
     return conv_transpose2d(x, weight, bias, c.stride, c.padding, c.output_padding, c.groups, c.dilation,
                             precision=layer.kernel_precision)
+
+
+def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
+                          out: torch.Tensor) -> None:
+    """``kernel_forward`` from pinned host memory into pinned host ``out`` on the current stream, waiting for it."""
+    c = layer.config
+    args = normalize_args(c.stride, c.padding, c.output_padding, c.groups, c.dilation)
+    conv_transpose2d_staged(x, weight, bias, args, layer.kernel_precision, out)
 
 
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
@@ -85,12 +97,13 @@ class Worker:
     """
 
     def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
-                 faults: Faults | None = None) -> None:
+                 faults: Faults | None = None, staged: StagedFn | None = None) -> None:
         self.device = device
         self.name = str(device)
         self.metrics = metrics
         self.faults = faults if faults else None
-        self._forward = forward or kernel_forward
+        self._forward = forward or kernel_forward  # the CPU worker's step
+        self._staged = staged or kernel_forward_staged  # the GPU worker's step
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.inflight_batches = 0
@@ -258,8 +271,7 @@ class Worker:
             _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
-            self._forward_span(layer, host_in, weight, bias, host_out)
-            self._stream.synchronize()  # the outputs are in host_out before anyone reads them
+            self._forward_span(layer, host_in, weight, bias, host_out)  # waits until host_out holds the outputs
         return host_out
 
     def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -275,8 +287,7 @@ class Worker:
             with torch.inference_mode():
                 if out is None:
                     return self._forward(x, weight, bias, layer)
-                y = self._forward(x.to(self.device, non_blocking=True), weight, bias, layer)
-                out.copy_(y, non_blocking=True)
+                self._staged(x, weight, bias, layer, out)
             return out
         except torch.cuda.OutOfMemoryError:
             if int(x.shape[0]) <= 1:

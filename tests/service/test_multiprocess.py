@@ -25,6 +25,7 @@ from service.codec import RawTensor, copy_into, split_rows, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
 from service.registry import BatchLimits, load_repository
+from service.supervisor import ConnectionDispatcher
 from service.worker import Worker
 
 from .conftest import (
@@ -185,6 +186,88 @@ def test_tensor_size_must_match_its_header() -> None:
     assert math.isnan(ipc._SUBMIT.unpack_from(frame, 5)[-1])  # no deadline travels as NaN
 
 
+# --- handing connections to the HTTP processes ---------------------------------------------------------------
+
+
+def _receive_connections(channel: socket.socket, count: int) -> list[socket.socket]:
+    channel.settimeout(10)
+    out = []
+    while len(out) < count:
+        data, fds, _, _ = socket.recv_fds(channel, 64, 16)
+        assert data, "the channel closed"
+        out += [socket.socket(fileno=fd) for fd in fds]
+    return out
+
+
+def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    pairs = [socket.socketpair() for _ in range(3)]
+    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
+    dispatcher.start()
+    clients: list[socket.socket] = []
+    try:
+        clients = [socket.create_connection(listener.getsockname()) for _ in range(9)]
+        served = [_receive_connections(theirs, 3) for _, theirs in pairs]
+        assert dispatcher.handed_out == [3, 3, 3]
+        # What arrives is the client's own connection: its peer is a client, each exactly once, and it carries data.
+        peers = sorted(conn.getpeername() for conns in served for conn in conns)
+        assert peers == sorted(c.getsockname() for c in clients)
+        by_peer = {conn.getpeername(): conn for conns in served for conn in conns}
+        for i, client in enumerate(clients):
+            by_peer[client.getsockname()].sendall(b"%d" % i)
+            assert client.recv(8) == b"%d" % i
+        # A process that exited (its end closed) is skipped from then on.
+        pairs[1][1].close()
+        clients += [socket.create_connection(listener.getsockname()) for _ in range(4)]
+        more = [_receive_connections(pairs[i][1], 2) for i in (0, 2)]
+        assert [len(m) for m in more] == [2, 2]
+        assert dispatcher.channels[1] is None
+        assert dispatcher.handed_out == [5, 3, 5]
+        assert dispatcher.refused == 0
+        for conns in served + more:
+            for conn in conns:
+                conn.close()
+    finally:
+        dispatcher.stop()
+        for c in clients:
+            c.close()
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()
+        listener.close()
+
+
+def test_dispatcher_closes_a_connection_no_process_takes() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    mine, theirs = socket.socketpair()
+    theirs.close()
+    dispatcher = ConnectionDispatcher(listener, [mine])
+    dispatcher.start()
+    try:
+        with socket.create_connection(listener.getsockname()) as client:
+            client.settimeout(10)
+            assert client.recv(8) == b""  # closed by the server
+        assert dispatcher.refused == 1
+    finally:
+        dispatcher.stop()
+        mine.close()
+        listener.close()
+
+
+def _tcp_connections_per_process(pids: list[int], port: int) -> list[int]:
+    """Established TCP connections on local ``port`` that each process holds (Linux /proc)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01":  # 01: ESTABLISHED
+            inodes.add(fields[9])
+    counts = []
+    for pid in pids:
+        links = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir() if f.is_symlink()]
+        counts.append(sum(1 for link in links if link.startswith("socket:[") and link[8:-1] in inodes))
+    return counts
+
+
 # --- the processes --------------------------------------------------------------------------------------------
 
 
@@ -241,9 +324,27 @@ def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo,
         for text in texts:  # whichever process answers, it reports every process's counts
             assert metric_value(text, "deconv_requests_total", layer="fast", api="native", status="200") == 24
             assert metric_value(text, "deconv_batch_size_sum", layer="fast") == 24
+            assert metric_value(text, "deconv_queue_time_seconds_count", layer="fast") == 24  # once each
             assert metric_value(text, "deconv_ready") == 1
 
     run(main())
+
+
+def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, server_factory):
+    root, _ = repo
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "3"})
+    children = _children(proc.proc.pid)
+    http = [p for p in children if b"service.frontend" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(http) == 3
+    clients = [httpx.Client(base_url=proc.url, timeout=20) for _ in range(12)]
+    try:
+        for client in clients:  # each keeps its connection open
+            assert client.get("/health/live").status_code == 200
+        assert _tcp_connections_per_process(http, proc.port) == [4, 4, 4]
+        assert _tcp_connections_per_process([proc.proc.pid], proc.port) == [0]  # the supervisor keeps none
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_engine_death_stops_the_server(repo, server_factory):
