@@ -114,8 +114,12 @@ def normalize_args(
     return ConvArgs(s, p, op, d, groups)
 
 
-def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs) -> None:
-    """Check shapes, dtypes and devices of the tensors against each other and the arguments."""
+def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
+                  device: torch.device | None = None) -> None:
+    """Check shapes, dtypes and devices of the tensors against each other and the arguments.
+
+    ``device``: where weight and bias must be (default: the input's device).
+    """
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise ConvTranspose2dArgumentError("input and weight must be tensors")
     if input.dim() not in (3, 4):
@@ -127,10 +131,12 @@ def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ConvTranspose2dArgumentError(
             f"expected a 4-D weight [C_in, C_out/groups, kH, kW], got shape {list(weight.shape)}"
         )
+    want = input.device if device is None else device
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.device != input.device:
+        if t is not None and t.device != want:
             raise ConvTranspose2dArgumentError(
                 f"{name} is on {t.device} but input is on {input.device}; move both to the same device"
+                if device is None else f"{name} is on {t.device}; it must be on {want}"
             )
         if t is not None and t.dtype != input.dtype:
             raise ConvTranspose2dArgumentError(
@@ -250,18 +256,12 @@ def conv_transpose2d_staged(
         raise ConvTranspose2dArgumentError(
             f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
         )
-    for name, t in (("weight", weight), ("bias", bias), ("out", out)):
-        if t is not None and t.dtype != input.dtype:
-            raise ConvTranspose2dArgumentError(f"{name} dtype {t.dtype} differs from input dtype {input.dtype}")
-    n, c_in, h, w = input.shape
-    if weight.dim() != 4 or weight.shape[0] != c_in or c_in % args.groups != 0:
-        raise ConvTranspose2dArgumentError(f"input has {c_in} channels; weight {list(weight.shape)} with groups "
-                                           f"{args.groups} expects {weight.shape[0]}")
-    c_out = weight.shape[1] * args.groups
-    if bias is not None and (bias.shape != (c_out,) or bias.device != weight.device):
-        raise ConvTranspose2dArgumentError(f"bias must be [{c_out}] on {weight.device}")
+    check_tensors(input, weight, bias, args, device=weight.device)
+    if out.dtype != input.dtype:
+        raise ConvTranspose2dArgumentError(f"out dtype {out.dtype} differs from input dtype {input.dtype}")
+    n, c_out = input.shape[0], weight.shape[1] * args.groups
     h_out, w_out = _out_hw(input, weight, args)
-    if min(h, w, h_out, w_out) <= 0 or out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
+    if out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
         raise ConvTranspose2dArgumentError(f"out must be a contiguous [{n}, {c_out}, {h_out}, {w_out}] tensor for "
                                            f"input {list(input.shape)}, got {list(out.shape)}")
     mode = resolve_precision(input.dtype, precision)

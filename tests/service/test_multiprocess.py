@@ -199,6 +199,14 @@ def _receive_connections(channel: socket.socket, count: int) -> list[socket.sock
     return out
 
 
+def _handed_out(dispatcher: ConnectionDispatcher, total: int) -> list[int]:
+    """The dispatcher's counts once it has counted ``total`` connections (it counts just after sending one)."""
+    deadline = time.monotonic() + 10
+    while sum(dispatcher.handed_out) < total and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return list(dispatcher.handed_out)
+
+
 def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     pairs = [socket.socketpair() for _ in range(3)]
@@ -208,7 +216,7 @@ def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -
     try:
         clients = [socket.create_connection(listener.getsockname()) for _ in range(9)]
         served = [_receive_connections(theirs, 3) for _, theirs in pairs]
-        assert dispatcher.handed_out == [3, 3, 3]
+        assert _handed_out(dispatcher, 9) == [3, 3, 3]
         # What arrives is the client's own connection: its peer is a client, each exactly once, and it carries data.
         peers = sorted(conn.getpeername() for conns in served for conn in conns)
         assert peers == sorted(c.getsockname() for c in clients)
@@ -222,7 +230,7 @@ def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -
         more = [_receive_connections(pairs[i][1], 2) for i in (0, 2)]
         assert [len(m) for m in more] == [2, 2]
         assert dispatcher.channels[1] is None
-        assert dispatcher.handed_out == [5, 3, 5]
+        assert _handed_out(dispatcher, 13) == [5, 3, 5]
         assert dispatcher.refused == 0
         for conns in served + more:
             for conn in conns:
