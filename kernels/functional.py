@@ -122,27 +122,37 @@ def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     if not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise ConvTranspose2dArgumentError("input and weight must be tensors")
-    if input.dim() not in (3, 4):
+    check_shapes(tuple(input.shape), input.dtype, input.device, weight, bias, args, device)
+
+
+def check_shapes(shape: tuple[int, ...], dtype: torch.dtype, input_device: torch.device, weight: torch.Tensor,
+                 bias: torch.Tensor | None, args: ConvArgs, device: torch.device | None = None) -> tuple[int, int]:
+    """``check_tensors`` for an input known by its shape, dtype and device. Returns the output's (H, W).
+
+    Uses no tensor operation (none releases the GIL), so that a serving thread can check a batch before its one
+    GIL-released kernel call.
+    """
+    if len(shape) not in (3, 4):
         raise ConvTranspose2dArgumentError(
             f"expected a 3-D (unbatched) [C_in, H, W] or 4-D (batched) [N, C_in, H, W] input, "
-            f"got shape {list(input.shape)}"
+            f"got shape {list(shape)}"
         )
     if weight.dim() != 4:
         raise ConvTranspose2dArgumentError(
             f"expected a 4-D weight [C_in, C_out/groups, kH, kW], got shape {list(weight.shape)}"
         )
-    want = input.device if device is None else device
+    want = input_device if device is None else device
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.device != want:
             raise ConvTranspose2dArgumentError(
-                f"{name} is on {t.device} but input is on {input.device}; move both to the same device"
+                f"{name} is on {t.device} but input is on {input_device}; move both to the same device"
                 if device is None else f"{name} is on {t.device}; it must be on {want}"
             )
-        if t is not None and t.dtype != input.dtype:
+        if t is not None and t.dtype != dtype:
             raise ConvTranspose2dArgumentError(
-                f"{name} dtype {t.dtype} differs from input dtype {input.dtype}; cast one of them"
+                f"{name} dtype {t.dtype} differs from input dtype {dtype}; cast one of them"
             )
-    c_in = input.shape[-3]
+    c_in = shape[-3]
     if weight.shape[0] != c_in:
         raise ConvTranspose2dArgumentError(
             f"input has {c_in} channels but weight {list(weight.shape)} expects {weight.shape[0]} "
@@ -156,26 +166,27 @@ def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ConvTranspose2dArgumentError(
             f"weight {list(weight.shape)} must have at least one output channel and a kernel of at least 1x1"
         )
-    if input.shape[-1] == 0 or input.shape[-2] == 0:
+    if shape[-1] == 0 or shape[-2] == 0:
         raise ConvTranspose2dArgumentError(
-            f"input height and width must be positive, got shape {list(input.shape)} "
+            f"input height and width must be positive, got shape {list(shape)} "
             f"(an empty batch, N = 0, is allowed)"
         )
     c_out = weight.shape[1] * args.groups
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != c_out):
         raise ConvTranspose2dArgumentError(f"bias must have shape [{c_out}] (C_out), got {list(bias.shape)}")
-    h_out, w_out = _out_hw(input, weight, args)
+    h_out, w_out = _out_hw(shape, weight, args)
     if h_out <= 0 or w_out <= 0:
         raise ConvTranspose2dArgumentError(
-            f"output size {h_out} x {w_out} is not positive for input {input.shape[-2]} x {input.shape[-1]}, "
+            f"output size {h_out} x {w_out} is not positive for input {shape[-2]} x {shape[-1]}, "
             f"kernel {tuple(weight.shape[2:])}, stride {args.stride}, padding {args.padding}, "
             f"dilation {args.dilation}, output_padding {args.output_padding}"
         )
+    return h_out, w_out
 
 
-def _out_hw(input: torch.Tensor, weight: torch.Tensor, args: ConvArgs) -> tuple[int, int]:
+def _out_hw(shape: Sequence[int], weight: torch.Tensor, args: ConvArgs) -> tuple[int, int]:
     return tuple(  # type: ignore[return-value]
-        output_size(input.shape[-2 + i], weight.shape[2 + i], args.stride[i], args.padding[i],
+        output_size(shape[-2 + i], weight.shape[2 + i], args.stride[i], args.padding[i],
                     args.output_padding[i], args.dilation[i])
         for i in range(2)
     )
@@ -260,7 +271,7 @@ def conv_transpose2d_staged(
     if out.dtype != input.dtype:
         raise ConvTranspose2dArgumentError(f"out dtype {out.dtype} differs from input dtype {input.dtype}")
     n, c_out = input.shape[0], weight.shape[1] * args.groups
-    h_out, w_out = _out_hw(input, weight, args)
+    h_out, w_out = _out_hw(input.shape, weight, args)
     if out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
         raise ConvTranspose2dArgumentError(f"out must be a contiguous [{n}, {c_out}, {h_out}, {w_out}] tensor for "
                                            f"input {list(input.shape)}, got {list(out.shape)}")
@@ -268,6 +279,64 @@ def conv_transpose2d_staged(
     path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
                                             list(args.output_padding), list(args.dilation), args.groups, mode, out)
     return KERNEL_PATHS[path]
+
+
+HostPart = torch.Tensor | memoryview | bytes | bytearray
+"""Host memory holding whole samples of a gathered input: a contiguous CPU tensor or a C-contiguous buffer."""
+
+
+def conv_transpose2d_gathered(
+    parts: Sequence[HostPart],
+    shape: Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+) -> torch.Tensor:
+    """``conv_transpose2d`` of an input given as host memory in parts, into a new pinned host tensor.
+
+    The input ``shape`` ([N, C_in, H, W], N >= 1, ``weight``'s dtype) is the parts' bytes one after the other (a
+    serving batch: each request's samples where they arrived). In one extension call that releases the GIL once,
+    the parts are copied into pinned staging memory, uploaded to ``weight``'s GPU, run through the kernels on the
+    current stream, downloaded into a new pinned ``[N, C_out, H_out, W_out]`` tensor, and the stream is waited for.
+    No autograd; every check runs here, before the call, without tensor operations.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, or parts that do not add up to
+            ``shape``.
+    """
+    if not isinstance(weight, torch.Tensor) or not weight.is_cuda:
+        raise ConvTranspose2dArgumentError("conv_transpose2d_gathered takes CUDA weights")
+    dims = tuple(operator.index(d) for d in shape)
+    if len(dims) != 4 or dims[0] <= 0:
+        raise ConvTranspose2dArgumentError(f"shape must be [N, C_in, H, W] with N >= 1, got {list(dims)}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {weight.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
+    itemsize = weight.dtype.itemsize
+    total = 0
+    for i, part in enumerate(parts):
+        if isinstance(part, torch.Tensor):
+            if part.device.type != "cpu" or part.dtype != weight.dtype or not part.is_contiguous():
+                raise ConvTranspose2dArgumentError(
+                    f"part {i}: a tensor part must be a contiguous CPU tensor of dtype {weight.dtype}, got "
+                    f"{part.dtype} on {part.device}{'' if part.is_contiguous() else ', not contiguous'}")
+            total += part.numel() * itemsize
+        else:
+            view = memoryview(part)
+            if not view.c_contiguous:
+                raise ConvTranspose2dArgumentError(f"part {i}: the buffer is not C-contiguous")
+            total += view.nbytes
+    want = dims[0] * dims[1] * dims[2] * dims[3] * itemsize
+    if total != want:
+        raise ConvTranspose2dArgumentError(
+            f"the parts hold {total} bytes; a {list(dims)} {weight.dtype} input is {want}")
+    mode = resolve_precision(weight.dtype, precision)
+    return _load_extension().forward_gathered(  # type: ignore[no-any-return]
+        list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
+        list(args.dilation), args.groups, mode)
 
 
 class _ConvTranspose2dFunction(torch.autograd.Function):
@@ -360,7 +429,7 @@ def conv_transpose2d(
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
     if x.shape[0] == 0:
-        h_out, w_out = _out_hw(x, weight, args)
+        h_out, w_out = _out_hw(x.shape, weight, args)
         y = x.new_empty((0, weight.shape[1] * args.groups, h_out, w_out))
     else:
         y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode)

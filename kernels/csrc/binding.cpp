@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -209,6 +210,86 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
   return path;
 }
 
+// Buffers obtained from Python objects, released (with the GIL held) when this goes out of scope.
+class HeldBuffers {
+ public:
+  explicit HeldBuffers(size_t n) { views_.reserve(n); }
+  HeldBuffers(const HeldBuffers&) = delete;
+  HeldBuffers& operator=(const HeldBuffers&) = delete;
+  ~HeldBuffers() {
+    for (Py_buffer& v : views_) PyBuffer_Release(&v);
+  }
+  // The object's memory as one C-contiguous block; throws the Python error when it has none.
+  const Py_buffer& get(PyObject* obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+    views_.push_back(view);
+    return views_.back();
+  }
+
+ private:
+  std::vector<Py_buffer> views_;
+};
+
+// forward_staged for a batch whose samples sit in several host buffers (each request's, where it arrived): with
+// the GIL held only to find the parts' memory, the parts are copied into pinned staging memory, uploaded, run,
+// downloaded into a new pinned tensor that is returned, and the current stream is waited for. A serving thread
+// then takes the GIL back once per batch. Python (kernels/functional.py, conv_transpose2d_gathered) checks the
+// parts' types, dtypes and sizes first.
+torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
+                               const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
+                               const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
+                               std::vector<int64_t> padding, std::vector<int64_t> output_padding,
+                               std::vector<int64_t> dilation, int64_t groups, const std::string& precision) {
+  TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
+  TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
+  const torch::Tensor x_meta = at::empty(x_shape, weight.options().device(at::kMeta));
+  const Problem pr =
+      check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  struct Part {
+    const void* data;
+    size_t bytes;
+  };
+  std::vector<Part> host;
+  std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
+  HeldBuffers buffers(parts.size());
+  size_t total = 0;
+  for (const py::handle obj : parts) {
+    if (THPVariable_Check(obj.ptr())) {
+      const torch::Tensor& t = THPVariable_Unpack(obj.ptr());
+      TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == weight.scalar_type(),
+                  "conv_transpose2d_gathered: tensor parts must be contiguous CPU tensors of the weight's dtype.");
+      tensors.push_back(t);
+      host.push_back({t.data_ptr(), t.nbytes()});
+    } else {
+      const Py_buffer& view = buffers.get(obj.ptr());
+      host.push_back({view.buf, static_cast<size_t>(view.len)});
+    }
+    total += host.back().bytes;
+  }
+  TORCH_CHECK(total == static_cast<size_t>(x_meta.nbytes()), "conv_transpose2d_gathered: the parts hold ", total,
+              " bytes, the input ", x_meta.nbytes(), ".");
+  torch::Tensor y_host;
+  {
+    const py::gil_scoped_release no_gil;
+    const c10::cuda::CUDAGuard guard(weight.device());
+    const auto pinned = weight.options().device(at::kCPU).pinned_memory(true);
+    const torch::Tensor x_host = at::empty(x_shape, pinned);
+    char* dst = static_cast<char*>(x_host.data_ptr());
+    for (const Part& part : host) {
+      std::memcpy(dst, part.data, part.bytes);
+      dst += part.bytes;
+    }
+    const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
+    const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
+    launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
+    y_host = at::empty(y.sizes(), pinned);
+    y_host.copy_(y, /*non_blocking=*/true);
+    at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
+  }
+  return y_host;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -224,4 +305,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "with the GIL released throughout. Returns the kernel path as forward does.",
         py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"));
+  m.def("forward_gathered", &forward_gathered,
+        "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
+        "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
+        py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+        py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"));
 }

@@ -240,13 +240,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           }
         };
 
+        // Exact fp32 runs each stage into `part` and adds it to `acc` (tc::add_tile says why).
+        constexpr bool kPartial = K == MmaKind::k3xTF32;
         float acc[kMT][kNT][4];
-#pragma unroll
-        for (int i = 0; i < kMT; ++i)
-#pragma unroll
-          for (int j = 0; j < kNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+        float part[kPartial ? kMT : 1][kPartial ? kNT : 1][4];
+        tc::zero_tile(acc);
 
         // Fragments of tap t: B from the stage's weights, A from the patch at the tap's offset.
         auto load_frags = [&](const uint32_t* st, const uint32_t* wsm, int t, int off, uint32_t (&af)[kMT][4],
@@ -285,7 +283,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
 #pragma unroll
               for (int e = 0; e < 4; ++e) af[i][e] = tc::to_tf32(__uint_as_float(af[i][e]));
           }
-          tc::mma_warp_tile<K>(acc, af, bf);
+          if constexpr (kPartial) {
+            tc::mma_warp_tile<K>(part, af, bf);
+          } else {
+            tc::mma_warp_tile<K>(acc, af, bf);
+          }
         };
 
         const int stages = geo.stages;
@@ -318,11 +320,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
               off += taps_w * dstep_w - dstep_h * kRS;
             }
           };
+          if constexpr (kPartial) tc::zero_tile(part);
           for (int t = 0; t < taps; ++t) {
             load_frags(st, wsm, t, off, af, bf);
             mma_tap(af, bf);
             advance();
           }
+          if constexpr (kPartial) tc::add_tile(acc, part);
         }
         cp_async_wait<0>();
         __syncthreads();  // every warp is done with the stages: Cs aliases them
@@ -459,8 +463,10 @@ int halo_choose(const ConvTranspose2dParams& p) {
                        max_taps(p.stride_w, p.W_out, p.pad_w, p.dil_w, p.kW);
   const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups;
   if (taps < 2 || cin_g < 16 || tc::div_up(p.W_out, p.stride_w) < 24) return -1;
-  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision.
-  const int config = cout_g > 64 ? 2 : cout_g > 32 ? 1 : cout_g > 16 ? 3 : 4;
+  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision
+  // but exact fp32, whose per-stage partial sums (tc::add_tile) spill at the 16-warp tiles' 128 registers.
+  const bool exact = p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
+  const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;
   return halo_plan(p, config).smem <= max_dynamic_smem() ? config : -1;
 }
 

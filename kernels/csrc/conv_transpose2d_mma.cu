@@ -87,14 +87,15 @@ constexpr size_t smem_bytes() {
 }
 
 // Two blocks per SM (128 registers a thread) hide the gather latency; the 128 x 128 tile holds 64 accumulators
-// a thread and runs one block per SM rather than spill.
-template <int BN>
+// a thread, and exact fp32 a partial sum as large as its accumulators: those run one block per SM rather than
+// spill.
+template <MmaKind K, int BN>
 constexpr int min_blocks() {
-  return BN >= 128 ? 1 : 2;
+  return BN >= 128 || K == MmaKind::k3xTF32 ? 1 : 2;
 }
 
 template <typename T, MmaKind K, int BM, int BN, int WARPS_M, int WARPS_N>
-__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
+__global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<K, BN>())
     conv_transpose2d_mma_kernel(const ConvTranspose2dParams p, const uint32_t* __restrict__ wt, int64_t ciw_pad,
                                 int64_t co_pad) {
   constexpr int kThreads = WARPS_M * WARPS_N * 32;
@@ -223,13 +224,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
           }
         };
 
+        // Exact fp32 runs each chunk into `part` and adds it to `acc` (tc::add_tile says why).
+        constexpr bool kPartial = K == MmaKind::k3xTF32;
         float acc[kMT][kNT][4];
-#pragma unroll
-        for (int i = 0; i < kMT; ++i)
-#pragma unroll
-          for (int j = 0; j < kNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+        float part[kPartial ? kMT : 1][kPartial ? kNT : 1][4];
+        tc::zero_tile(acc);
 
         if (num_chunks > 0) {
           load_chunk(0);
@@ -241,6 +240,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
           if (c + 1 < num_chunks) load_chunk(c + 1);  // global loads in flight during the mma below
           const uint32_t* as = As + buf * kBKW * kAStride + wm * kWarpM;
           const uint32_t* bs = Bs + buf * kBKW * kBStride + wn * kWarpN;
+          if constexpr (kPartial) tc::zero_tile(part);
 #pragma unroll
           for (int ks = 0; ks < kBKW; ks += 8) {
             uint32_t af[kMT][4], bf[kNT][2];
@@ -256,8 +256,13 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, min_blocks<BN>())
               bf[j][0] = bs[(ks + t4) * kBStride + j * 8 + g8];
               bf[j][1] = bs[(ks + t4 + 4) * kBStride + j * 8 + g8];
             }
-            tc::mma_warp_tile<K>(acc, af, bf);
+            if constexpr (kPartial) {
+              tc::mma_warp_tile<K>(part, af, bf);
+            } else {
+              tc::mma_warp_tile<K>(acc, af, bf);
+            }
           }
+          if constexpr (kPartial) tc::add_tile(acc, part);
           if (c + 1 < num_chunks) store_chunk(buf ^ 1);
           __syncthreads();
         }

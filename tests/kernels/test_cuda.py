@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.functional import _forward_cuda, conv_transpose2d_staged, normalize_args, output_size
+from kernels.functional import (
+    _forward_cuda,
+    conv_transpose2d_gathered,
+    conv_transpose2d_staged,
+    normalize_args,
+    output_size,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -155,6 +161,19 @@ def test_forced_paths(problem: str, route: str, mode: str) -> None:
     err, tol, path = run_case(**FORCED[problem], mode=mode, seed=zlib.crc32(problem.encode()), **kw)
     assert path == ("simt" if route == "simt" else "tensor_core")
     assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+# K = C_in x taps = 9216 products an output: tensor-core accumulation truncates toward zero, a bias of about
+# 7e-9 x K (6e-5 here) when one accumulator takes every product; exact fp32 must stay within 1e-5 regardless.
+DEEP = dict(n=1, c_in=1024, c_out=72, h=8, w=40, k=3, padding=1)
+
+
+@pytest.mark.parametrize("route", ["default", "simt", *(f"tc{i}" for i in range(NUM_TC_CONFIGS))])
+def test_exact_fp32_deep_reduction(route: str) -> None:
+    kw = {} if route == "default" else (
+        dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2:])))
+    err, tol, path = run_case(**DEEP, mode="fp32", seed=7, **kw)
+    assert err <= tol, f"deep/{route} ran {path}: rel err {err:.3e} > {tol:.0e}"
 
 
 def _path(mode: str, **problem) -> str:
@@ -382,31 +401,36 @@ def test_runs_on_current_stream_and_device_errors() -> None:
         kernels.conv_transpose2d(x, w.cpu())
 
 
+def _host_problem(family: str, mode: str, n: int | None = None):
+    """A family's problem with its input on the host and weights on the GPU: (x, weight, bias, args, ref)."""
+    cfg = dict(FAMILIES[family])
+    dtype = MODES[mode][0]
+    n_cfg, c_in, c_out, h, w, k = (cfg.pop(key) for key in ("n", "c_in", "c_out", "h", "w", "k"))
+    groups = int(cfg.get("groups", 1))
+    kh, kw = (k, k) if isinstance(k, int) else k
+    args = normalize_args(cfg.get("stride", 1), cfg.get("padding", 0), cfg.get("output_padding", 0), groups,
+                          cfg.get("dilation", 1))
+    x = torch.randn(n or n_cfg, c_in, h, w).to(dtype)
+    wt = torch.randn(c_in, c_out // groups, kh, kw, device="cuda").to(dtype)
+    b = torch.randn(c_out, device="cuda").to(dtype)
+    ref = reference(x.cuda(), wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=groups, dilation=args.dilation)
+    return x, wt, b, args, ref
+
+
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("pinned", [True, False])
 @pytest.mark.parametrize("family", ["stride2", "groups4_strided", "output_padding_dilation", "wide_odd", "depthwise"])
 def test_staged_host_to_host(family: str, mode: str, pinned: bool) -> None:
     """The serving worker's call: host input -> kernels -> poisoned host output, on a side stream, GIL released."""
-    cfg = dict(FAMILIES[family])
     dtype, precision, tol = MODES[mode]
-    n, c_in, c_out, h, w, k = (cfg.pop(key) for key in ("n", "c_in", "c_out", "h", "w", "k"))
-    groups = int(cfg.get("groups", 1))
-    kh, kw = (k, k) if isinstance(k, int) else k
-    args = normalize_args(cfg.get("stride", 1), cfg.get("padding", 0), cfg.get("output_padding", 0), groups,
-                          cfg.get("dilation", 1))
-    x = torch.randn(n, c_in, h, w).to(dtype)
-    wt = torch.randn(c_in, c_out // groups, kh, kw, device="cuda").to(dtype)
-    b = torch.randn(c_out, device="cuda").to(dtype)
-    ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
-    wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
-    out = torch.full((n, c_out, ho, wo), float("nan"), dtype=dtype, pin_memory=pinned)
+    x, wt, b, args, ref = _host_problem(family, mode)
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, pin_memory=pinned)
     x_host = x.pin_memory() if pinned else x
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         path = conv_transpose2d_staged(x_host, wt, b, args, precision, out)
     assert path in ("simt", "tensor_core", "narrow")
-    ref = reference(x.cuda(), wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
-                    groups=groups, dilation=args.dilation)
     assert rel_err(out.cuda(), ref) <= tol  # written before the call returned: no synchronisation here
 
 
@@ -446,6 +470,72 @@ def test_staged_out_of_memory_raises_and_the_next_call_works() -> None:
     conv_transpose2d_staged(x[:2], w, None, args, "fp32", out[:2])
     ref = reference(x[:2].cuda(), w, None, stride=2, padding=1)
     assert rel_err(out[:2].cuda(), ref) <= 1e-5
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", ["stride2", "groups4_strided", "wide_odd", "depthwise", "odd_channels"])
+def test_gathered_parts_host_to_host(family: str, mode: str) -> None:
+    """The serving worker's call: requests' inputs (tensors, memoryviews, bytes) -> one pinned host output."""
+    dtype, precision, tol = MODES[mode]
+    x, wt, b, args, ref = _host_problem(family, mode, n=6)
+    parts = [x[0:2].clone(), _host_bytes(x[2:3]), bytes(_host_bytes(x[3:6]))]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        y = conv_transpose2d_gathered(parts, x.shape, wt, b, args, precision)
+    assert y.device.type == "cpu"
+    assert y.is_pinned()
+    assert y.dtype == dtype
+    assert y.is_contiguous()
+    assert y.shape == ref.shape
+    assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
+
+
+def test_gathered_rejects_parts_that_do_not_make_the_input() -> None:
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(3, 8, 5, 5)
+    w = torch.randn(8, 4, 4, 4, device="cuda")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="CUDA weights"):
+        conv_transpose2d_gathered([x], x.shape, w.cpu(), None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="hold"):
+        conv_transpose2d_gathered([x[:2]], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="hold"):
+        conv_transpose2d_gathered([x, b"\0" * 4], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous CPU tensor"):
+        conv_transpose2d_gathered([x.transpose(2, 3)], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous CPU tensor"):
+        conv_transpose2d_gathered([x.cuda()], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous CPU tensor"):
+        conv_transpose2d_gathered([x.double()[:, :4]], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="C-contiguous"):
+        conv_transpose2d_gathered([memoryview(x.numpy()[:, :, :, ::2])], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="N >= 1"):
+        conv_transpose2d_gathered([], (0, 8, 5, 5), w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="channels"):
+        conv_transpose2d_gathered([torch.randn(3, 7, 5, 5)], (3, 7, 5, 5), w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="bias"):
+        conv_transpose2d_gathered([x], x.shape, w, torch.zeros(5, device="cuda"), args, "fp32")
+
+
+def test_gathered_out_of_memory_raises_and_the_next_call_works() -> None:
+    """Out of memory while the GIL is released: torch's OutOfMemoryError, as for the staged call."""
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(64, 64, 64, 64)  # 64 MiB; the output is 256 MiB
+    w = torch.randn(64, 64, 4, 4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (128 << 20)) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            conv_transpose2d_gathered([x], x.shape, w, None, args, "fp32")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    y = conv_transpose2d_gathered([x[:1], x[1:2]], (2, 64, 64, 64), w, None, args, "fp32")
+    assert rel_err(y.cuda(), reference(x[:2].cuda(), w, None, stride=2, padding=1)) <= 1e-5
 
 
 @pytest.mark.parametrize("route", ["narrow", "simt"])
