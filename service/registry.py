@@ -21,6 +21,7 @@ the file and the field; the server does not start with a half-configured reposit
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from kernels.functional import ConvTranspose2dArgumentError, normalize_args, output_size
+from kernels.functional import ConvArgs, ConvTranspose2dArgumentError, normalize_args, output_size
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -193,6 +194,12 @@ class Layer:
     def kernel_precision(self) -> str | None:
         """The ``precision`` argument of ``kernels.conv_transpose2d`` (float32 layers only)."""
         return self.config.precision if self.config.dtype == "float32" else None
+
+    @functools.cached_property
+    def args(self) -> ConvArgs:
+        """The layer's convolution arguments, normalized once."""
+        c = self.config
+        return normalize_args(c.stride, c.padding, c.output_padding, c.groups, c.dilation)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
         """Output height and width for an ``h`` x ``w`` input."""

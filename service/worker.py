@@ -1,9 +1,11 @@
 """Workers: one per device, each executing batches on a dedicated thread, off the event loop.
 
-A GPU worker stages a batch through pinned host memory on its own CUDA stream: concatenate the requests' inputs into
-a pinned buffer, then in one call that releases the GIL once (``conv_transpose2d_staged``) copy it host-to-device,
-run the kernels, copy the output device-to-host into a pinned buffer and wait for the stream; split the output back
-per request. Out of memory: the batch is split in halves and each half retried (down to one sample). Any failure
+A GPU worker runs a batch in one extension call that releases the GIL once (``conv_transpose2d_gathered``): copy
+the requests' inputs, where they arrived, into pinned staging memory, upload on the worker's CUDA stream, run the
+kernels, download into a pinned output and wait for the stream; then split the output back per request. The
+worker thread shares the GIL with the event loop, which holds it most of the time under load, so every operation
+that releases and re-takes it (each torch call does) costs the batch a wait. Out of memory: the batch is staged
+whole and split in halves, each half retried (``conv_transpose2d_staged``, down to one sample). Any failure
 fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an exception leaves its
 loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old one
 held fails with ``InternalError``, so that no request waits on a thread that will never answer.
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
-from kernels.functional import conv_transpose2d_staged, normalize_args
+from kernels.functional import conv_transpose2d_gathered, conv_transpose2d_staged
 from service.codec import AnyTensor, RawTensor, copy_into, split_rows
 from service.errors import InternalError
 from service.faults import Faults
@@ -38,8 +40,9 @@ from service.registry import Layer
 
 log = logging.getLogger("deconv.service")
 
-# Batches one worker holds at once: one executing and one waiting in its thread's queue, so that the thread
-# never idles for an event-loop round trip between batches, while later requests keep batching in the queue.
+# Batches one worker holds at once: one executing and one waiting in its thread's queue, so that the thread need
+# not idle for an event-loop round trip between batches. A layer's batcher packs late (service.batcher) and keeps
+# at most one of its batches per worker; the second slot serves other layers and layers of one-sample batches.
 MAX_INFLIGHT_BATCHES = 2
 
 # Default longest execution of one batch before its worker thread counts as stalled (Settings.worker_timeout_s).
@@ -47,9 +50,9 @@ WORKER_TIMEOUT_S = 120.0
 
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
-# (pinned host input [N, C_in, H, W], CUDA weight, bias, layer, pinned host output [N, C_out, H_out, W_out]): the
-# GPU worker's step, which leaves the output in place and returns once it is there.
-StagedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer, torch.Tensor], object]
+# (requests' inputs [n_i, C_in, H, W] on the host, CUDA weight, bias, layer) -> pinned host output [N, C_out, H_out,
+# W_out]: the GPU worker's step, which returns once the output is there.
+GatheredFn = Callable[[list[AnyTensor], torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
 # A batch handed to the worker thread: its future, its layer and its inputs.
 _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 
@@ -61,12 +64,18 @@ def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                             precision=layer.kernel_precision)
 
 
+def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias: torch.Tensor | None,
+                            layer: Layer) -> torch.Tensor:
+    """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream."""
+    parts = [x.data if isinstance(x, RawTensor) else x.contiguous() for x in inputs]
+    shape = (sum(int(x.shape[0]) for x in inputs), *(int(d) for d in inputs[0].shape[1:]))
+    return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision)
+
+
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
                           out: torch.Tensor) -> None:
     """``kernel_forward`` from pinned host memory into pinned host ``out`` on the current stream, waiting for it."""
-    c = layer.config
-    args = normalize_args(c.stride, c.padding, c.output_padding, c.groups, c.dilation)
-    conv_transpose2d_staged(x, weight, bias, args, layer.kernel_precision, out)
+    conv_transpose2d_staged(x, weight, bias, layer.args, layer.kernel_precision, out)
 
 
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
@@ -97,13 +106,13 @@ class Worker:
     """
 
     def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
-                 faults: Faults | None = None, staged: StagedFn | None = None) -> None:
+                 faults: Faults | None = None, gathered: GatheredFn | None = None) -> None:
         self.device = device
         self.name = str(device)
         self.metrics = metrics
         self.faults = faults if faults else None
         self._forward = forward or kernel_forward  # the CPU worker's step
-        self._staged = staged or kernel_forward_staged  # the GPU worker's step
+        self._gathered = gathered or kernel_forward_gathered  # the GPU worker's step
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.inflight_batches = 0
@@ -263,15 +272,29 @@ class Worker:
                   bias: torch.Tensor | None) -> torch.Tensor:
         assert self._stream is not None
         n = sum(int(x.shape[0]) for x in inputs)
+        try:
+            if self.faults is not None:
+                self.faults.before_forward(layer.name, n)
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                return self._gathered(inputs, weight, bias, layer)  # [N, C_out, H_out, W_out], pinned
+        except torch.cuda.OutOfMemoryError:
+            if n <= 1:
+                raise
+        # Retry in halves outside the except block, so that the failed attempt's tensors are freed first.
+        self._count_failure("oom_retry")
+        log.warning("worker %s: out of memory for %d samples of layer %s; retrying in halves", self.name, n,
+                    layer.name)
+        torch.cuda.empty_cache()
         _, c_in, h, w = inputs[0].shape
         h_out, w_out = layer.output_hw(h, w)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            # One copy from the request bodies into pinned memory; uploads and downloads are then asynchronous.
             host_in = torch.empty((n, c_in, h, w), dtype=layer.dtype, pin_memory=True)  # [N, C_in, H, W]
             _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
-            self._forward_span(layer, host_in, weight, bias, host_out)  # waits until host_out holds the outputs
+            half = n // 2
+            self._forward_span(layer, host_in[:half], weight, bias, host_out[:half])
+            self._forward_span(layer, host_in[half:], weight, bias, host_out[half:])
         return host_out
 
     def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -287,7 +310,7 @@ class Worker:
             with torch.inference_mode():
                 if out is None:
                     return self._forward(x, weight, bias, layer)
-                self._staged(x, weight, bias, layer, out)
+                kernel_forward_staged(x, weight, bias, layer, out)
             return out
         except torch.cuda.OutOfMemoryError:
             if int(x.shape[0]) <= 1:
@@ -354,6 +377,11 @@ class WorkerPool:
         self.max_inflight_batches = max_inflight_batches
         self.worker_timeout_s = worker_timeout_s
         self._freed: asyncio.Event | None = None
+
+    @property
+    def parallelism(self) -> int:
+        """Batches executing at once when every worker is busy: one per worker."""
+        return len(self.workers)
 
     @property
     def backend(self) -> str:

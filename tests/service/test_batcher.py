@@ -30,6 +30,7 @@ class FakeExecutor:
 
     def __init__(self, slots: int = 1, fail: int = 0) -> None:
         self.slots = slots
+        self.parallelism = slots
         self.free = asyncio.Event()
         self.batches: list[list[int]] = []
         self.times: list[float] = []
@@ -142,6 +143,35 @@ def test_batches_grow_while_the_workers_are_busy():
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
         assert ex.batches == [[1], [1, 1, 1, 1, 1]]
+        await b.drain()
+
+    run(main(), 10)
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 1])
+def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int):
+    """One worker with room for a second batch in its queue: a layer whose batches can grow leaves that room
+    empty while its batch runs, so that everything arriving meanwhile rides in the next batch; a layer of
+    one-sample batches fills it."""
+    async def main() -> None:
+        ex = FakeExecutor(slots=2)
+        ex.parallelism = 1
+        ex.hold = asyncio.Event()
+        b = Batcher(make_layer(max_batch_size=max_batch_size, delay_ms=0), ex)
+        b.start()
+        first = b.submit(x())
+        await asyncio.sleep(0.05)  # the first batch runs (held)
+        rest = [b.submit(x()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        if max_batch_size > 1:
+            assert ex.batches == [[1]]  # a slot is free, but the next batch waits to be packed
+            assert b.depth == 3
+        else:
+            assert ex.batches == [[1], [1]]  # the free slot took the next one-sample batch at once
+            assert b.depth == 2
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in rest))
+        assert ex.batches == ([[1], [1, 1, 1]] if max_batch_size > 1 else [[1], [1], [1], [1]])
         await b.drain()
 
     run(main(), 10)
