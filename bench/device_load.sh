@@ -4,11 +4,7 @@
 # (carried). Env: REQUESTS (default 20000), HTTP_PROCS (space-separated, default "1 4 8"), LOAD_PROCS (default 4),
 # SKIP_TESTS=1 to skip the service GPU tests. Logs and JSON go to $OUT.
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:$PWD/client:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export DECONV_KERNEL_CACHE=${DECONV_KERNEL_CACHE:-/tmp/deconv-kernel-cache}
+source bench/device_env.sh
 python3 -c "import logging; logging.basicConfig(level=logging.INFO); import kernels.build as b; b.load()" \
   > "$OUT/build.log" 2>&1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -2,11 +2,7 @@
 # One call on the GPU machine for the service: GPU tests of kernels and service, the load benchmark, and the
 # KernelBench + bundled-layers table. Needs the wheels of ../shared/device/fetch-wheels in .whl (carried).
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:$PWD/client:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export DECONV_KERNEL_CACHE=${DECONV_KERNEL_CACHE:-/tmp/deconv-kernel-cache}
+source bench/device_env.sh
 python3 -c "import logging; logging.basicConfig(level=logging.INFO); import kernels.build as b; b.load()" 2>&1 \
   | tee "$OUT/build.log"
 python3 -m pytest -q -m cuda tests/kernels tests/service -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15

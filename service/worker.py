@@ -280,11 +280,8 @@ class Worker:
         except torch.cuda.OutOfMemoryError:
             if n <= 1:
                 raise
-        # Retry in halves outside the except block, so that the failed attempt's tensors are freed first.
-        self._count_failure("oom_retry")
-        log.warning("worker %s: out of memory for %d samples of layer %s; retrying in halves", self.name, n,
-                    layer.name)
-        torch.cuda.empty_cache()
+        # Retry in halves outside the except block, so that the failed attempt's tensors are freed first: the
+        # batch staged whole in pinned memory, each half run (and halved again if need be) by _forward_span.
         _, c_in, h, w = inputs[0].shape
         h_out, w_out = layer.output_hw(h, w)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
@@ -292,10 +289,7 @@ class Worker:
             _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
-            half = n // 2
-            self._forward_span(layer, host_in[:half], weight, bias, host_out[:half])
-            self._forward_span(layer, host_in[half:], weight, bias, host_out[half:])
-        return host_out
+            return self._halves(layer, host_in, weight, bias, host_out)
 
     def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       out: torch.Tensor | None) -> torch.Tensor:
@@ -316,6 +310,11 @@ class Worker:
             if int(x.shape[0]) <= 1:
                 raise
         # Retry outside the except block, so that the failed attempt's tensors (held by the traceback) are freed.
+        return self._halves(layer, x, weight, bias, out)
+
+    def _halves(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None) -> torch.Tensor:
+        """``_forward_span`` of each half of ``x`` (at least 2 samples), after an out-of-memory on the whole."""
         n = int(x.shape[0])
         self._count_failure("oom_retry")
         log.warning("worker %s: out of memory for %d samples of layer %s; retrying in halves", self.name, n,

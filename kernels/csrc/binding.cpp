@@ -181,6 +181,20 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   return {y, path};
 }
 
+// Host x_host -> weight's device -> kernels -> host y_host on the current stream, then waits for the stream. Called
+// with the GIL released and weight's device current; returns the kernel path.
+int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weight,
+                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& y_host, const Problem& pr,
+                         const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                         const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision) {
+  const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
+  const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
+  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
+  y_host.copy_(y, /*non_blocking=*/true);
+  at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
+  return path;
+}
+
 // One batch staged through host memory, for a serving worker thread: upload x_host, run the kernels, download into
 // y_host and wait for the current stream, with the Python GIL released once for all of it. Called from Python op by
 // op, each of those steps would release and re-take the GIL, and each re-take waits for whichever thread holds it:
@@ -202,12 +216,7 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
               pr.W_out, "] CPU tensor of the input's dtype.");
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
-  const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
-  const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
-  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
-  y_host.copy_(y, /*non_blocking=*/true);
-  at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
-  return path;
+  return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision);
 }
 
 // Buffers obtained from Python objects, released (with the GIL held) when this goes out of scope.
@@ -280,12 +289,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
       std::memcpy(dst, part.data, part.bytes);
       dst += part.bytes;
     }
-    const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
-    const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
-    launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
-    y_host = at::empty(y.sizes(), pinned);
-    y_host.copy_(y, /*non_blocking=*/true);
-    at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
+    y_host = at::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, pinned);
+    run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision);
   }
   return y_host;
 }
