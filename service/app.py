@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
+from service.asgi import App
 from service.batcher import Batcher, Queue
 from service.config import Settings, parse_devices
 from service.errors import NotReadyError, install_error_handlers
@@ -251,7 +252,7 @@ Transposed-convolution (ConvTranspose2d) layers on the deconv CUDA kernels, with
 """
 
 
-def create_app(settings: Settings | None = None, engine_socket: str | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_socket: str | None = None) -> App:
     """Build the app. ``settings`` default to ``Settings()`` (the ``DECONV_*`` environment), read here.
 
     With ``engine_socket`` the app is one HTTP process of a multi-process server: its requests go to the engine
@@ -261,7 +262,8 @@ def create_app(settings: Settings | None = None, engine_socket: str | None = Non
 
     settings = settings if settings is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
-    app = FastAPI(title="deconv", version=VERSION, description=DESCRIPTION, lifespan=lifespan)
+    app = App(fast_routes=routes.match_inference, title="deconv", version=VERSION, description=DESCRIPTION,
+              lifespan=lifespan)
     if engine_socket is not None:
         from service.frontend import FrontendService
 

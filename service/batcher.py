@@ -5,12 +5,12 @@ A batch is executed when the group of the oldest queued request holds ``max_batc
 first, and a worker has a free slot (while every worker is busy the queue keeps filling, so batches grow with
 load). Requests are packed first come, first served.
 
-Batches are packed late: while a layer's batches occupy every worker (``Executor.parallelism``), its next batch is
-packed only when one of them finishes, not as soon as a worker's queue has room, so that the requests arriving
-during a batch ride in the next one instead of waiting behind a batch packed before they came (H200, 64
-clients: 11-25% more requests/s and a lower p99; docs/operations.md). A layer whose batches hold one sample
-(``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers' queues, which keeps a worker busy
-between batches.
+Batches are packed late: while a layer's batches occupy every worker (``Executor.parallelism``), its next batch
+is packed only when one of them leaves its worker, not as soon as a worker's queue has room, so that the requests
+arriving during a batch ride in the next one instead of waiting behind a batch packed before they came (H200, 64
+clients: 11-25% more requests/s and a lower p99; docs/operations.md). The finished batch's results go out after
+the next batch has started. A layer whose batches hold one sample (``max_batch_size`` 1) has nothing to gain
+from waiting: it fills the workers' queues, which keeps a worker busy between batches.
 
 Admission is decided at the door: ``submit`` raises ``OverloadedError`` (429) at once when the queue holds
 ``max_queue_size`` requests and ``NotReadyError`` (503) while draining; nothing waits for room. Each request owns
@@ -142,7 +142,8 @@ class Batcher:
         self._changed: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
-        self._finished: asyncio.Event | None = None  # set whenever one of this layer's batches finishes
+        self._executing = 0  # this layer's batches on a worker, outputs not back yet (late packing counts these)
+        self._finished: asyncio.Event | None = None  # set whenever one of this layer's batches leaves its worker
         self._draining = False
         if metrics is not None:  # this layer's series, looked up once (labels() per request shows in profiles)
             name = layer.name
@@ -299,20 +300,21 @@ class Batcher:
             if not batch:
                 self.executor.release(slot)
                 continue
+            self._executing += 1
             task = asyncio.create_task(self._execute(slot, batch))
             self._running.add(task)
-            task.add_done_callback(self._batch_finished)
+            task.add_done_callback(self._running.discard)
             return True
 
-    def _batch_finished(self, task: asyncio.Task[None]) -> None:
-        self._running.discard(task)
+    def _left_worker(self) -> None:
+        self._executing -= 1
         if self._finished is not None:
             self._finished.set()
 
     async def _wait_for_room(self) -> None:
-        """Wait until fewer of this layer's batches are in flight than the executor runs at once."""
+        """Wait until fewer of this layer's batches are on a worker than the executor runs at once."""
         assert self._finished is not None
-        while len(self._running) >= self.executor.parallelism:
+        while self._executing >= self.executor.parallelism:
             self._finished.clear()
             await self._finished.wait()
 
@@ -371,7 +373,10 @@ class Batcher:
                 for item in batch:
                     self._queue_time.observe(start - item.enqueued)
         try:
-            outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
+            try:
+                outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
+            finally:
+                self._left_worker()
             if self.metrics is not None:
                 self._batch_time.observe(time.monotonic() - start)
         except Exception as exc:
@@ -382,6 +387,9 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(error)
             return
+        # The batcher packs the next batch (already woken) before this one's results go out: one event-loop
+        # iteration here instead of a batch's worth of answers between a worker's batches.
+        await asyncio.sleep(0)
         worker = getattr(slot, "name", str(slot))
         for item, y in zip(batch, outputs, strict=True):
             if not item.future.done():

@@ -2,7 +2,9 @@
 
 Every inference request, native or KServe, takes the same path: read the body (size-checked), decode it without
 copies, validate it against the layer, submit it to the layer's batcher, wait for its result while watching
-for the client going away and for its deadline, encode the output.
+for the client going away and for its deadline, encode the output. Those handlers (``deconv_call``,
+``v2_infer_call``) take a ``service.asgi.Call``: ``service.asgi.App`` runs them straight from ASGI
+(``match_inference``), and the FastAPI routes of the same paths, which document them, adapt to them.
 """
 
 from __future__ import annotations
@@ -13,18 +15,16 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
-from starlette.requests import ClientDisconnect
 
 from service import codec
+from service.asgi import Call, ClientGoneError, Handler, Reply, call_of, disconnected, read_body, response_of
 from service.batcher import Queue, Result, Ticket
 from service.errors import (
     DeadlineExceededError,
@@ -41,6 +41,8 @@ from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.registry import Layer
 
 if TYPE_CHECKING:
+    from starlette.types import Receive
+
     from service.app import Service
 
 router = APIRouter()
@@ -158,64 +160,27 @@ def get_service(request: Request) -> Service:
     return request.app.state.service  # type: ignore[no-any-return]
 
 
-async def require_api_key(request: Request) -> None:
+def check_api_key(call: Call) -> None:
     """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise)."""
-    key = get_service(request).settings.api_key
+    key = call.service.settings.api_key
     if key is None:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = call.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
         raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
 
 
-_Endpoint = Callable[[Request], Awaitable[Response]]
-
-
-class BareRoute(APIRoute):
-    """A route whose endpoint takes the bare ``Request``: FastAPI validates no parameters per request.
-
-    FastAPI's per-request parameter and dependency solving costs more CPU than decoding, batching and encoding an
-    inference request together (docs/operations.md, "Throughput"), so the inference routes read their query
-    parameter and headers themselves (``query_layer``, ``deadline_header``) and document them in
-    ``openapi_extra``. The route's dependencies (``require_api_key``) still run first, each called with the request.
-    """
-
-    def get_route_handler(self) -> _Endpoint:
-        endpoint = self.endpoint
-        checks = [d.call for d in self.dependant.dependencies]
-        if any(d.dependencies or d.path_params or d.query_params or d.header_params or d.cookie_params
-               or d.body_params for d in self.dependant.dependencies):
-            raise TypeError(f"{self.path}: a bare route's dependencies take the request and nothing else")
-
-        async def handler(request: Request) -> Response:
-            for check in checks:
-                await check(request)  # type: ignore[misc]
-            return await endpoint(request)  # type: ignore[no-any-return]
-
-        return handler
-
-
-def bare_post(path: str, **kwargs: Any) -> Callable[[_Endpoint], _Endpoint]:
-    """``router.post(path, **kwargs)`` for a ``BareRoute``."""
-
-    def register(endpoint: _Endpoint) -> _Endpoint:
-        router.add_api_route(path, endpoint, methods=["POST"], route_class_override=BareRoute, **kwargs)
-        return endpoint
-
-    return register
-
-
-def query_layer(request: Request) -> str:
+def query_layer(call: Call) -> str:
     """The required ``layer`` query parameter (422 when missing)."""
-    name = request.query_params.get("layer")
+    name = call.query("layer")
     if name is None:
         raise InvalidInputError("query.layer: Field required")
     return name
 
 
-def deadline_header(request: Request) -> float | None:
+def deadline_header(call: Call) -> float | None:
     """``X-Deadline-Ms`` in milliseconds, None when absent (422 unless a non-negative number)."""
-    text = request.headers.get("x-deadline-ms")
+    text = call.headers.get("x-deadline-ms")
     if text is None:
         return None
     try:
@@ -227,7 +192,8 @@ def deadline_header(request: Request) -> float | None:
     return value
 
 
-# How FastAPI documented these parameters when it parsed them itself (bare routes document them by hand).
+# The inference routes read their query parameter and headers themselves and document them by hand, as FastAPI
+# documents the parameters it parses.
 _LAYER_PARAMETER = {"name": "layer", "in": "query", "required": True, "description": "Layer name (see GET /v1/layers).",
                     "schema": {"type": "string", "description": "Layer name (see GET /v1/layers).",
                                "examples": ["demo"], "title": "Layer"}}
@@ -248,41 +214,6 @@ def _layer(service: Service, name: str) -> tuple[Layer, Queue]:
     if layer is None:
         raise UnknownLayerError(f"no layer named {name!r}; GET /v1/layers lists them")
     return layer, service.batchers[name]
-
-
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large."""
-    declared = request.headers.get("content-length")
-    size: int | None = None
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise MalformedBodyError(f"Content-Length {declared!r} is not a number") from None
-        if size < 0:
-            raise MalformedBodyError(f"Content-Length {size} is negative")
-        if size > limit:
-            raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
-    buf = bytearray(size) if size is not None else bytearray()
-    filled = 0
-    try:
-        async for chunk in request.stream():
-            if not chunk:
-                continue
-            end = filled + len(chunk)
-            if end > limit:
-                raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
-            if size is not None and end <= size:
-                buf[filled:end] = chunk
-            else:
-                del buf[filled:]
-                buf += chunk
-            filled = end
-    except ClientDisconnect:  # the client left while sending the body: a 499, not a server error
-        raise ClientGoneError("client disconnected while sending the body") from None
-    if filled != len(buf):
-        raise MalformedBodyError(f"body ended after {filled} of {len(buf)} bytes")
-    return buf
 
 
 def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
@@ -337,25 +268,8 @@ def validate_input(layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return x4, unbatched
 
 
-class ClientGoneError(ServiceError):
-    """The client went away; nothing is sent (status 499 is for the metrics only)."""
-
-    status, type = 499, "client_closed_request"
-
-
-async def _disconnected(request: Request) -> None:
-    # After the body has been read, the next ASGI message is the disconnect (or arrives after the response).
-    try:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-    except Exception:  # a server that raises instead of sending the message: the client is gone all the same
-        return
-
-
 async def run_inference(
-    service: Service, layer: Layer, batcher: Queue, x4: torch.Tensor, request: Request, received: float,
+    service: Service, layer: Layer, batcher: Queue, x4: torch.Tensor, receive: Receive, received: float,
     deadline_ms: float | None,
 ) -> Result:
     """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
@@ -378,7 +292,7 @@ async def run_inference(
             wake.set_result(None)
 
     item.future.add_done_callback(wake_up)
-    gone = loop.create_task(_disconnected(request))
+    gone = loop.create_task(disconnected(receive))
     gone.add_done_callback(wake_up)
     try:
         while True:
@@ -422,12 +336,46 @@ def _batch_headers(result: Result) -> dict[str, str]:
 # --- native API --------------------------------------------------------------------------------------------
 
 
-@bare_post(
+async def deconv_call(call: Call) -> Reply:
+    """``POST /deconv``: run layer ``layer`` on the tensor in the body; the output in the negotiated format."""
+    check_api_key(call)
+    layer, x_deadline_ms = query_layer(call), deadline_header(call)
+    received = time.monotonic()
+    service = call.service
+    label = layer if service.registry is not None and service.registry.get(layer) else "unknown"
+    status = 500
+    try:
+        spec, batcher = _layer(service, layer)
+        headers = call.headers
+        media = codec.media_type_of(headers.get("content-type"))
+        out_media = codec.negotiate(headers.get("accept"), media)
+        if headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
+        service.check_ready()
+        body = await read_body(call, service.settings.max_body_bytes)
+        x4, unbatched = validate_input(spec, codec.decode(body, media, service.settings.max_body_bytes))
+        if out_media == codec.NPY and spec.dtype == torch.bfloat16:
+            raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
+        result = await run_inference(service, spec, batcher, x4, call.receive, received, x_deadline_ms)
+        y = result.output.squeeze(0) if unbatched else result.output
+        reply = Reply(codec.encode(y, out_media), out_media, _batch_headers(result))
+        status = 200
+        return reply
+    except ServiceError as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = ClientGoneError.status
+        raise
+    finally:
+        _count(service, label, "native", status, received)
+
+
+@router.post(
     "/deconv",
     tags=["inference"],
     summary="Run one layer on one tensor",
     response_class=Response,
-    dependencies=[Depends(require_api_key)],
     responses={200: {"content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY},
                      "description": "The output tensor [N, C_out, H_out, W_out] (or [C_out, H_out, W_out]) in the "
                                     "request's format (or the one Accept names), same dtype. Headers: "
@@ -441,35 +389,7 @@ def _batch_headers(result: Result) -> dict[str, str]:
 )
 async def deconv(request: Request) -> Response:
     """Run layer ``layer`` on the tensor in the body and return the output in the negotiated format."""
-    layer, x_deadline_ms = query_layer(request), deadline_header(request)
-    received = time.monotonic()
-    service = get_service(request)
-    label = layer if service.registry is not None and service.registry.get(layer) else "unknown"
-    status = 500
-    try:
-        spec, batcher = _layer(service, layer)
-        media = codec.media_type_of(request.headers.get("content-type"))
-        out_media = codec.negotiate(request.headers.get("accept"), media)
-        if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
-            raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
-        service.check_ready()
-        body = await read_body(request, service.settings.max_body_bytes)
-        x4, unbatched = validate_input(spec, codec.decode(body, media, service.settings.max_body_bytes))
-        if out_media == codec.NPY and spec.dtype == torch.bfloat16:
-            raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
-        result = await run_inference(service, spec, batcher, x4, request, received, x_deadline_ms)
-        y = result.output.squeeze(0) if unbatched else result.output
-        content = codec.encode(y, out_media)
-        status = 200
-        return Response(content, media_type=out_media, headers=_batch_headers(result))
-    except ServiceError as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = ClientGoneError.status
-        raise
-    finally:
-        _count(service, label, "native", status, received)
+    return response_of(await deconv_call(call_of(request)))
 
 
 @router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
@@ -722,9 +642,13 @@ _INFER_DOC = {
 }
 
 
-async def _v2_infer(request: Request, name: str, version: str | None, deadline_ms: float | None) -> Response:
+async def v2_infer_call(call: Call) -> Reply:
+    """``POST /v2/models/{name}[/versions/{version}]/infer``."""
+    check_api_key(call)
+    deadline_ms = deadline_header(call)
+    name, version = call.params["name"], call.params.get("version")
     received = time.monotonic()
-    service = get_service(request)
+    service = call.service
     label = name if service.registry is not None and service.registry.get(name) else "unknown"
     status = 500
     try:
@@ -732,13 +656,13 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
         _check_version(version)
         service.check_ready()
         limit = service.settings.max_body_bytes
-        body = _decompress(await read_body(request, limit), request.headers.get("content-encoding"), limit)
-        req, binary = _parse_kserve(body, request.headers.get("inference-header-content-length"))
+        body = _decompress(await read_body(call, limit), call.headers.get("content-encoding"), limit)
+        req, binary = _parse_kserve(body, call.headers.get("inference-header-content-length"))
         x = _kserve_input(req, binary, limit)
         binary_out = _wants_binary(req)
         x4, unbatched = validate_input(layer, x)
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
-        result = await run_inference(service, layer, batcher, x4, request, received,
+        result = await run_inference(service, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)
         y = result.output.squeeze(0) if unbatched else result.output
         out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
@@ -751,15 +675,14 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
             out["parameters"] = {"binary_data_size": len(data)}
             head = json.dumps(response, separators=(",", ":")).encode()
             headers["Inference-Header-Content-Length"] = str(len(head))
-            content = b"".join((head, data))
-            status = 200
-            return Response(content, media_type="application/octet-stream", headers=headers)
-        out["data"] = y.double().reshape(-1).tolist()
-        # Non-finite outputs are written as NaN / Infinity / -Infinity, which Python's json (tritonclient) reads;
-        # strict JSON has no spelling for them (binary outputs carry them exactly).
-        content = json.dumps(response, separators=(",", ":")).encode()
+            reply = Reply(b"".join((head, data)), "application/octet-stream", headers)
+        else:
+            out["data"] = y.double().reshape(-1).tolist()
+            # Non-finite outputs are written as NaN / Infinity / -Infinity, which Python's json (tritonclient)
+            # reads; strict JSON has no spelling for them (binary outputs carry them exactly).
+            reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)
         status = 200
-        return Response(content, media_type="application/json", headers=headers)
+        return reply
     except ServiceError as exc:
         status = exc.status
         raise
@@ -770,22 +693,33 @@ async def _v2_infer(request: Request, name: str, version: str | None, deadline_m
         _count(service, label, "kserve", status, received)
 
 
-@bare_post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
-           response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
-           openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"),
-                                                       _deadline_parameter("As on /deconv.")]})
+@router.post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
+             response_class=Response, responses=_KSERVE_ERRORS,
+             openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"),
+                                                         _deadline_parameter("As on /deconv.")]})
 async def v2_infer(request: Request) -> Response:
     """Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."""
-    deadline_ms = deadline_header(request)
-    return await _v2_infer(request, request.path_params["name"], None, deadline_ms)
+    return response_of(await v2_infer_call(call_of(request)))
 
 
-@bare_post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
-           response_class=Response, dependencies=[Depends(require_api_key)], responses=_KSERVE_ERRORS,
-           openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"), _path_parameter("version"),
-                                                       _deadline_parameter("As on /deconv.")]})
+@router.post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
+             response_class=Response, responses=_KSERVE_ERRORS,
+             openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"), _path_parameter("version"),
+                                                         _deadline_parameter("As on /deconv.")]})
 async def v2_infer_version(request: Request) -> Response:
     """As ``/v2/models/{name}/infer``; the only version is ``1``."""
-    deadline_ms = deadline_header(request)
-    return await _v2_infer(request, request.path_params["name"], request.path_params["version"], deadline_ms)
+    return response_of(await v2_infer_call(call_of(request)))
 
+
+def match_inference(path: str) -> tuple[Handler, dict[str, str]] | None:
+    """The handler and path parameters of the inference route at ``path`` (``service.asgi.App`` answers these
+    itself), or None. Matches as Starlette would the three POST routes above: a parameter is one path segment."""
+    if path == "/deconv":
+        return deconv_call, {}
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        parts = path[len("/v2/models/"):-len("/infer")].split("/")
+        if len(parts) == 1 and parts[0]:
+            return v2_infer_call, {"name": parts[0]}
+        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+            return v2_infer_call, {"name": parts[0], "version": parts[2]}
+    return None

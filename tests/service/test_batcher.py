@@ -177,6 +177,29 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
     run(main(), 10)
 
 
+def test_the_next_batch_starts_before_the_results_go_out():
+    """When a batch leaves its worker, the worker gets the next batch before the finished batch's requests are
+    answered (answering a large batch takes a while; the worker would wait for it)."""
+    async def main() -> None:
+        ex = FakeExecutor(slots=1)
+        ex.hold = asyncio.Event()
+        b = Batcher(make_layer(delay_ms=0), ex)
+        b.start()
+        first = [b.submit(x()) for _ in range(2)]
+        await asyncio.sleep(0.05)  # the first batch runs (held)
+        rest = [b.submit(x()) for _ in range(3)]
+        started_when_answered: list[int] = []
+        for item in first:
+            item.future.add_done_callback(lambda _: started_when_answered.append(len(ex.batches)))
+        ex.hold.set()
+        await asyncio.gather(*(i.future for i in first + rest))
+        assert ex.batches == [[1, 1], [1, 1, 1]]
+        assert started_when_answered == [2, 2]
+        await b.drain()
+
+    run(main(), 10)
+
+
 def test_full_queue_is_refused_at_once():
     async def main() -> None:
         m = Metrics()

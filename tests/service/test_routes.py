@@ -576,3 +576,82 @@ def test_kserve_errors(repo):
             await err(413, "payload_too_large", json=_kserve_json(np.zeros((5, 4, 5, 5), np.float32)))
 
     run(main())
+
+
+# --- the app's own dispatch of the inference routes ------------------------------------------------------------
+
+
+def _dispatch_cases() -> list[tuple[str, dict[str, Any]]]:
+    x = np.random.default_rng(3).standard_normal((2, 4, 5, 6)).astype(np.float32)
+    ok, npy = npy_bytes(x), {"content-type": NPY}
+    body, binary = _kserve_binary(x)
+    return [
+        ("/deconv?layer=small", {"content": ok, "headers": npy}),
+        ("/deconv?layer=small&layer=nope", {"content": ok, "headers": npy}),  # the last value counts
+        ("/deconv?layer=small", {"content": ok, "headers": {**npy, "accept": SAFETENSORS}}),
+        ("/deconv?layer=nope", {"content": ok, "headers": npy}),
+        ("/deconv", {"content": ok, "headers": npy}),
+        ("/deconv?layer=small", {"content": ok}),
+        ("/deconv?layer=small", {"content": ok, "headers": {**npy, "content-encoding": "gzip"}}),
+        ("/deconv?layer=small", {"content": b"\x93NUMPY", "headers": npy}),
+        ("/deconv?layer=small", {"content": npy_bytes(x[:, :3]), "headers": npy}),
+        ("/deconv?layer=small", {"content": npy_bytes(np.zeros((5, 4, 5, 5), np.float32)), "headers": npy}),
+        ("/deconv?layer=small", {"content": ok, "headers": {**npy, "x-deadline-ms": "soon"}}),
+        ("/deconv?layer=small", {"content": ok, "headers": {**npy, "x-deadline-ms": "0"}}),
+        ("/deconv?layer=small", {"content": ok, "headers": {**npy, "content-length": "12x"}}),
+        ("/deconv?layer=bf", {"content": ok, "headers": npy}),
+        ("/v2/models/small/infer", {"content": body, "headers": binary}),
+        ("/v2/models/small/versions/1/infer", {"json": _kserve_json(x)}),
+        ("/v2/models/small/versions/2/infer", {"json": _kserve_json(x)}),
+        ("/v2/models/nope/infer", {"json": _kserve_json(x)}),
+        ("/v2/models/small/infer", {"content": b"{not json"}),
+        ("/v2/models/small/infer", {"content": body, "headers": {**binary, "content-encoding": "br"}}),
+        ("/v2/models/small/infer/", {"json": _kserve_json(x)}),  # not an inference route: FastAPI redirects
+        ("/v2/models//infer", {"json": _kserve_json(x)}),
+    ]
+
+
+def test_direct_and_framework_dispatch_answer_alike(repo):
+    # App answers the inference routes straight from ASGI; FastAPI's routes of the same paths (which document them)
+    # adapt the same handlers. Every answer must be the same, error bodies and headers included.
+    async def answers(via_framework: bool) -> list[tuple[int, str, dict[str, str], bytes]]:
+        out = []
+        async with serve_app(settings(repo, max_body_bytes=20_000), via_framework=via_framework) as (_, client):
+            for path, kw in _dispatch_cases():
+                r = await client.post(path, **kw)
+                headers = {k: v for k, v in r.headers.items() if k not in ("x-deconv-queue-ms", "date")}
+                out.append((r.status_code, path, headers, r.content))
+        return out
+
+    direct, framework = run(answers(False)), run(answers(True))
+    assert [a[0] for a in direct] == [200, 404, 200, 404, 422, 415, 415, 400, 422, 413, 422, 504, 400, 422, 200,
+                                      200, 404, 404, 400, 415, 307, 404]
+    for a, b in zip(direct, framework, strict=True):
+        assert a == b
+
+
+def test_unexpected_error_on_an_inference_route_is_a_bare_500(repo, monkeypatch, caplog):
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("secret detail at /srv/deconv/service/routes.py")
+
+    monkeypatch.setattr("service.routes.validate_input", broken)
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            for path, kw in (("/deconv?layer=small", {"content": npy_bytes(np.zeros((1, 4, 5, 5), np.float32)),
+                                                      "headers": {"content-type": NPY}}),
+                             ("/v2/models/small/infer", {"json": _kserve_json(np.zeros((1, 4, 5, 5), np.float32))})):
+                r = await client.post(path, **kw)
+                assert r.status_code == 500
+                assert r.headers["content-type"] == "application/json"
+                assert "secret" not in r.text
+                assert "Traceback" not in r.text
+            assert r.json() == {"error": "internal server error", "type": "internal"}
+            text = (await client.get("/metrics")).text
+            assert metric_value(text, "deconv_requests_total", layer="small", api="native", status="500") == 1
+            assert metric_value(text, "deconv_requests_total", layer="small", api="kserve", status="500") == 1
+
+    run(main())
+    logged = [rec for rec in caplog.records if rec.getMessage().startswith("unhandled error on POST")]
+    assert len(logged) == 2
+    assert "secret detail" in str(logged[0].exc_info[1])
