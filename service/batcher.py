@@ -83,7 +83,7 @@ class Queue(Protocol):
         """Requests waiting in this process's queue."""
         ...
 
-    def submit(self, x: torch.Tensor, *, received: float | None = None, deadline: float | None = None) -> Any:
+    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None) -> Any:
         """Queue a validated input; returns its ``Ticket``."""
         ...
 

@@ -3,7 +3,8 @@
 Decoding parses the header by hand (``ast.literal_eval`` for .npy's dict literal, ``json`` for safetensors), checks
 dtype, shape and that the byte count matches exactly *before* anything is allocated (a header claiming more data
 than ``max_bytes``, or a shape beyond ``MAX_ELEMENTS``, is refused with 413), then views the request
-buffer in place with ``torch.frombuffer``. Pass a writable buffer (``bytearray``) to share it; a read-only one
+buffer in place: as a ``RawTensor`` (``decode_raw``, the service's request path) or a torch tensor
+(``decode``, ``torch.frombuffer``). Pass a writable buffer (``bytearray``) to share it; a read-only one
 (``bytes``) is shared too, and the tensor must then be treated as read-only.
 
 Encoding writes a small header followed by the tensor's bytes (one copy, into the response body).
@@ -116,9 +117,24 @@ class RawTensor:
         """A torch tensor over the same bytes (no copy when aligned)."""
         return view_tensor(self.data, 0, self.dtype, self.shape)
 
+    def reshape(self, shape: tuple[int, ...]) -> RawTensor:
+        """The same bytes as ``shape`` (same number of elements)."""
+        return RawTensor(self.data, self.dtype, shape)
+
 
 AnyTensor = torch.Tensor | RawTensor
-"""A request's input or output: a torch tensor, or (in the engine process) a ``RawTensor``."""
+"""A request's input or output: a torch tensor, or a ``RawTensor`` (the HTTP path and the engine process keep
+requests as these: a torch tensor per request costs more CPU than the rest of its decoding)."""
+
+
+def as_tensor(t: AnyTensor) -> torch.Tensor:
+    """``t`` as a torch tensor (a view of a ``RawTensor``'s bytes)."""
+    return t.tensor() if isinstance(t, RawTensor) else t
+
+
+def bytes_of(t: AnyTensor) -> memoryview:
+    """The bytes of ``t`` in C order (see ``tensor_bytes``)."""
+    return t.data if isinstance(t, RawTensor) else tensor_bytes(t)
 
 
 def copy_into(dst: torch.Tensor, parts: Sequence[RawTensor]) -> None:
@@ -212,7 +228,14 @@ def _npy_header(buf: memoryview) -> tuple[dict[str, object], int]:
 
 
 def decode_npy(body: BufferLike, max_bytes: int | None = None) -> torch.Tensor:
-    """Decode a ``.npy`` body (format 1.0, 2.0 or 3.0) into a tensor that shares ``body``'s memory.
+    """Decode a ``.npy`` body (format 1.0, 2.0 or 3.0) into a tensor that shares ``body``'s memory (see
+    ``decode_npy_raw``)."""
+    return as_tensor(decode_npy_raw(body, max_bytes))
+
+
+def decode_npy_raw(body: BufferLike, max_bytes: int | None = None) -> AnyTensor:
+    """Decode a ``.npy`` body (format 1.0, 2.0 or 3.0) into a ``RawTensor`` over ``body``'s bytes (a Fortran-order
+    array of rank 2 or more: a transposed torch view of them).
 
     Accepts little-endian float16, float32 and float64 in C or Fortran order; object arrays (which would need
     pickle) and every other dtype are refused.
@@ -238,17 +261,17 @@ def decode_npy(body: BufferLike, max_bytes: int | None = None) -> torch.Tensor:
     if not isinstance(fortran, bool):
         raise MalformedBodyError(".npy header's fortran_order must be True or False")
     shape = _check_shape(header["shape"], ".npy")
-    need = check_size(shape, torch.empty((), dtype=dtype).element_size(), ".npy", max_bytes)
+    need = check_size(shape, dtype.itemsize, ".npy", max_bytes)
     have = len(buf) - data_start
     if have != need:
         raise MalformedBodyError(f".npy data holds {have} bytes but shape {list(shape)} of {descr} needs {need}")
     if not fortran or len(shape) < 2:  # a 0-d or 1-d array lies the same in both orders
-        return view_tensor(buf, data_start, dtype, shape)
+        return RawTensor(buf[data_start:], dtype, shape)
     # Fortran order: the data is the transpose laid out in C order; a transposed view, still no copy.
     return view_tensor(buf, data_start, dtype, shape[::-1]).permute(*reversed(range(len(shape))))
 
 
-def encode_npy(t: torch.Tensor) -> bytes:
+def encode_npy(t: AnyTensor) -> bytes:
     """``t`` as a version 1.0 ``.npy`` file (C order, little-endian). float16/32/64 only."""
     descr = _NPY_DESCR.get(t.dtype)
     if descr is None:
@@ -259,14 +282,21 @@ def encode_npy(t: torch.Tensor) -> bytes:
     # Pad so that magic + length + header + newline is a multiple of 64 (numpy's alignment).
     pad = -(10 + len(text) + 1) % 64
     header = NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(text) + pad + 1) + text.encode() + b" " * pad + b"\n"
-    return b"".join((header, tensor_bytes(t)))
+    return b"".join((header, bytes_of(t)))
 
 
 # --- safetensors ----------------------------------------------------------------------------------------------
 
 
 def decode_safetensors(body: BufferLike, max_bytes: int | None = None) -> torch.Tensor:
-    """Decode a safetensors body holding exactly one tensor (F16, BF16, F32, F64) without copying.
+    """Decode a safetensors body holding exactly one tensor (F16, BF16, F32, F64) without copying (see
+    ``decode_safetensors_raw``)."""
+    return decode_safetensors_raw(body, max_bytes).tensor()
+
+
+def decode_safetensors_raw(body: BufferLike, max_bytes: int | None = None) -> RawTensor:
+    """Decode a safetensors body holding exactly one tensor (F16, BF16, F32, F64) into a ``RawTensor`` over
+    ``body``'s bytes.
 
     Raises:
         MalformedBodyError: not safetensors, truncated, inconsistent offsets, or not exactly one tensor.
@@ -300,18 +330,18 @@ def decode_safetensors(body: BufferLike, max_bytes: int | None = None) -> torch.
             isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
         raise MalformedBodyError(f"safetensors tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
     begin, end = offsets
-    need = check_size(shape, torch.empty((), dtype=dtype).element_size(), f"safetensors tensor {name!r}", max_bytes)
+    need = check_size(shape, dtype.itemsize, f"safetensors tensor {name!r}", max_bytes)
     if end - begin != need:
         raise MalformedBodyError(f"safetensors tensor {name!r}: {end - begin} bytes, shape {list(shape)} needs {need}")
     data_start = 8 + hlen
     if data_start + end != len(buf):
         raise MalformedBodyError(f"safetensors body is {len(buf)} bytes, the header describes {data_start + end}")
-    return view_tensor(buf, data_start + begin, dtype, shape)
+    return RawTensor(buf[data_start + begin:data_start + end], dtype, shape)
 
 
-def encode_safetensors(t: torch.Tensor, name: str = "output") -> bytes:
+def encode_safetensors(t: AnyTensor, name: str = "output") -> bytes:
     """``t`` as a safetensors file holding one tensor called ``name``."""
-    data = tensor_bytes(t)
+    data = bytes_of(t)
     header = {name: {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [0, len(data)]}}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned
@@ -364,9 +394,15 @@ def negotiate(accept: str | None, request_type: str) -> str:
 
 def decode(body: BufferLike, media_type: str, max_bytes: int | None = None) -> torch.Tensor:
     """Decode ``body`` in ``media_type`` (one of ``MEDIA_TYPES``); ``max_bytes`` bounds the tensor's claimed size."""
-    return decode_npy(body, max_bytes) if media_type == NPY else decode_safetensors(body, max_bytes)
+    return as_tensor(decode_raw(body, media_type, max_bytes))
 
 
-def encode(t: torch.Tensor, media_type: str) -> bytes:
+def decode_raw(body: BufferLike, media_type: str, max_bytes: int | None = None) -> AnyTensor:
+    """``decode`` without making a torch tensor: a ``RawTensor`` over ``body``'s bytes (a Fortran-order .npy of
+    rank 2 or more: a torch view)."""
+    return decode_npy_raw(body, max_bytes) if media_type == NPY else decode_safetensors_raw(body, max_bytes)
+
+
+def encode(t: AnyTensor, media_type: str) -> bytes:
     """Encode ``t`` in ``media_type`` (one of ``MEDIA_TYPES``)."""
     return encode_npy(t) if media_type == NPY else encode_safetensors(t)

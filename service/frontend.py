@@ -29,6 +29,7 @@ import torch
 from service import ipc
 from service.app import Service, create_app, freeze_heap
 from service.batcher import Result
+from service.codec import AnyTensor
 from service.config import Settings, configure_logging, load_settings
 from service.errors import InternalError, NotReadyError
 from service.registry import Layer
@@ -114,7 +115,7 @@ class RemoteBatcher:
         """Refuse new requests from now on; those sent are still answered."""
         self._draining = True
 
-    def submit(self, x: torch.Tensor, *, received: float | None = None,
+    def submit(self, x: AnyTensor, *, received: float | None = None,
                deadline: float | None = None) -> RemotePending:
         """Send ``x`` ([n, C_in, H, W], validated) to the engine; the returned entry's future gets the answer.
 

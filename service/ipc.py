@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from service import errors
-from service.codec import RawTensor, tensor_bytes, view_tensor
+from service.codec import AnyTensor, RawTensor, bytes_of
 
 SUBMIT, DROP, STATE, RESULT, ERROR = 1, 2, 3, 4, 5
 
@@ -77,13 +77,13 @@ def _frame(kind: int, *parts: bytes | memoryview) -> list[bytes | memoryview]:
     return [_PREFIX.pack(size, kind), *parts]
 
 
-def submit_frame(request_id: int, layer: int, x: torch.Tensor, received: float,
+def submit_frame(request_id: int, layer: int, x: AnyTensor, received: float,
                  deadline: float | None) -> list[bytes | memoryview]:
     """``SUBMIT`` for input ``x`` ``[N, C, H, W]`` of layer index ``layer``."""
     n, c, h, w = (int(d) for d in x.shape)
     head = _SUBMIT.pack(request_id, layer, DTYPES.index(x.dtype), 0, n, c, h, w, received,
                         math.nan if deadline is None else deadline)
-    return _frame(SUBMIT, head, tensor_bytes(x))
+    return _frame(SUBMIT, head, bytes_of(x))
 
 
 def drop_frame(request_id: int, reason: str) -> list[bytes | memoryview]:
@@ -97,13 +97,13 @@ def state_frame(state: str, reason: str, backend: str, layers: list[str]) -> lis
     return _frame(STATE, body)
 
 
-def result_frame(request_id: int, y: torch.Tensor | RawTensor, batch_samples: int, batch_requests: int,
+def result_frame(request_id: int, y: AnyTensor, batch_samples: int, batch_requests: int,
                  queue_s: float, worker: str) -> list[bytes | memoryview]:
     """``RESULT`` carrying output ``y`` ``[N, C, H, W]``."""
     name = worker.encode()[:255]
     n, c, h, w = y.shape
     head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name))
-    return _frame(RESULT, head, name, y.data if isinstance(y, RawTensor) else tensor_bytes(y))
+    return _frame(RESULT, head, name, bytes_of(y))
 
 
 def error_frame(request_id: int, error: errors.ServiceError) -> list[bytes | memoryview]:
@@ -130,7 +130,7 @@ class Output:
     """A decoded ``RESULT``."""
 
     request_id: int
-    y: torch.Tensor
+    y: RawTensor  # a view of the frame's body
     batch_samples: int
     batch_requests: int
     queue_s: float
@@ -141,11 +141,6 @@ def _check_tensor_bytes(body: bytearray, offset: int, dtype: torch.dtype, shape:
     need = math.prod(shape) * dtype.itemsize
     if len(body) - offset != need:
         raise ProtocolError(f"tensor {list(shape)} {dtype} needs {need} bytes, the frame holds {len(body) - offset}")
-
-
-def _tensor(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    _check_tensor_bytes(body, offset, dtype, shape)
-    return view_tensor(body, offset, dtype, shape)
 
 
 def parse_submit(body: bytearray) -> Submit:
@@ -182,14 +177,16 @@ def parse_state(body: bytearray) -> dict[str, Any]:
 
 
 def parse_result(body: bytearray, dtype: torch.dtype) -> Output:
-    """Decode a ``RESULT`` body whose output has ``dtype``; the tensor is a view of ``body``."""
+    """Decode a ``RESULT`` body whose output has ``dtype``; the output is a ``RawTensor`` over ``body``."""
     try:
         rid, samples, requests, queue_s, n, c, h, w, name_len = _RESULT.unpack_from(body)
     except struct.error as exc:
         raise ProtocolError(f"bad RESULT frame: {exc}") from exc
     start = _RESULT.size
     worker = bytes(body[start:start + name_len]).decode(errors="replace")
-    y = _tensor(body, start + name_len, dtype, (n, c, h, w))
+    shape = (n, c, h, w)
+    _check_tensor_bytes(body, start + name_len, dtype, shape)
+    y = RawTensor(memoryview(body)[start + name_len:], dtype, shape)
     return Output(rid, y, samples, requests, queue_s, worker)
 
 

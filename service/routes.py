@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 from service import codec
 from service.asgi import Call, ClientGoneError, Handler, Reply, call_of, disconnected, read_body, response_of
 from service.batcher import Queue, Result, Ticket
+from service.codec import AnyTensor, RawTensor
 from service.errors import (
     DeadlineExceededError,
     InvalidInputError,
@@ -232,7 +233,7 @@ def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
     return bytearray(out)
 
 
-def validate_input(layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+def validate_input(layer: Layer, x: AnyTensor) -> tuple[AnyTensor, bool]:
     """Check a decoded tensor against the layer; return it as ``[N, C_in, H, W]`` and whether it was 3-D.
 
     Raises:
@@ -240,13 +241,13 @@ def validate_input(layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         PayloadTooLargeError: more samples or output bytes than one batch of this layer may hold (413).
     """
     c = layer.config
-    if x.dim() not in (3, 4):
+    if len(x.shape) not in (3, 4):
         raise InvalidInputError(f"expected [N, C, H, W] or [C, H, W], got shape {list(x.shape)}")
     if x.dtype != layer.dtype:
         raise InvalidInputError(f"dtype {codec.DTYPE_NAMES.get(x.dtype, str(x.dtype))} does not match layer "
                            f"{c.name!r}, which takes {c.dtype}")
-    unbatched = x.dim() == 3
-    x4 = x.unsqueeze(0) if unbatched else x
+    unbatched = len(x.shape) == 3
+    x4 = x.reshape((1, *x.shape)) if unbatched else x
     n, ch, h, w = x4.shape
     if ch != c.in_channels:
         raise InvalidInputError(f"input has {ch} channels; layer {c.name!r} takes {c.in_channels}")
@@ -269,7 +270,7 @@ def validate_input(layer: Layer, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 async def run_inference(
-    service: Service, layer: Layer, batcher: Queue, x4: torch.Tensor, receive: Receive, received: float,
+    service: Service, layer: Layer, batcher: Queue, x4: AnyTensor, receive: Receive, received: float,
     deadline_ms: float | None,
 ) -> Result:
     """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
@@ -280,7 +281,7 @@ async def run_inference(
     deadline = received + deadline_ms / 1000 if deadline_ms is not None else None
     if x4.shape[0] == 0:  # nothing to compute: an empty batch of the right shape
         h_out, w_out = layer.output_hw(int(x4.shape[2]), int(x4.shape[3]))
-        return Result(x4.new_empty((0, layer.config.out_channels, h_out, w_out)), 0, 0, 0.0, "")
+        return Result(torch.empty((0, layer.config.out_channels, h_out, w_out), dtype=x4.dtype), 0, 0, 0.0, "")
     item: Ticket = batcher.submit(x4, received=received, deadline=deadline)
     # Wait for whichever comes first: the result, the client leaving, the deadline or the request timeout. One
     # future woken by callbacks: asyncio.wait would build sets, a waiter and callbacks on every call.
@@ -353,11 +354,11 @@ async def deconv_call(call: Call) -> Reply:
             raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
         service.check_ready()
         body = await read_body(call, service.settings.max_body_bytes)
-        x4, unbatched = validate_input(spec, codec.decode(body, media, service.settings.max_body_bytes))
+        x4, unbatched = validate_input(spec, codec.decode_raw(body, media, service.settings.max_body_bytes))
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
         result = await run_inference(service, spec, batcher, x4, call.receive, received, x_deadline_ms)
-        y = result.output.squeeze(0) if unbatched else result.output
+        y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         reply = Reply(codec.encode(y, out_media), out_media, _batch_headers(result))
         status = 200
         return reply
@@ -532,7 +533,7 @@ def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str,
     return request, binary
 
 
-def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | None = None) -> torch.Tensor:
+def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | None = None) -> AnyTensor:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise MalformedBodyError(f"'inputs' must list exactly one tensor (named {KSERVE_INPUT!r})")
@@ -550,7 +551,7 @@ def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | 
         raise MalformedBodyError(f"input shape must be a list of non-negative integers, got {shape!r}")
     if len(shape) not in (3, 4):
         raise InvalidInputError(f"expected shape [N, C, H, W] or [C, H, W], got {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     params = spec.get("parameters") or {}
     if not isinstance(params, dict):
         raise MalformedBodyError("input 'parameters' must be an object")
@@ -566,7 +567,7 @@ def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | 
         if size != count * itemsize:
             raise MalformedBodyError(f"binary input of {size} bytes; shape {shape} of {datatype} needs "
                                 f"{count * itemsize}")
-        return codec.view_tensor(binary, 0, dtype, shape)
+        return RawTensor(binary, dtype, tuple(shape))
     if len(binary):
         raise MalformedBodyError("binary data after the JSON but no input has parameters.binary_data_size")
     data = spec.get("data")
@@ -664,20 +665,20 @@ async def v2_infer_call(call: Call) -> Reply:
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
         result = await run_inference(service, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)
-        y = result.output.squeeze(0) if unbatched else result.output
+        y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
         response: dict[str, Any] = {"model_name": name, "model_version": MODEL_VERSION, "outputs": [out]}
         if isinstance(req.get("id"), str):
             response["id"] = req["id"]
         headers = _batch_headers(result)
         if binary_out:
-            data = codec.tensor_bytes(y)
+            data = codec.bytes_of(y)
             out["parameters"] = {"binary_data_size": len(data)}
             head = json.dumps(response, separators=(",", ":")).encode()
             headers["Inference-Header-Content-Length"] = str(len(head))
             reply = Reply(b"".join((head, data)), "application/octet-stream", headers)
         else:
-            out["data"] = y.double().reshape(-1).tolist()
+            out["data"] = codec.as_tensor(y).double().reshape(-1).tolist()
             # Non-finite outputs are written as NaN / Infinity / -Infinity, which Python's json (tritonclient)
             # reads; strict JSON has no spelling for them (binary outputs carry them exactly).
             reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)

@@ -217,3 +217,30 @@ def test_media_type_of():
     for value in (None, "application/json", "application/octet-stream"):
         with pytest.raises(UnsupportedMediaTypeError):
             codec.media_type_of(value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_raw_decoding_keeps_the_bytes_and_encodes_the_same(dtype: torch.dtype):
+    t = torch.randn(2, 3, 4, 5, dtype=torch.float64).to(dtype)
+    bodies = [(codec.SAFETENSORS, bytearray(st_save({"x": t})))]
+    if dtype != torch.bfloat16:
+        bodies.append((codec.NPY, bytearray(npy_bytes(t.numpy()))))
+    for media, body in bodies:
+        raw = codec.decode_raw(body, media)
+        assert isinstance(raw, codec.RawTensor)
+        assert (raw.shape, raw.dtype) == ((2, 3, 4, 5), dtype)
+        assert raw.data.obj is body  # a view of the request's bytes, not a copy
+        assert torch.equal(raw.tensor(), t)
+        assert torch.equal(codec.decode(body, media), t)
+        assert codec.encode(raw, media) == codec.encode(t, media)
+        flat = raw.reshape((6, 4, 5))
+        assert codec.encode(flat, media) == codec.encode(t.reshape(6, 4, 5), media)
+    with pytest.raises(ValueError, match="cannot hold"):
+        raw.reshape((7, 4, 5))
+
+
+def test_raw_decoding_of_a_fortran_order_npy_is_a_torch_view():
+    arr = np.asfortranarray(np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+    got = codec.decode_raw(bytearray(npy_bytes(arr)), codec.NPY)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.numpy(), arr)

@@ -93,7 +93,7 @@ def test_submit_and_result_round_trip_bit_exact(dtype: torch.dtype) -> None:
         out = ipc.parse_result(rec.frames[2][1], dtype)
         assert (out.request_id, out.batch_samples, out.batch_requests, out.worker) == (41, 17, 5, "cuda:0")
         assert out.queue_s == 0.00125
-        assert torch.equal(out.y, y)
+        assert torch.equal(out.y.tensor(), y)
 
 
 @pytest.mark.parametrize("dtype", ipc.DTYPES)
