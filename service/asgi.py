@@ -21,7 +21,14 @@ from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request, Response
 
-from service.errors import InternalError, MalformedBodyError, PayloadTooLargeError, ServiceError, error_body
+from service.errors import (
+    ClientGoneError,
+    InternalError,
+    MalformedBodyError,
+    PayloadTooLargeError,
+    ServiceError,
+    error_body,
+)
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -29,12 +36,6 @@ if TYPE_CHECKING:
     from service.app import Service
 
 log = logging.getLogger("deconv.service")
-
-
-class ClientGoneError(ServiceError):
-    """The client went away; nothing is sent (status 499 is for the metrics only)."""
-
-    status, type = 499, "client_closed_request"
 
 
 class Call:

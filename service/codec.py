@@ -94,10 +94,10 @@ def view_tensor(buf: BufferLike, offset: int, dtype: torch.dtype, shape: Sequenc
 class RawTensor:
     """A dense C-order tensor kept as the bytes it arrived in, not yet (or no longer) a torch tensor.
 
-    The engine process of a multi-process server queues its requests as these: a torch tensor per request would
-    cost its event loop more than the rest of the request's handling. The worker copies a batch's inputs into
-    one staging tensor (``copy_into``) and hands back each request's output as a slice of the batch's
-    output (``split_rows``).
+    Requests travel as these from the HTTP body to the worker (through the engine link in a multi-process
+    server): a torch tensor per request would cost an event loop more than the rest of the request's handling.
+    The worker copies a batch's inputs into one staging tensor (``copy_into``) and hands back each request's
+    output as a slice of the batch's output (``split_rows``).
     """
 
     __slots__ = ("data", "dtype", "shape")

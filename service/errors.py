@@ -108,6 +108,12 @@ class DeadlineExceededError(ServiceError):
     status, type = 504, "deadline_exceeded"
 
 
+class ClientGoneError(ServiceError):
+    """The client went away; nothing is sent (status 499 is for the metrics only)."""
+
+    status, type = 499, "client_closed_request"
+
+
 class InternalError(ServiceError):
     """The kernel (or anything else on the server) failed; the message never holds a traceback."""
 

@@ -24,10 +24,11 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from service import codec
-from service.asgi import Call, ClientGoneError, Handler, Reply, call_of, disconnected, read_body, response_of
+from service.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
 from service.batcher import Queue, Result, Ticket
 from service.codec import AnyTensor, RawTensor
 from service.errors import (
+    ClientGoneError,
     DeadlineExceededError,
     InvalidInputError,
     MalformedBodyError,

@@ -227,12 +227,11 @@ class Worker:
             torch.cuda.synchronize(self.device)  # the worker's stream reads them later
         self._weights[layer.name] = (w, b)
 
-    def run_batch(self, layer: Layer, inputs: list[AnyTensor]
-                  ) -> list[AnyTensor]:
+    def run_batch(self, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
 
-        Inputs that are ``RawTensor`` (the engine process's requests) get ``RawTensor`` outputs: views of the
-        batch's output, so that the event loop handles no torch tensor per request.
+        Inputs that are ``RawTensor`` (requests as they arrived) get ``RawTensor`` outputs: views of the batch's
+        output, so that the event loop handles no torch tensor per request.
 
         Raises:
             InternalError: the kernel failed, or even one sample does not fit in GPU memory.
