@@ -11,7 +11,10 @@ Each scenario runs a bounded number of requests from ``--clients`` concurrent cl
 connection each; ``--client raw``: plain asyncio streams, ~20x cheaper per request) spread over ``--procs``
 load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than the server),
 after a warm-up, and checks one response against PyTorch in float64.
-``--url`` drives an already running server instead (scenario ``external``).
+``--url`` drives an already running server instead (scenario ``external``). ``--rounds N`` starts every server
+first and measures the scenarios N times in turn (batching, no-batching, batching, ...); the figures are the
+medians over the rounds, and the ratio of batching to batching off is given for each round too. Machines drift
+(the same server can lose or gain 20% within minutes), so compare only figures measured side by side.
 
     python bench/service_load.py --clients 64 --requests 5000 --out docs/benchmarks/service_load.json
 
@@ -31,9 +34,11 @@ import platform
 import resource
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -344,7 +349,19 @@ def timing_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
     return out or None
 
 
-def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndarray, workdir: Path) -> dict[str, Any]:
+@dataclass
+class Target:
+    """A scenario's server, started and warmed up, ready to be measured (``url`` only for ``external``)."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None
+    limits: dict[str, Any] | None
+    sample: bytes
+
+
+def start_scenario(name: str, args: argparse.Namespace, payload: bytes, workdir: Path) -> Target:
+    """Start the scenario's server (none for ``external``), wait until it is ready and warm it up."""
     proc = None
     log_path = workdir / f"{name}.log"
     if name == "external":
@@ -360,26 +377,100 @@ def run_scenario(name: str, args: argparse.Namespace, payload: bytes, x: np.ndar
             limits = {k: info[k] for k in ("max_batch_size", "max_batch_bytes", "max_queue_delay_ms",
                                           "max_queue_size")}
         sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
-        timings = server_timings(url, args.layer) if name != "naive" else {}
-        before = process_tree_cpu(proc.pid) if proc is not None else {}
-        before_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
-        result = drive_processes(url, args, args.requests)
-        after = process_tree_cpu(proc.pid) if proc is not None else {}
-        after_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
-        # Where a request's time went on the server: queue, batch (start to outputs), receipt to response.
-        result["server_timings"] = timing_breakdown(timings, server_timings(url, args.layer)) if timings else None
-        # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes), and
-        # of each process's main thread (the event loop: at about wall_s, that loop is what limits throughput).
-        result["layer_limits"] = limits
-        result["server_cpu_s"] = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
-        result["server_main_thread_cpu_s"] = {k: round(after_main[k] - before_main.get(k, 0.0), 2)
-                                              for k in after_main}
-    finally:
+    except BaseException:
         if proc is not None:
             stop_server(proc)
-    result["max_rel_err_vs_fp64"] = check_output(args, x, sample) if sample else None
-    result["scenario"] = name
+        raise
+    return Target(name, url, proc, limits, sample)
+
+
+def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
+    """One round: ``args.requests`` requests, with the server's own timings and CPU time over them."""
+    proc, url = target.proc, target.url
+    timings = server_timings(url, args.layer) if target.name != "naive" else {}
+    before = process_tree_cpu(proc.pid) if proc is not None else {}
+    before_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+    result = drive_processes(url, args, args.requests)
+    after = process_tree_cpu(proc.pid) if proc is not None else {}
+    after_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+    # Where a request's time went on the server: queue, batch (start to outputs), receipt to response.
+    result["server_timings"] = timing_breakdown(timings, server_timings(url, args.layer)) if timings else None
+    # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes), and
+    # of each process's main thread (the event loop: at about wall_s, that loop is what limits throughput).
+    result["server_cpu_s"] = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
+    result["server_main_thread_cpu_s"] = {k: round(after_main[k] - before_main.get(k, 0.0), 2)
+                                          for k in after_main}
     return result
+
+
+ROUND_MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "mean_ms", "mean_batch_size")
+
+
+def finish(target: Target, args: argparse.Namespace, x: np.ndarray, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The scenario's result: its one round, or with several the median of each figure over the rounds (the
+    round closest to the median requests/s for everything else) and every round under ``rounds``."""
+    if len(rounds) == 1:
+        result = dict(rounds[0])
+    else:
+        rates = sorted(r["requests_per_s"] for r in rounds)
+        middle = statistics.median(rates)
+        result = dict(min(rounds, key=lambda r: abs(r["requests_per_s"] - middle)))
+        for key in ROUND_MEDIANS:
+            values = [r[key] for r in rounds if r.get(key) is not None]
+            result[key] = statistics.median(values) if values else None
+        result["rounds"] = rounds
+    result["layer_limits"] = target.limits
+    result["max_rel_err_vs_fp64"] = check_output(args, x, target.sample) if target.sample else None
+    result["scenario"] = target.name
+    return result
+
+
+def run_scenarios(scenarios: list[str], args: argparse.Namespace, payload: bytes, x: np.ndarray,
+                  workdir: Path) -> list[dict[str, Any]]:
+    """Every scenario's result. One round: each server in turn, started and stopped. Several (``--rounds``):
+    every server is started first and the rounds interleave the scenarios (batching, no-batching, ..., batching,
+    no-batching, ...), so that a machine whose speed drifts during the run shifts them alike."""
+    if args.rounds == 1:
+        results = []
+        for name in scenarios:
+            print(f"== {name}: {args.requests} requests from {args.clients} clients", flush=True)
+            target = start_scenario(name, args, payload, workdir)
+            try:
+                results.append(finish(target, args, x, [measure(target, args)]))
+            finally:
+                if target.proc is not None:
+                    stop_server(target.proc)
+        return results
+    targets: list[Target] = []
+    try:
+        for name in scenarios:
+            print(f"== starting {name}", flush=True)
+            targets.append(start_scenario(name, args, payload, workdir))
+        rounds: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
+        for i in range(args.rounds):
+            for target in targets:
+                r = measure(target, args)
+                rounds[target.name].append(r)
+                print(f"== round {i + 1}/{args.rounds} {target.name}: {r['requests_per_s']:.0f} requests/s, "
+                      f"p99 {r['p99_ms']:.2f} ms", flush=True)
+        return [finish(t, args, x, rounds[t.name]) for t in targets]
+    finally:
+        for target in targets:
+            if target.proc is not None:
+                stop_server(target.proc)
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Batching's requests/s over batching off's: of the medians, and round by round."""
+    by_name = {r["scenario"]: r for r in results}
+    on, off = by_name.get("batching"), by_name.get("no-batching")
+    if on is None or off is None or not off["requests_per_s"]:
+        return None
+    out: dict[str, Any] = {"batching_over_no_batching": on["requests_per_s"] / off["requests_per_s"]}
+    if "rounds" in on and "rounds" in off:
+        out["per_round"] = [a["requests_per_s"] / b["requests_per_s"] for a, b in zip(on["rounds"], off["rounds"],
+                                                                                       strict=True)]
+    return out
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -410,6 +501,9 @@ def main() -> None:
     p.add_argument("--url", help="drive this running server instead of starting any (scenario 'external')")
     p.add_argument("--clients", type=int, default=64, help="concurrent clients (connections)")
     p.add_argument("--requests", type=int, default=2000, help="requests per scenario (after the warm-up)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each scenario this many times, interleaved, with every server started first; "
+                        "figures are the medians over the rounds")
     p.add_argument("--warmup", type=int, default=200, help="warm-up requests per scenario (not measured)")
     p.add_argument("--layer", default="demo")
     p.add_argument("--repository", type=Path, default=ROOT / "layers")
@@ -434,8 +528,8 @@ def main() -> None:
     if args.worker:
         worker_main(args)
         return
-    if args.clients < 1 or args.requests < 1:
-        raise SystemExit("--clients and --requests must be positive")
+    if args.clients < 1 or args.requests < 1 or args.rounds < 1:
+        raise SystemExit("--clients, --requests and --rounds must be positive")
     scenarios = ["external"] if args.url else [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - {*SCENARIOS, "external"}
     if unknown:
@@ -444,12 +538,14 @@ def main() -> None:
     payload, x = make_payload(args)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"deconv-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in scenarios:
-        print(f"== {name}: {args.requests} requests from {args.clients} clients", flush=True)
-        results.append(run_scenario(name, args, payload, x, workdir))
+    results = run_scenarios(scenarios, args, payload, x, workdir)
     print()
     print_table(results)
+    ratio = ratios(results)
+    if ratio is not None:
+        rounds = ratio.get("per_round")
+        print(f"\nbatching / no-batching: {ratio['batching_over_no_batching']:.2f}x"
+              + (f" (rounds: {', '.join(f'{v:.2f}x' for v in rounds)})" if rounds else ""))
     if args.out:
         report = {
             "benchmark": "service_load",
@@ -462,9 +558,10 @@ def main() -> None:
                        "dtype": str(x.dtype), "clients": args.clients, "requests": args.requests,
                        "warmup": args.warmup, "devices": args.devices, "load_processes": args.procs,
                        "http_processes": args.http_processes,
-                       "client": args.client,
+                       "client": args.client, "rounds": args.rounds,
                        "max_queue_delay_ms": args.max_queue_delay_ms},
             "results": results,
+            "ratio": ratio,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
