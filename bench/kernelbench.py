@@ -19,7 +19,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -183,11 +183,11 @@ def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], us
     return row
 
 
-def run_layers(timer: Timer, hw: int) -> list[dict]:
-    """The service's bundled layers (layers/*.json + .safetensors) at batch 1, 8 and 64: ours vs cuDNN."""
+def bundled_layers() -> Iterator[tuple[dict, torch.Tensor, torch.Tensor | None, dict, str | None]]:
+    """The service's bundled layers (layers/*.json + .safetensors) on the GPU: (config, weight, bias, the
+    stride/padding/output_padding/dilation keywords, the float32 precision or None)."""
     from safetensors.torch import load_file
 
-    rows = []
     for cfg_path in sorted((ROOT / "layers").glob("*.json")):
         cfg = json.loads(cfg_path.read_text())
         dtype = getattr(torch, cfg["dtype"])
@@ -195,7 +195,14 @@ def run_layers(timer: Timer, hw: int) -> list[dict]:
         w, b = tensors["weight"].to(dtype), tensors.get("bias")
         b = b.to(dtype) if b is not None else None
         kw = {k: tuple(cfg[k]) for k in ("stride", "padding", "output_padding", "dilation")}
-        prec = cfg.get("precision") if dtype == torch.float32 else None
+        yield cfg, w, b, kw, cfg.get("precision") if dtype == torch.float32 else None
+
+
+def run_layers(timer: Timer, hw: int) -> list[dict]:
+    """The service's bundled layers at batch 1, 8 and 64: ours vs cuDNN."""
+    rows = []
+    for cfg, w, b, kw, prec in bundled_layers():
+        dtype = w.dtype
         for n in (1, 8, 64):
             x = torch.rand(n, cfg["in_channels"], hw, hw, device="cuda").to(dtype)
             with torch.no_grad():

@@ -193,3 +193,17 @@ def test_numpy_integers_are_accepted_like_pytorch(value, expected):
     ref = F.conv_transpose2d(x, w, stride=value)
     assert _pair(value, "stride") == expected
     assert torch.equal(kernels.conv_transpose2d(x, w, stride=value), ref)
+
+
+def test_cached_arguments_do_not_answer_for_equal_hashing_invalid_ones():
+    valid = normalize_args((2, 2), 1, 0, 2, (1, 1))
+    assert normalize_args((2, 2), 1, 0, 2, (1, 1)) is valid  # the second call is the cached entry
+    # 2.0 == 2 and True == 1 hash alike: they must still be rejected after the valid set was cached.
+    for bad in ({"stride": (2.0, 2)}, {"stride": 2.0}, {"groups": True}, {"padding": (True, 1)}):
+        kwargs = {"stride": (2, 2), "padding": 1, "output_padding": 0, "groups": 2, "dilation": (1, 1), **bad}
+        with pytest.raises(ConvTranspose2dArgumentError):
+            normalize_args(**kwargs)
+    # Invalid sets are never cached: the same call raises every time.
+    for _ in range(2):
+        with pytest.raises(ConvTranspose2dArgumentError):
+            normalize_args((0, 2))
