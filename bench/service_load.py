@@ -412,8 +412,7 @@ def finish(target: Target, args: argparse.Namespace, x: np.ndarray, rounds: list
     if len(rounds) == 1:
         result = dict(rounds[0])
     else:
-        rates = sorted(r["requests_per_s"] for r in rounds)
-        middle = statistics.median(rates)
+        middle = statistics.median(r["requests_per_s"] for r in rounds)
         result = dict(min(rounds, key=lambda r: abs(r["requests_per_s"] - middle)))
         for key in ROUND_MEDIANS:
             values = [r[key] for r in rounds if r.get(key) is not None]

@@ -10,6 +10,7 @@ machine without a GPU. CUDA tensors run our forward kernels; the backward pass u
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from collections.abc import Sequence
@@ -84,12 +85,6 @@ def output_size(
     return (in_size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
 
 
-# Valid argument sets seen so far (a module passes the same ones on every call), keyed by arguments made only of
-# Python ints and tuples of them: a lookup costs ~0.5 us where parsing costs ~6 us.
-_ARGS_CACHE: dict[tuple[object, ...], ConvArgs] = {}
-_ARGS_CACHE_SIZE = 1024
-
-
 def _plain(value: object) -> bool:
     """Whether ``value`` is an int or a tuple of ints, exactly (no bool, float, numpy or tensor, whose equal hashes
     would otherwise make a cached valid entry answer for an invalid argument)."""
@@ -99,16 +94,14 @@ def _plain(value: object) -> bool:
 def normalize_args(
     stride: IntPair = 1, padding: IntPair = 0, output_padding: IntPair = 0, groups: int = 1, dilation: IntPair = 1
 ) -> ConvArgs:
-    """Parse and range-check the non-tensor arguments (PyTorch's rules)."""
-    key = (stride, padding, output_padding, groups, dilation)
-    if not all(_plain(v) for v in key):
-        return _normalize_args(stride, padding, output_padding, groups, dilation)
-    args = _ARGS_CACHE.get(key)
-    if args is None:
-        args = _normalize_args(stride, padding, output_padding, groups, dilation)
-        if len(_ARGS_CACHE) < _ARGS_CACHE_SIZE:
-            _ARGS_CACHE[key] = args
-    return args
+    """Parse and range-check the non-tensor arguments (PyTorch's rules).
+
+    Valid sets made only of Python ints and tuples of them (a module passes the same ones on every call) are
+    cached: a lookup costs ~0.5 us where parsing costs ~6 us. Invalid sets raise every time.
+    """
+    if all(_plain(v) for v in (stride, padding, output_padding, groups, dilation)):
+        return _normalize_plain(stride, padding, output_padding, groups, dilation)
+    return _normalize_args(stride, padding, output_padding, groups, dilation)
 
 
 def _normalize_args(
@@ -138,6 +131,9 @@ def _normalize_args(
                 f"got output_padding={op}, stride={s}, dilation={d} ({name}: {o} >= max({st}, {di}))"
             )
     return ConvArgs(s, p, op, d, groups)
+
+
+_normalize_plain = functools.lru_cache(maxsize=1024)(_normalize_args)
 
 
 def check_tensors(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
