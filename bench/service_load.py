@@ -8,9 +8,9 @@ Scenarios (each server started here as a subprocess on 127.0.0.1, then stopped):
 - ``naive``: ``bench/naive_server.py``, a FastAPI endpoint calling ``nn.ConvTranspose2d`` per request.
 
 Each scenario runs a bounded number of requests from ``--clients`` concurrent clients (httpx.AsyncClient, one
-connection each; ``--client raw``: plain asyncio streams, ~20x cheaper per request) spread over ``--procs``
-load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than the server),
-after a warm-up, and checks one response against PyTorch in float64.
+connection each; ``--client raw``: a minimal asyncio protocol, ~20x cheaper per request) spread over ``--procs``
+load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than the server; they
+run uvloop's event loop when it is installed), after a warm-up, and checks one response against PyTorch in float64.
 ``--url`` drives an already running server instead (scenario ``external``). ``--rounds N`` starts every server
 first and measures the scenarios N times in turn (batching, no-batching, batching, ...); the figures are the
 medians over the rounds, and the ratio of batching to batching off is given for each round too. Machines drift
@@ -32,12 +32,15 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,43 +161,98 @@ def check_output(args: argparse.Namespace, x: np.ndarray, body: bytes) -> float:
     return float((y - ref).norm() / ref.norm())
 
 
-class RawConnection:
+class RawConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection that speaks just enough HTTP for this benchmark (``--client raw``).
 
     httpx costs about 1 ms of client CPU per request, several times what the server spends on one: above a few
-    thousand requests/s the load generators, not the server, become the limit. This client costs ~50 us.
+    thousand requests/s the load generators, not the server, become the limit. This client is an
+    ``asyncio.Protocol`` (no stream reader, no task per request): the response is parsed in ``data_received`` and
+    handed to the waiting request through one future, with one timer for the timeout.
     """
 
     def __init__(self, url: str, timeout: float) -> None:
         u = httpx.URL(url)
         self.host, self.port, self.timeout = u.host, u.port or 80, timeout
-        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._head: tuple[int, dict[str, str]] | None = None
+        self._need = 0
+        self._waiter: asyncio.Future[tuple[int, dict[str, str], bytes]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (asyncio's or uvloop's)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        if self._head is None:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+            del buf[:end + 4]
+            try:
+                status = int(lines[0].split(" ", 2)[1])
+                headers = {k.strip().lower(): v.strip()
+                           for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+                self._need = int(headers.get("content-length", "0"))
+            except (IndexError, ValueError) as exc:
+                self._fail(ValueError(f"bad response head: {exc}"))
+                return
+            self._head = (status, headers)
+        if len(buf) >= self._need:
+            status, headers = self._head
+            body = bytes(buf[:self._need])
+            del buf[:self._need]
+            self._head = None
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result((status, headers, body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail(exc or asyncio.IncompleteReadError(bytes(self._buf), None))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(exc)
+        self.close()
 
     async def post(self, path: str, payload: bytes, content_type: str) -> tuple[int, dict[str, str], bytes]:
+        loop = asyncio.get_running_loop()
+        if self.transport is None:
+            await loop.create_connection(lambda: self, self.host, self.port)
+        assert self.transport is not None
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(self.timeout, lambda: waiter.done() or waiter.set_exception(asyncio.TimeoutError()))
+        self.transport.writelines([f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n"
+                                   f"content-length: {len(payload)}\r\n\r\n".encode(), payload])
         try:
-            return await asyncio.wait_for(self._post(path, payload, content_type), self.timeout)
+            status, headers, body = await waiter
         except BaseException:
             self.close()  # the connection's state is unknown: the next request opens a new one
             raise
-
-    async def _post(self, path: str, payload: bytes, content_type: str) -> tuple[int, dict[str, str], bytes]:
-        if self.streams is None:
-            self.streams = await asyncio.open_connection(self.host, self.port)
-        reader, writer = self.streams
-        writer.write(f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n"
-                     f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
-        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-        status = int(head[0].split(" ", 2)[1])
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
+        finally:
+            timer.cancel()
+            self._waiter = None
         if headers.get("connection", "").lower() == "close":
             self.close()
         return status, headers, body
 
     def close(self) -> None:
-        if self.streams is not None:
-            self.streams[1].close()
-            self.streams = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        self._buf.clear()
+        self._head = None
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when it is installed (as with the service's ``uvicorn[standard]``), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def drive(url: str, args: argparse.Namespace, payload: bytes, count: int) -> dict[str, Any]:
@@ -281,25 +339,32 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     """Run ``count`` requests from ``args.clients`` clients split over ``args.procs`` worker processes.
 
     Each worker is this script in ``--worker`` mode; it waits for a common start time (so that interpreter start-up
-    is not measured) and prints its raw results as one JSON line.
+    is not measured) and writes its raw results as JSON to a file of its own, not to a pipe (a worker that ran
+    uvloop's event loop was seen to deliver only the first 64 KiB of what it printed to its standard output).
     """
     procs = max(1, min(args.procs, args.clients))
     start_at = time.time() + 3.0 + 0.5 * procs
     children = []
+    results_dir = Path(tempfile.mkdtemp(prefix="deconv-load-"))
     for i in range(procs):
         clients = args.clients // procs + (1 if i < args.clients % procs else 0)
         n = count // procs + (1 if i < count % procs else 0)
         cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
                "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
                "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
-               "--client", args.client, "--start-at", repr(start_at)]
-        children.append(subprocess.Popen(cmd, stdout=subprocess.PIPE))
+               "--client", args.client, "--start-at", repr(start_at), "--result-file", str(results_dir / f"{i}.json")]
+        children.append(subprocess.Popen(cmd))
     parts = []
-    for child in children:
-        out, _ = child.communicate(timeout=args.timeout * 4 + count)
-        if child.returncode != 0:
-            raise RuntimeError(f"load worker failed with exit code {child.returncode}")
-        parts.append(json.loads(out.decode().strip().splitlines()[-1]))
+    try:
+        for i, child in enumerate(children):
+            if child.wait(timeout=args.timeout * 4 + count) != 0:
+                raise RuntimeError(f"load worker failed with exit code {child.returncode}")
+            parts.append(json.loads((results_dir / f"{i}.json").read_text()))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+        shutil.rmtree(results_dir, ignore_errors=True)
     wall = max(p["end"] for p in parts) - start_at
     return summarize(count, parts, wall)
 
@@ -307,10 +372,11 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
 def worker_main(args: argparse.Namespace) -> None:
     payload, _ = make_payload(args)
     time.sleep(max(0.0, args.start_at - time.time()))
-    result = asyncio.run(drive(args.url, args, payload, args.requests))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        result = runner.run(drive(args.url, args, payload, args.requests))
     result["end"] = time.time()
     result.pop("_sample")
-    print(json.dumps(result), flush=True)
+    Path(args.result_file).write_text(json.dumps(result))
 
 
 def device_name(devices: str) -> str:
@@ -519,10 +585,11 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="load-generator processes (default: half the cores, at most 8)")
     p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
-                   help="load-generator HTTP client: httpx (default), or raw asyncio streams (~20x less client CPU "
-                        "per request; use it when client_cpu_s approaches procs x wall_s)")
+                   help="load-generator HTTP client: httpx (default), or a minimal asyncio protocol (~20x less client "
+                        "CPU per request; use it when client_cpu_s approaches procs x wall_s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker_main(args)
@@ -557,7 +624,8 @@ def main() -> None:
                        "dtype": str(x.dtype), "clients": args.clients, "requests": args.requests,
                        "warmup": args.warmup, "devices": args.devices, "load_processes": args.procs,
                        "http_processes": args.http_processes,
-                       "client": args.client, "rounds": args.rounds,
+                       "client": args.client, "client_loop": "uvloop" if event_loop_factory() else "asyncio",
+                       "rounds": args.rounds,
                        "max_queue_delay_ms": args.max_queue_delay_ms},
             "results": results,
             "ratio": ratio,
