@@ -30,6 +30,7 @@ PRECISIONS = ("fp32", "tf32")
 KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
 FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
+MAX_SPLIT = 8  # blocks of a cluster sharing a halo tile (kMaxSplit in conv_transpose2d_halo.cu)
 
 
 class ConvTranspose2dArgumentError(ValueError, RuntimeError):
@@ -243,6 +244,7 @@ def _forward_cuda(
     out: torch.Tensor | None = None,
     force_path: str | None = None,
     force_config: int | None = None,
+    force_split: int | None = None,
 ) -> tuple[torch.Tensor, str]:
     """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran.
 
@@ -250,18 +252,23 @@ def _forward_cuda(
     it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"`` or ``"narrow"``) and
     ``force_config`` (a tensor-core tile configuration index) override the kernel choice, for tests and tuning;
     a forced ``"tensor_core"`` or ``"narrow"`` path that does not suit the problem falls back to the default choice
-    (the returned name says which ran).
+    (the returned name says which ran). ``force_split`` (1 to 8) sets how many blocks of a cluster share each tile
+    of the halo tensor-core kernel, each over a part of the input channels (split-K; sm_90 and newer, else 1).
 
     Raises:
-        ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None).
+        ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None), or ``force_split`` is not
+            None or an int from 1 to 8.
     """
     if force_path is not None and (not isinstance(force_path, str) or force_path not in FORCE_PATHS):
         names = ", ".join(repr(name) for name in FORCE_PATHS if name is not None)
         raise ConvTranspose2dArgumentError(f"force_path must be None or one of {names}, got {force_path!r}")
+    if force_split is not None and (type(force_split) is not int or not 1 <= force_split <= MAX_SPLIT):
+        raise ConvTranspose2dArgumentError(f"force_split must be None or an int from 1 to {MAX_SPLIT}, "
+                                           f"got {force_split!r}")
     ext = _load_extension()
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
                           list(args.dilation), args.groups, precision, out, FORCE_PATHS[force_path],
-                          -1 if force_config is None else force_config)
+                          -1 if force_config is None else force_config, -1 if force_split is None else force_split)
     return y, KERNEL_PATHS[path]
 
 

@@ -1,8 +1,9 @@
 // Torch binding for the ConvTranspose2d kernels: tensor checks, dtype dispatch and the current CUDA stream.
 // Python (kernels/functional.py) validates arguments first with friendlier messages, and every caller goes through
-// it: these checks are the last line of defence. Known problem: with the GPU machine's torch 2.11 build, a failing
-// TORCH_CHECK here ended the interpreter (SIGSEGV) instead of raising, while errors that torch raises inside calls
-// made from here (out of memory) reach Python as exceptions.
+// it: these checks are the last line of defence. Their messages format numbers with std::to_string and devices
+// and dtypes with torch's own str()/toString(), never by streaming them: with the GPU machine's torch 2.11 build,
+// a TORCH_CHECK message that streamed an integer (c10::str -> std::ostream << int64_t, compiled here) ended the
+// interpreter with SIGSEGV instead of raising, while strings streamed fine (bench/NOTES.md v9).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -15,6 +16,12 @@
 
 namespace {
 
+// Numbers for check messages, formatted without std::ostream (see the top of this file).
+template <typename Int>
+std::string num(Int v) {
+  return std::to_string(v);
+}
+
 deconv::DType to_dtype(const at::ScalarType t) {
   switch (t) {
     case at::kFloat:
@@ -26,7 +33,8 @@ deconv::DType to_dtype(const at::ScalarType t) {
     case at::kDouble:
       return deconv::DType::kFloat64;
     default:
-      TORCH_CHECK(false, "conv_transpose2d supports float32, float16, bfloat16 and float64 tensors, got ", t, ".");
+      TORCH_CHECK(false, "conv_transpose2d supports float32, float16, bfloat16 and float64 tensors, got ",
+                  std::string(c10::toString(t)), ".");
   }
 }
 
@@ -35,13 +43,19 @@ int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t op, int64_
 }
 
 void check_pair(const std::vector<int64_t>& v, const char* name) {
-  TORCH_CHECK(v.size() == 2, "conv_transpose2d expects ", name, " as 2 values (height, width), got ", v.size(), ".");
+  TORCH_CHECK(v.size() == 2, "conv_transpose2d expects ", name, " as 2 values (height, width), got ", num(v.size()),
+              ".");
 }
 
 // The sizes of one problem, after every argument check.
 struct Problem {
   int64_t N, C_in, H_in, W_in, C_out, H_out, W_out, kH, kW;
 };
+
+// "[N, C_out, H_out, W_out]" of a problem's output.
+std::string shape_text(const Problem& pr) {
+  return "[" + num(pr.N) + ", " + num(pr.C_out) + ", " + num(pr.H_out) + ", " + num(pr.W_out) + "]";
+}
 
 // Checks the arguments against each other (not the devices); throws with a message naming the first problem.
 Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
@@ -53,13 +67,14 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
   check_pair(padding, "padding");
   check_pair(output_padding, "output_padding");
   check_pair(dilation, "dilation");
-  TORCH_CHECK(x.dim() == 4, "conv_transpose2d: input must be 4-D [N, C_in, H, W], got ", x.dim(), "-D.");
+  TORCH_CHECK(x.dim() == 4, "conv_transpose2d: input must be 4-D [N, C_in, H, W], got ", num(x.dim()), "-D.");
   TORCH_CHECK(weight.dim() == 4, "conv_transpose2d: weight must be 4-D [C_in, C_out/groups, kH, kW], got ",
-              weight.dim(), "-D.");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "conv_transpose2d: weight dtype ", weight.scalar_type(),
-              " differs from input dtype ", x.scalar_type(), ".");
+              num(weight.dim()), "-D.");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "conv_transpose2d: weight dtype ",
+              std::string(c10::toString(weight.scalar_type())), " differs from input dtype ",
+              std::string(c10::toString(x.scalar_type())), ".");
   to_dtype(x.scalar_type());
-  TORCH_CHECK(groups > 0, "conv_transpose2d: groups must be positive, got ", groups, ".");
+  TORCH_CHECK(groups > 0, "conv_transpose2d: groups must be positive, got ", num(groups), ".");
   for (int i = 0; i < 2; ++i) {
     TORCH_CHECK(stride[i] > 0, "conv_transpose2d: stride must be positive.");
     TORCH_CHECK(dilation[i] > 0, "conv_transpose2d: dilation must be positive.");
@@ -75,21 +90,22 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
   pr.kH = weight.size(2);
   pr.kW = weight.size(3);
   TORCH_CHECK(pr.kH > 0 && pr.kW > 0, "conv_transpose2d: kernel size must be positive.");
-  TORCH_CHECK(weight.size(0) == pr.C_in, "conv_transpose2d: input has ", pr.C_in, " channels but weight expects ",
-              weight.size(0), ".");
-  TORCH_CHECK(pr.C_in > 0 && pr.C_in % groups == 0, "conv_transpose2d: input channels (", pr.C_in,
-              ") must be a positive multiple of groups (", groups, ").");
+  TORCH_CHECK(weight.size(0) == pr.C_in, "conv_transpose2d: input has ", num(pr.C_in),
+              " channels but weight expects ", num(weight.size(0)), ".");
+  TORCH_CHECK(pr.C_in > 0 && pr.C_in % groups == 0, "conv_transpose2d: input channels (", num(pr.C_in),
+              ") must be a positive multiple of groups (", num(groups), ").");
   TORCH_CHECK(pr.H_in > 0 && pr.W_in > 0, "conv_transpose2d: input height and width must be positive.");
   pr.C_out = weight.size(1) * groups;
   TORCH_CHECK(pr.C_out > 0, "conv_transpose2d: weight has no output channels.");
   pr.H_out = out_size(pr.H_in, pr.kH, stride[0], padding[0], output_padding[0], dilation[0]);
   pr.W_out = out_size(pr.W_in, pr.kW, stride[1], padding[1], output_padding[1], dilation[1]);
-  TORCH_CHECK(pr.H_out > 0 && pr.W_out > 0, "conv_transpose2d: output size (", pr.H_out, " x ", pr.W_out,
-              ") is too small.");
+  TORCH_CHECK(pr.H_out > 0 && pr.W_out > 0, "conv_transpose2d: output size (", num(pr.H_out), " x ",
+              num(pr.W_out), ") is too small.");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == pr.C_out, "conv_transpose2d: bias must be [", pr.C_out, "].");
-    TORCH_CHECK(bias->device() == weight.device(), "conv_transpose2d: bias is on ", bias->device(),
-                " but weight is on ", weight.device(), ".");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == pr.C_out, "conv_transpose2d: bias must be [", num(pr.C_out),
+                "].");
+    TORCH_CHECK(bias->device() == weight.device(), "conv_transpose2d: bias is on ", bias->device().str(),
+                " but weight is on ", weight.device().str(), ".");
     TORCH_CHECK(bias->scalar_type() == x.scalar_type(), "conv_transpose2d: bias dtype differs from input.");
   }
   TORCH_CHECK(precision == "fp32" || precision == "tf32",
@@ -101,7 +117,7 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
 int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
                const torch::Tensor& y, const Problem& pr, const std::vector<int64_t>& stride,
                const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
-               const std::string& precision, int64_t force_path, int64_t force_config) {
+               const std::string& precision, int64_t force_path, int64_t force_config, int64_t force_split) {
   if (pr.N == 0) return 0;
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wc = weight.contiguous();
@@ -132,6 +148,7 @@ int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::o
   p.precision = precision == "tf32" ? deconv::Precision::kTF32 : deconv::Precision::kExactFp32;
   p.force_path = static_cast<int>(force_path);
   p.force_config = static_cast<int>(force_config);
+  p.force_split = static_cast<int>(force_split);
   // Scratch (packed weights) from PyTorch's caching allocator, on the current stream: freed when this returns,
   // reusable by the allocator only after the kernels queued on this stream have run.
   const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p);
@@ -155,29 +172,32 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            std::vector<int64_t> output_padding, std::vector<int64_t> dilation,
                                            int64_t groups, const std::string& precision,
                                            const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
-                                           int64_t force_path, int64_t force_config) {
+                                           int64_t force_path, int64_t force_config, int64_t force_split) {
   TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
-  TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device(),
-              " but input is on ", x.device(), ".");
+  TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
+              " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
   TORCH_CHECK(force_path >= -1 && force_path <= 2,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores) or 2 (narrow), got ",
-              force_path, ".");
+              num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config out of range.");
+  TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 8),
+              "conv_transpose2d: force_split must be -1 (choose) or 1 to 8, got ", num(force_split), ".");
   const c10::cuda::CUDAGuard guard(x.device());
   torch::Tensor y;
   if (out.has_value()) {
     TORCH_CHECK(out->device() == x.device() && out->scalar_type() == x.scalar_type() && out->is_contiguous() &&
                     out->sizes() == at::IntArrayRef({pr.N, pr.C_out, pr.H_out, pr.W_out}),
-                "conv_transpose2d: out must be a contiguous [", pr.N, ", ", pr.C_out, ", ", pr.H_out, ", ", pr.W_out,
-                "] tensor of the input's dtype and device.");
+                "conv_transpose2d: out must be a contiguous ", shape_text(pr),
+                " tensor of the input's dtype and device.");
     y = *out;
   } else {
     y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   }
   const int64_t path =
-      launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, force_path, force_config);
+      launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, force_path, force_config,
+             force_split);
   return {y, path};
 }
 
@@ -189,7 +209,7 @@ int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weigh
                          const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision) {
   const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
   const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
-  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1);
+  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1, -1);
   y_host.copy_(y, /*non_blocking=*/true);
   at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
   return path;
@@ -212,8 +232,8 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
       check_problem(x_host, weight, bias, stride, padding, output_padding, dilation, groups, precision);
   TORCH_CHECK(y_host.scalar_type() == x_host.scalar_type() && y_host.is_contiguous() &&
                   y_host.sizes() == at::IntArrayRef({pr.N, pr.C_out, pr.H_out, pr.W_out}),
-              "conv_transpose2d_staged: out must be a contiguous [", pr.N, ", ", pr.C_out, ", ", pr.H_out, ", ",
-              pr.W_out, "] CPU tensor of the input's dtype.");
+              "conv_transpose2d_staged: out must be a contiguous ", shape_text(pr),
+              " CPU tensor of the input's dtype.");
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
   return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision);
@@ -276,8 +296,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
     }
     total += host.back().bytes;
   }
-  TORCH_CHECK(total == static_cast<size_t>(x_meta.nbytes()), "conv_transpose2d_gathered: the parts hold ", total,
-              " bytes, the input ", x_meta.nbytes(), ".");
+  TORCH_CHECK(total == static_cast<size_t>(x_meta.nbytes()), "conv_transpose2d_gathered: the parts hold ",
+              num(total), " bytes, the input ", num(x_meta.nbytes()), ".");
   torch::Tensor y_host;
   {
     const py::gil_scoped_release no_gil;
@@ -301,10 +321,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel. "
-        "force_path: -1 chooses, 0/1/2 ask for that kernel; 1 and 2 fall back to the choice of -1 when not eligible.",
+        "force_path: -1 chooses, 0/1/2 ask for that kernel; 1 and 2 fall back to the choice of -1 when not eligible. "
+        "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
-        py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1);
+        py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
+        py::arg("force_split") = -1);
   m.def("forward_staged", &forward_staged,
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",

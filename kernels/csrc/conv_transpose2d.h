@@ -42,6 +42,9 @@ struct ConvTranspose2dParams {
   // -1: choose; else a tensor-core tile configuration index (tests and tuning). With force_path -1 it asks for
   // the tensor cores, which then run ahead of the narrow kernel.
   int force_config;
+  // <= 0: choose; else the halo kernel's split-K factor (blocks of a cluster sharing a tile, at most 8; sm_90 and
+  // newer, elsewhere 1). Tests and tuning.
+  int force_split;
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.

@@ -21,6 +21,14 @@
 // The epilogue stages accumulators through shared memory and writes each output row segment of the tile with
 // neighbouring threads on neighbouring pixels (coalesced for stride_w == 1), bias fused.
 //
+// Split-K over a thread-block cluster (sm_90+): when the tiles alone would leave most SMs idle (one image, a few
+// tiles a phase), `split` blocks of a cluster (grid x = tiles x split, cluster (split, 1, 1)) compute the same
+// tile over disjoint ranges of input-channel stages. Each stages its partial sums in its own shared memory; after
+// a cluster barrier, block r reduces channels [r, r + 1) x nc / split of the tile by reading every block's
+// partial sums through distributed shared memory, always in rank order (deterministic), adds the bias and
+// writes them; a second barrier keeps each block's shared memory alive until the others have read it. No
+// workspace and no atomics.
+//
 // When rows of x are not 16-byte aligned (W_in not a multiple of 16 / sizeof(T)) the patch is copied element by
 // element through registers instead (same tile, slower loads). Halos beyond kHaloH x kHaloW (taps - 1 times the
 // dilation step) and stages that do not fit in shared memory are not eligible: tensor_core_config falls back to
@@ -29,8 +37,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cooperative_groups.h>
+
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
@@ -94,6 +107,7 @@ struct HaloGeom {
   int stages;       // pipeline depth: 2 or 3
   FastDiv nvec_div;  // by nvec
   int64_t tiles_h, tiles_w;  // tiles per image of the largest phase
+  int split;        // blocks of a cluster that share a tile, each over 1/split of the stages (1: no split)
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
@@ -107,6 +121,24 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// Barrier over the block's cluster (split-K); the host launches clusters only for sm_90 code.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+
+// Block `rank`'s copy of a shared-memory address in this cluster.
+__device__ __forceinline__ const float* cluster_shared(const float* ptr, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(const_cast<float*>(ptr), rank);
+#else
+  return ptr;
+#endif
+}
 
 template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WARPS_M, int WARPS_N>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
@@ -151,6 +183,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
   const int64_t num_z = p.stride_h * p.stride_w * p.groups;
   const int64_t tiles_img = geo.tiles_h * geo.tiles_w;
   const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
+  // Split-K: this block's rank in its cluster (clusters are `split` consecutive blocks along x).
+  const int split = geo.split;
+  const int rank = static_cast<int>(blockIdx.x % split);
   static_assert(kWarpM % TW == 0 || TW % kWarpM == 0, "a warp's pixels start a tile row or stay in one");
   // This thread's first fragment pixel in the patch; m16 tile i adds pixel_offset(i).
   const int a_base = ((wm * kWarpM) / TW) * kRS + (wm * kWarpM) % TW + g8;
@@ -172,6 +207,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     const int pw = TW + (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;      // patch columns of this phase
     const int64_t tiles_h = tc::div_up(ah.count, TH), tiles_w = tc::div_up(aw.count, TW);
     const int nchunks = taps > 0 ? static_cast<int>(tc::div_up(cin_g, kKC)) : 0;
+    // This block's stages: [c_lo, c_lo + nloc) of the nchunks (all of them without a split).
+    const int c_lo = static_cast<int>(int64_t(rank) * nchunks / split);
+    const int nloc = static_cast<int>(int64_t(rank + 1) * nchunks / split) - c_lo;
     const FastDiv ph_div = make_fast_div(ph);
     const FastDiv tw_div = make_fast_div(taps_w > 0 ? taps_w : 1);
     const int a0 = static_cast<int>(ah.a0), b0 = static_cast<int>(aw.a0);
@@ -181,7 +219,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     for (int64_t nt = blockIdx.y; nt * BN < cout_g; nt += gridDim.y) {
       const int64_t n0 = nt * BN;
       const uint32_t* wt_grp = wt + grp * p.kH * p.kW * ciw_pad * co_pad + n0;
-      for (int64_t bx = blockIdx.x; bx < p.N * tiles_img; bx += gridDim.x) {
+      for (int64_t bx = blockIdx.x / split; bx < p.N * tiles_img; bx += gridDim.x / split) {
         const int64_t img = bx / tiles_img;
         const int64_t rem = bx - img * tiles_img;
         const int64_t tile_h = rem / geo.tiles_w;
@@ -292,10 +330,10 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
 
         const int stages = geo.stages;
         for (int s = 0; s < stages - 1; ++s) {
-          if (s < nchunks) load_stage(s, s);
+          if (s < nloc) load_stage(c_lo + s, s);
           cp_async_commit();
         }
-        for (int c = 0; c < nchunks; ++c) {
+        for (int c = 0; c < nloc; ++c) {
           if (stages == 3) {
             cp_async_wait<1>();
           } else {
@@ -304,7 +342,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           __syncthreads();  // stage c landed for everyone; stage c - 1's buffer is free
           {
             const int nxt = c + stages - 1;
-            if (nxt < nchunks) load_stage(nxt, nxt % stages);
+            if (nxt < nloc) load_stage(c_lo + nxt, nxt % stages);
             cp_async_commit();
           }
           const uint32_t* st = smem + (c % stages) * geo.stage_words;
@@ -333,23 +371,39 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
 
         // Epilogue: accumulators -> shared [channel][pixel] -> bias, convert, NCHW row segments.
         tc::stage_accumulators(Cs, kCStride, acc, wm * kWarpM, wn * kWarpN, g8, t4);
-        __syncthreads();
+        if (split > 1) {
+          cluster_sync();  // every block's partial sums are staged
+        } else {
+          __syncthreads();
+        }
         // A thread owns pixels (neighbouring threads: neighbouring pixels of a row) and walks channels, so the
         // pixel's address is computed once and a warp stores 32 neighbouring pixels per channel.
         constexpr int kPixThreads = BM < kThreads ? BM : kThreads;
         T* y_blk = y + (img * p.C_out + grp * cout_g + n0) * hw_out;
         const int nc_max = static_cast<int>(cout_g - n0 < BN ? cout_g - n0 : BN);
+        // With a split, this block writes its share of the channels, summing every block's partial sums.
+        const int nc_lo = rank * nc_max / split, nc_hi = (rank + 1) * nc_max / split;
         for (int m = tid % kPixThreads; m < BM; m += kPixThreads) {
           const int qh = qh0 + m / TW, qw = qw0 + m % TW;
           if (qh >= ah.count || qw >= aw.count) continue;
           T* y_pix = y_blk + (ah.o0 + int64_t(qh) * p.stride_h) * p.W_out + aw.o0 + int64_t(qw) * p.stride_w;
-          for (int nc = tid / kPixThreads; nc < nc_max; nc += kThreads / kPixThreads) {
-            float v = Cs[nc * kCStride + m];
+          for (int nc = nc_lo + tid / kPixThreads; nc < nc_hi; nc += kThreads / kPixThreads) {
+            float v;
+            if (split > 1) {
+              v = 0.f;
+              for (int q = 0; q < split; ++q) v += cluster_shared(Cs, q)[nc * kCStride + m];
+            } else {
+              v = Cs[nc * kCStride + m];
+            }
             if (bias != nullptr) v += to_acc(bias[grp * cout_g + n0 + nc]);
             y_pix[nc * hw_out] = from_acc<T>(v);
           }
         }
-        __syncthreads();  // Cs aliases the next tile's stages
+        if (split > 1) {
+          cluster_sync();  // the other blocks have read this block's Cs, which the next tile's stages overwrite
+        } else {
+          __syncthreads();  // Cs aliases the next tile's stages
+        }
       }
     }
   }
@@ -364,16 +418,42 @@ int max_taps(int64_t stride, int64_t out_size, int64_t pad, int64_t dil, int64_t
   return static_cast<int>(best);
 }
 
-// Opt-in shared memory per block of the current device, queried once per device.
-size_t max_dynamic_smem() {
+// Attribute `A` of the current device, queried once per device (0 when the query fails).
+template <cudaDeviceAttr A>
+int device_attribute() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cached[kMaxDevices] = {};
-  int dev = 0, bytes = 0;
+  int dev = 0, value = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices && (bytes = cached[dev].load(std::memory_order_relaxed)) > 0) return static_cast<size_t>(bytes);
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices) cached[dev].store(bytes, std::memory_order_relaxed);
-  return static_cast<size_t>(bytes);
+  if (dev < kMaxDevices && (value = cached[dev].load(std::memory_order_relaxed)) > 0) return value;
+  if (cudaDeviceGetAttribute(&value, A, dev) != cudaSuccess) return 0;
+  if (dev < kMaxDevices) cached[dev].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+// Opt-in shared memory per block of the current device.
+size_t max_dynamic_smem() { return static_cast<size_t>(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()); }
+
+// Multiprocessors of the current device.
+int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+constexpr int kMaxSplit = 8;  // the portable cluster size
+
+// Split-K factor for a launch of `blocks` tiles x channel blocks x phases (measured on an H200, bench/NOTES.md v9):
+// - up to an eighth of the SMs busy: as many blocks a tile as fill the SMs, at most kMaxSplit, even beyond the
+//   number of stages (a block without a stage still reduces its share of the channels);
+// - up to half of them: as many as fill the SMs while every block keeps at least 4 stages (with fewer, the
+//   extra prologue and the reduction cost more than the parallel stages gain);
+// - more: no split. `force_split` (tests, tuning) > 0 asks for that many.
+int halo_split(const ConvTranspose2dParams& p, int64_t blocks) {
+  if (p.force_split > 0) return p.force_split < kMaxSplit ? p.force_split : kMaxSplit;
+  const int64_t nchunks = tc::div_up(p.C_in / p.groups, p.dtype == DType::kFloat32 ? 8 : 16);
+  const int64_t sms = sm_count();
+  if (blocks <= 0 || 2 * blocks > sms) return 1;
+  int64_t split = sms / blocks;
+  if (split > kMaxSplit) split = kMaxSplit;
+  if (8 * blocks > sms && split > nchunks / 4) split = nchunks / 4;
+  return split >= 2 ? static_cast<int>(split) : 1;
 }
 
 struct HaloPlan {
@@ -408,8 +488,50 @@ HaloPlan halo_plan(const ConvTranspose2dParams& p, int config) {
   const int64_t pipe = int64_t(g.stages) * g.stage_words * 4;
   g.tiles_h = tc::div_up(tc::div_up(p.H_out, p.stride_h), s.th);
   g.tiles_w = tc::div_up(tc::div_up(p.W_out, p.stride_w), s.tw);
+  g.split = 1;
   pl.smem = static_cast<size_t>(pipe > epi ? pipe : epi);
   return pl;
+}
+
+void cluster_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&attr)[1], dim3 grid, int threads, size_t smem,
+                    int split, cudaStream_t stream) {
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = split;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+}
+
+// Whether `kernel` can run clusters of `split` blocks with `smem` bytes each on the current device: its code was
+// built for sm_90 or newer (cluster barriers and distributed shared memory) and at least one such cluster fits.
+// Asked of the driver once per (kernel, device, shared memory, split).
+template <typename Kernel>
+bool clusters_fit(Kernel kernel, int threads, size_t smem, int split) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, size_t, int>, bool> cache;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  const auto key = std::make_tuple(dev, smem, split);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  bool fit = false;
+  cudaFuncAttributes fa{};
+  if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.binaryVersion >= 90) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cluster_config(cfg, attr, dim3(split), threads, smem, split, nullptr);
+    int clusters = 0;
+    fit = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  cudaGetLastError();  // a refused query leaves no sticky error for the launch
+  cache.emplace(key, fit);
+  return fit;
 }
 
 template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WM, int WN>
@@ -422,10 +544,20 @@ cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl
   const int64_t bx = p.N * pl.geo.tiles_h * pl.geo.tiles_w;
   const int64_t by = co_pad / BN;
   const int64_t bz = p.stride_h * p.stride_w * p.groups;
-  const dim3 grid(static_cast<unsigned>(bx < 0x7fffffff ? bx : 0x7fffffff),
+  HaloGeom geo = pl.geo;
+  geo.split = halo_split(p, bx * by * bz);
+  if (geo.split > 1 && !clusters_fit(kernel, WM * WN * 32, pl.smem, geo.split)) geo.split = 1;
+  const int64_t max_x = 0x7fffffff / geo.split;  // grid x stays a multiple of the split
+  const dim3 grid(static_cast<unsigned>((bx < max_x ? bx : max_x) * geo.split),
                   static_cast<unsigned>(by < 65535 ? by : 65535), static_cast<unsigned>(bz < 65535 ? bz : 65535));
-  kernel<<<grid, WM * WN * 32, pl.smem, stream>>>(p, wt, ciw_pad, co_pad, pl.geo);
-  return cudaGetLastError();
+  if (geo.split == 1) {
+    kernel<<<grid, WM * WN * 32, pl.smem, stream>>>(p, wt, ciw_pad, co_pad, geo);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cluster_config(cfg, attr, grid, WM * WN * 32, pl.smem, geo.split, stream);
+  return cudaLaunchKernelEx(&cfg, kernel, p, wt, ciw_pad, co_pad, geo);
 }
 
 template <typename T, tc::MmaKind K>

@@ -213,6 +213,28 @@ def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
         kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
 
+@pytest.mark.parametrize("force_split", [0, 9, -1, 2.0, True, "2"])
+def test_bad_force_split_is_a_clear_error(monkeypatch, force_split):
+    monkeypatch.setattr(kf, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
+    with pytest.raises(ConvTranspose2dArgumentError, match=r"force_split must be None or an int from 1 to 8, got "):
+        kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
+
+
+@pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8)])
+def test_force_split_reaches_the_extension(monkeypatch, force_split, code):
+    calls = []
+
+    class FakeExtension:
+        @staticmethod
+        def forward(*args):
+            calls.append(args[-1])
+            return F.conv_transpose2d(*args[:3]), 1
+
+    monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
+    kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
+    assert calls == [code]
+
+
 @pytest.mark.parametrize(
     ("force_path", "code", "ran"),
     [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow")],
@@ -223,15 +245,15 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
     class FakeExtension:
         @staticmethod
         def forward(x, weight, bias, stride, padding, output_padding, dilation, groups, precision, out,
-                    force_path_code, force_config):
-            calls.append((force_path_code, force_config))
+                    force_path_code, force_config, force_split):
+            calls.append((force_path_code, force_config, force_split))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
             return y, {"simt": 0, "tensor_core": 1, "narrow": 2}[ran]
 
     monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
     y, path = kf._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
-    assert calls == [(code, -1)]
+    assert calls == [(code, -1, -1)]
     assert path == ran
     assert torch.equal(y, F.conv_transpose2d(x, w))
 

@@ -37,6 +37,7 @@ MODES = {
 }
 # Tensor-core tile configurations: 0-3 the gather kernel, 4-8 the halo kernel (kernels/csrc/conv_transpose2d.h).
 NUM_TC_CONFIGS = 9
+HALO_CONFIGS = range(4, NUM_TC_CONFIGS)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
 
 
@@ -52,7 +53,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **kw: ob
 
 
 def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_padding=0, dilation=1, groups=1,
-             bias=True, seed=0, force_path=None, force_config=None):
+             bias=True, seed=0, force_path=None, force_config=None, force_split=None):
     """Build a random problem, run the kernel into a poisoned output, return (rel_err, tol, path)."""
     dtype, precision, tol = MODES[mode]
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -65,7 +66,8 @@ def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_paddi
     wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
     out = torch.full((n, c_out, ho, wo), float("nan"), device="cuda", dtype=dtype)
     mode_prec = precision or "fp32"
-    y, path = _forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config)
+    y, path = _forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config,
+                            force_split=force_split)
     assert y.data_ptr() == out.data_ptr()
     ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
                     groups=groups, dilation=args.dilation)
@@ -163,6 +165,69 @@ def test_forced_paths(problem: str, route: str, mode: str) -> None:
     assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+# Split-K over thread-block clusters (halo kernel, sm_90): `split` blocks share each tile, each over a range of
+# input-channel stages, and reduce through distributed shared memory. aligned_strided has 3 fp32 stages (2 in
+# 16 bits), so split 8 leaves most blocks without a stage; one_image is a batch-1 decoder layer.
+SPLIT = {
+    "aligned_rows": FORCED["aligned_rows"],
+    "aligned_strided": FORCED["aligned_strided"],
+    "one_image": dict(n=1, c_in=72, c_out=48, h=8, w=32, k=4, stride=2, padding=1),
+}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("config", list(HALO_CONFIGS))
+@pytest.mark.parametrize("problem", list(SPLIT))
+def test_forced_split(problem: str, config: int, split: int, mode: str) -> None:
+    err, tol, path = run_case(**SPLIT[problem], mode=mode, seed=zlib.crc32(problem.encode()) + split,
+                              force_path="tensor_core", force_config=config, force_split=split)
+    assert path == "tensor_core"
+    assert err <= tol, f"{problem}/tc{config}/split {split}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
+def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
+    """The split reduces in a fixed order: the same bits every run, and the default choice for a batch-1 layer
+    (which splits on an H100/H200) agrees with the unsplit kernel to rounding."""
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(1, 128, 32, 32, device="cuda", generator=g).to(dtype)
+    w = torch.randn(128, 64, 4, 4, device="cuda", generator=g).to(dtype)
+    b = torch.randn(64, device="cuda", generator=g).to(dtype)
+    args = normalize_args(2, 1, 0, 1, 1)
+    runs = [_forward_cuda(x, w, b, args, precision or "fp32")[0] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    whole, _ = _forward_cuda(x, w, b, args, precision or "fp32", force_split=1)
+    ref = reference(x, w, b, stride=2, padding=1)
+    assert rel_err(runs[0], ref) <= tol
+    assert rel_err(whole, ref) <= tol
+    assert rel_err(runs[0], whole.double()) <= tol
+
+
+def test_extension_checks_raise_with_their_numbers() -> None:
+    """The binding's own checks (behind Python's) raise RuntimeError naming the values; they once ended the
+    interpreter with SIGSEGV when a message streamed an integer."""
+    from kernels.functional import _load_extension
+
+    ext = _load_extension()
+    x = torch.randn(1, 16, 8, 32, device="cuda")
+    w = torch.randn(16, 16, 3, 3, device="cuda")
+    base = dict(stride=[1, 1], padding=[1, 1], output_padding=[0, 0], dilation=[1, 1], groups=1, precision="tf32")
+    cases = [
+        (w, dict(force_split=0), r"force_split must be -1 \(choose\) or 1 to 8, got 0\."),
+        (w, dict(force_path=7), r"force_path must be .* got 7\."),
+        (w, dict(groups=3), r"input channels \(16\) must be a positive multiple of groups \(3\)"),
+        (w, dict(out=torch.empty(2, 16, 8, 32, device="cuda")), r"out must be a contiguous \[1, 16, 8, 32\] tensor"),
+        (w, dict(stride=[1]), r"stride as 2 values \(height, width\), got 1\."),
+        (w.double(), {}, r"weight dtype Double differs from input dtype Float"),
+        (w[:8], {}, r"input has 16 channels but weight expects 8\."),
+    ]
+    for weight, change, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ext.forward(x, weight, None, **{**base, **change})
+
+
 # K = C_in x taps = 9216 products an output: tensor-core accumulation truncates toward zero, a bias of about
 # 7e-9 x K (6e-5 here) when one accumulator takes every product; exact fp32 must stay within 1e-5 regardless.
 DEEP = dict(n=1, c_in=1024, c_out=72, h=8, w=40, k=3, padding=1)
@@ -172,6 +237,8 @@ DEEP = dict(n=1, c_in=1024, c_out=72, h=8, w=40, k=3, padding=1)
 def test_exact_fp32_deep_reduction(route: str) -> None:
     kw = {} if route == "default" else (
         dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2:])))
+    if route.startswith("tc") and int(route[2:]) in HALO_CONFIGS:
+        kw["force_split"] = 8  # 1024 channels: 128 stages, 16 a block
     err, tol, path = run_case(**DEEP, mode="fp32", seed=7, **kw)
     assert err <= tol, f"deep/{route} ran {path}: rel err {err:.3e} > {tol:.0e}"
 

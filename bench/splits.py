@@ -1,0 +1,71 @@
+"""The halo kernel's split-K factors on the service's bundled layers: the measurements behind ``halo_split``.
+
+For every layer in layers/ at each batch (H = W = ``--hw``) it runs the kernel with the default choice and with
+each split factor forced (1, 2, 4, 8 blocks of a cluster per tile), checks every output against a float64
+reference, and times each (CUDA events, L2 flush, median of ``--reps``) next to cuDNN in the same run. Layers that
+do not run the halo kernel (narrow, gather) ignore the forced split, so their columns agree within noise.
+
+    python bench/splits.py --batches 1 8 64 --out splits.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.kernelbench import Timer, bundled_layers, rel_err  # noqa: E402
+from kernels.functional import _forward_cuda, normalize_args, resolve_precision  # noqa: E402
+
+SPLITS = (None, 1, 2, 4, 8)  # None: the default choice
+TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hw", type=int, default=32, help="input H = W (bench/kernelbench.py's bundled-layer table)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = ap.parse_args()
+    timer = Timer(reps=args.reps, warmup=5)
+    names = ["default" if s is None else f"split {s}" for s in SPLITS]
+    print(f"{'layer':16s} {'batch':>5s} " + " ".join(f"{n:>8s}" for n in names) + f" {'cuDNN':>8s}  (us)  path")
+    rows = []
+    for cfg, w, b, kw, prec in bundled_layers():
+        conv = normalize_args(kw["stride"], kw["padding"], kw["output_padding"], cfg["groups"], kw["dilation"])
+        precision = resolve_precision(w.dtype, prec)
+        for n in args.batches:
+            x = torch.rand(n, cfg["in_channels"], args.hw, args.hw, device="cuda").to(w.dtype)
+            times: dict[str, float] = {}
+            with torch.no_grad():
+                ref = F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(),
+                                         groups=cfg["groups"], **kw)
+                for name, split in zip(names, SPLITS, strict=True):
+                    fn = partial(_forward_cuda, x, w, b, conv, precision, force_split=split)
+                    y, path = fn()
+                    err = rel_err(y, ref)
+                    if not err <= TOL.get(w.dtype, 1e-10):
+                        raise SystemExit(f"{cfg['name']} batch {n} {name}: relative error {err:.3e}")
+                    times[name] = timer(fn) * 1e3
+                torch.backends.cudnn.allow_tf32 = prec != "fp32"
+                times["cudnn"] = timer(partial(F.conv_transpose2d, x, w, b, groups=cfg["groups"], **kw)) * 1e3
+                torch.backends.cudnn.allow_tf32 = True
+            rows.append({"layer": cfg["name"], "batch": n, "hw": args.hw, "path": path, "us": times})
+            print(f"{cfg['name']:16s} {n:5d} " + " ".join(f"{times[k]:8.1f}" for k in [*names, "cudnn"])
+                  + f"  {path}", flush=True)
+    if args.out:
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps, "rows": rows}
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
