@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import resource
-import shutil
 import signal
 import socket
 import statistics
@@ -344,27 +343,27 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     """
     procs = max(1, min(args.procs, args.clients))
     start_at = time.time() + 3.0 + 0.5 * procs
-    children = []
-    results_dir = Path(tempfile.mkdtemp(prefix="deconv-load-"))
-    for i in range(procs):
-        clients = args.clients // procs + (1 if i < args.clients % procs else 0)
-        n = count // procs + (1 if i < count % procs else 0)
-        cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
-               "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
-               "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
-               "--client", args.client, "--start-at", repr(start_at), "--result-file", str(results_dir / f"{i}.json")]
-        children.append(subprocess.Popen(cmd))
     parts = []
-    try:
-        for i, child in enumerate(children):
-            if child.wait(timeout=args.timeout * 4 + count) != 0:
-                raise RuntimeError(f"load worker failed with exit code {child.returncode}")
-            parts.append(json.loads((results_dir / f"{i}.json").read_text()))
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-        shutil.rmtree(results_dir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="deconv-load-") as tmp:
+        files = [Path(tmp) / f"{i}.json" for i in range(procs)]
+        children = []
+        for i in range(procs):
+            clients = args.clients // procs + (1 if i < args.clients % procs else 0)
+            n = count // procs + (1 if i < count % procs else 0)
+            cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
+                   "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
+                   "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
+                   "--client", args.client, "--start-at", repr(start_at), "--result-file", str(files[i])]
+            children.append(subprocess.Popen(cmd))
+        try:
+            for child, path in zip(children, files, strict=True):
+                if child.wait(timeout=args.timeout * 4 + count) != 0:
+                    raise RuntimeError(f"load worker failed with exit code {child.returncode}")
+                parts.append(json.loads(path.read_text()))
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
     wall = max(p["end"] for p in parts) - start_at
     return summarize(count, parts, wall)
 
