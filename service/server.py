@@ -7,16 +7,103 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Iterable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from service.app import Service
 from service.config import Settings
 
 log = logging.getLogger("deconv.service")
 MAX_FDS_PER_MESSAGE = 16
+
+
+class CoalescingTransport(asyncio.Transport):
+    """A connection's transport whose writes during one event-loop iteration leave in one system call.
+
+    uvicorn writes a response's status line and headers, then its body, each with its own ``write``: on a
+    TCP_NODELAY socket that is two system calls and two segments the client wakes up for. Here the writes are
+    queued and handed to the real transport together (``writelines``) at the end of the iteration; ``close``,
+    ``write_eof`` and ``abort`` see the queue first. Everything else is the real transport's.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes | bytearray | memoryview] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
+        if not data:
+            return
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:  # type: ignore[override]
+        for data in list_of_data:
+            self.write(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self._transport.is_closing():
+            self._transport.writelines(out)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def abort(self) -> None:
+        self._out = []
+        self._transport.abort()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(len(d) for d in self._out)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+
+class HTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]  # httptools' protocol, or h11's without it
+    """uvicorn's HTTP protocol on a ``CoalescingTransport``: one write per response instead of two."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
 
 
 class DrainingServer(uvicorn.Server):
@@ -102,7 +189,7 @@ def serve(app: FastAPI, settings: Settings, connections: socket.socket | None = 
     """
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
-        access_log=settings.access_log,
+        access_log=settings.access_log, http=HTTPProtocol,
         # Requests in flight get up to the request timeout to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )

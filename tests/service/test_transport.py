@@ -1,0 +1,149 @@
+"""One write per HTTP response: ``service.server.CoalescingTransport`` under uvicorn's own protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import uvicorn
+from uvicorn.server import ServerState
+
+from service.server import CoalescingTransport, HTTPProtocol
+
+from .conftest import REPO_ROOT
+
+
+class FakeTransport(asyncio.Transport):
+    """Records what reaches the socket: one entry per system call the real transport would make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bytes] = []
+        self.closed = False
+        self.aborted = False
+        self.protocol: asyncio.BaseProtocol | None = None
+
+    def write(self, data: Any) -> None:
+        self.calls.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.calls.append(b"".join(bytes(d) for d in list_of_data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def get_write_buffer_size(self) -> int:
+        return 7
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_writes_of_one_iteration_leave_together_and_close_flushes_first() -> None:
+    async def main() -> None:
+        real = FakeTransport()
+        t = CoalescingTransport(real)
+        t.write(b"head")
+        t.writelines([b"-", memoryview(b"body")])
+        t.write(b"")
+        assert real.calls == []
+        assert t.get_write_buffer_size() == 7 + 9
+        await asyncio.sleep(0)
+        assert real.calls == [b"head-body"]
+        t.write(b"last")
+        t.close()  # queued bytes go before the close, not after
+        assert real.calls == [b"head-body", b"last"]
+        assert real.closed
+        await asyncio.sleep(0)
+        assert real.calls == [b"head-body", b"last"]  # nothing written to a closed transport
+
+    asyncio.run(main())
+
+
+def test_abort_drops_queued_writes_and_the_rest_is_the_real_transport() -> None:
+    async def main() -> None:
+        real = FakeTransport()
+        t = CoalescingTransport(real)
+        t.write(b"never")
+        t.abort()
+        await asyncio.sleep(0)
+        assert real.calls == []
+        assert real.aborted
+        assert t.is_closing()
+        assert t.get_extra_info("peername") == ("127.0.0.1", 5000)
+        proto = asyncio.Protocol()
+        t.set_protocol(proto)
+        assert real.protocol is proto
+
+    asyncio.run(main())
+
+
+def test_uvicorns_protocol_sends_a_response_in_one_write() -> None:
+    body = b"x" * 70000  # larger than a socket write can be assumed to take at once
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def main() -> None:
+        config = uvicorn.Config(app, http=HTTPProtocol, lifespan="off", log_level="warning")
+        config.load()
+        protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+        real = FakeTransport()
+        protocol.connection_made(real)
+        protocol.data_received(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(real.calls) == 1, [c[:40] for c in real.calls]
+        head, _, got = real.calls[0].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert got == body
+        protocol.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_a_forked_child_reports_metrics_under_its_own_process_id(tmp_path) -> None:
+    # Multiprocess metrics keep one file per process id; the id is cached (no system call per update) and must
+    # still change in a child made by fork().
+    script = """
+import os, sys
+from service.metrics import Metrics, process_id
+m = Metrics()
+m.worker_batches.labels("w").inc()
+pid = os.fork()
+if pid == 0:
+    ok = process_id() == os.getpid()
+    Metrics().worker_batches.labels("w").inc(2)
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.getpid(), pid, os.waitstatus_to_exitcode(status))
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    parent, child, code = (int(v) for v in out)
+    assert code == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert f"counter_{parent}.db" in names, names
+    assert f"counter_{child}.db" in names, names
