@@ -1,6 +1,6 @@
 """Every kernel family forced on the service's bundled layers: the measurements behind the path choice.
 
-For each bundled layer (layers/*.json) at batch 1, 8 and 64 it runs the narrow, tensor-core and SIMT kernels
+For each bundled layer (layers/*.json) at batch 1, 8 and 64 it runs the narrow, sparse, tensor-core and SIMT kernels
 forced (when the problem is eligible for them), checks each output against float64, and times each (CUDA events,
 L2 flush, median) next to the default choice and cuDNN in the same run.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernelbench import Timer, rel_err  # noqa: E402
 from kernels.functional import _forward_cuda, normalize_args  # noqa: E402
 
-PATHS = ("narrow", "tensor_core", "simt")
+PATHS = ("narrow", "sparse", "tensor_core", "simt")
 TOLERANCES = {"fp32": 1e-5, "tf32": 2e-3, None: 2e-2}
 
 

@@ -26,8 +26,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PRECISIONS = ("fp32", "tf32")
 
 # Which kernel family ran, as the extension reports it: the SIMT kernel (any problem), the tensor-core kernels
-# (dense float32 / bfloat16 / float16 layers) and the narrow kernel (C_out / groups <= 8, every dtype).
-KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow"}
+# (dense float32 / bfloat16 / float16 layers), the narrow kernel (C_out / groups <= 8, every dtype) and the sparse
+# kernel (few multiply-adds an output element: large strides, few input channels).
+KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
 FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
 MAX_SPLIT = 8  # blocks of a cluster sharing a halo tile (kMaxSplit in conv_transpose2d_halo.cu)
@@ -249,9 +250,10 @@ def _forward_cuda(
     """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran.
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
-    it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"`` or ``"narrow"``) and
-    ``force_config`` (a tensor-core tile configuration index) override the kernel choice, for tests and tuning;
-    a forced ``"tensor_core"`` or ``"narrow"`` path that does not suit the problem falls back to the default choice
+    it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"`` or
+    ``"sparse"``) and ``force_config`` (a tensor-core tile configuration index) override the kernel choice, for
+    tests and tuning; a forced ``"tensor_core"``, ``"narrow"`` or ``"sparse"`` path that does not suit the problem
+    falls back to the default choice
     (the returned name says which ran). ``force_split`` (1 to 8) sets how many blocks of a cluster share each tile
     of the halo tensor-core kernel, each over a part of the input channels (split-K; sm_90 and newer, else 1).
 

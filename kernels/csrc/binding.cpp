@@ -177,8 +177,9 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  TORCH_CHECK(force_path >= -1 && force_path <= 2,
-              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores) or 2 (narrow), got ",
+  TORCH_CHECK(force_path >= -1 && force_path <= 3,
+              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow) or 3 "
+              "(sparse), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config out of range.");
@@ -320,8 +321,10 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
   m.def("forward", &forward,
-        "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel. "
-        "force_path: -1 chooses, 0/1/2 ask for that kernel; 1 and 2 fall back to the choice of -1 when not eligible. "
+        "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
+        "3 = sparse kernel. "
+        "force_path: -1 chooses, 0/1/2/3 ask for that kernel; 1, 2 and 3 fall back to the choice of -1 when not "
+        "eligible. "
         "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer).",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),

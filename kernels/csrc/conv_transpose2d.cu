@@ -11,9 +11,11 @@
 // A phase with no valid tap on an axis writes the bias (or zeros).
 //
 // This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks one of
-// three kernel families:
+// four kernel families:
 //   narrow      (conv_transpose2d_narrow.cu) for C_out / groups <= 8 when its weights fit in shared memory:
 //               a thread holds every output channel of its pixels; every dtype, exact FFMA;
+//   sparse      (conv_transpose2d_sparse.cu) for layers whose output elements average at most 48 multiply-adds
+//               (large strides, few input channels): a block writes runs of whole output rows; exact FFMA;
 //   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles) for dense layers
 //               in float32 / bfloat16 / float16;
 //   SIMT        (below) for everything else (float64, too few input channels, weights too large for narrow).
@@ -201,9 +203,9 @@ struct KernelChoice {
   int config;  // tensor-core tile configuration, -1 for the other paths
 };
 
-// force_path 0 runs the SIMT kernel; 1 and 2 run the tensor-core and narrow kernels when eligible, else what -1
-// chooses: the narrow kernel when eligible (unless force_config asks for the tensor cores), then the tensor
-// cores when eligible, then the SIMT kernel.
+// force_path 0 runs the SIMT kernel; 1, 2 and 3 run the tensor-core, narrow and sparse kernels when eligible,
+// else what -1 chooses: the narrow kernel when eligible, then the sparse kernel when preferred (neither when
+// force_config asks for the tensor cores), then the tensor cores when eligible, then the SIMT kernel.
 KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 1) {
@@ -211,7 +213,9 @@ KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
     if (config >= 0) return {KernelPath::kTensorCore, config};
   }
   if (p.force_path == 2 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
+  if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
+  if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
   const int config = tensor_core_config(p);
   if (config >= 0) return {KernelPath::kTensorCore, config};
   return {KernelPath::kSimt, -1};
@@ -232,6 +236,7 @@ cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_
     return launch_tensor_core(p, c.config, stream);
   }
   if (c.path == KernelPath::kNarrow) return launch_narrow(p, stream);
+  if (c.path == KernelPath::kSparse) return launch_sparse(p, stream);
   switch (p.dtype) {
     case DType::kFloat32:
       return launch_simt<float>(p, stream);

@@ -36,8 +36,8 @@ struct ConvTranspose2dParams {
   DType dtype;
   Precision precision;
   void* workspace;          // scratch of conv_transpose2d_workspace_bytes(p) bytes (packed weights), or nullptr
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow. A forced path that is not eligible for the problem falls
-  // back to the choice of -1.
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse. A forced path that is not eligible for the
+  // problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tensor-core tile configuration index (tests and tuning). With force_path -1 it asks for
   // the tensor cores, which then run ahead of the narrow kernel.
@@ -48,7 +48,7 @@ struct ConvTranspose2dParams {
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
-enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2 };
+enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3 };
 
 // Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none).
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
@@ -78,5 +78,14 @@ cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32
 // strides are at most 32 and sizes leave room for 32-bit positions (memory offsets stay 64-bit).
 bool narrow_eligible(const ConvTranspose2dParams& p);
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
+
+// Sparse kernel (conv_transpose2d_sparse.cu): a block writes a run of one output row, every phase, for layers
+// whose output elements cost few multiply-adds (large strides against the dilated kernel, few input channels);
+// fp32/fp16/bf16, exact FFMA. Eligible when the staged input rows and one chunk's weights fit in 48 KiB, strides
+// are at most 32 and a row has at most 8 vertical taps; preferred when an output element averages at most 48
+// multiply-adds.
+bool sparse_eligible(const ConvTranspose2dParams& p);
+bool sparse_preferred(const ConvTranspose2dParams& p);
+cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 }  // namespace deconv

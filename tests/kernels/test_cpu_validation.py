@@ -209,7 +209,7 @@ def test_empty_batch_keeps_autograd():
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
     monkeypatch.setattr(kf, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
     with pytest.raises(ConvTranspose2dArgumentError,
-                       match=r"force_path must be None or one of 'simt', 'tensor_core', 'narrow', got "):
+                       match=r"force_path must be None or one of 'simt', 'tensor_core', 'narrow', 'sparse', got "):
         kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
 
@@ -237,7 +237,8 @@ def test_force_split_reaches_the_extension(monkeypatch, force_split, code):
 
 @pytest.mark.parametrize(
     ("force_path", "code", "ran"),
-    [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow")],
+    [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow"),
+     ("sparse", 3, "sparse")],
 )
 def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran):
     calls = []
@@ -248,7 +249,7 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
                     force_path_code, force_config, force_split):
             calls.append((force_path_code, force_config, force_split))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
-            return y, {"simt": 0, "tensor_core": 1, "narrow": 2}[ran]
+            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}[ran]
 
     monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
@@ -259,5 +260,5 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
 
 
 def test_kernel_path_names_cover_every_force_path_name():
-    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow"}
-    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2}
+    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse"}
+    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}

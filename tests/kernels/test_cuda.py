@@ -335,6 +335,49 @@ def test_narrow_forced(problem: str, mode: str) -> None:
     assert err <= tol, f"{problem}/narrow/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+# Sparse-kernel problems: a block writes 256 pixels of one output row (every phase) and chunks of 16 or 32 output
+# channels. Rows of several 256-pixel runs with a partial last one, channel counts with partial chunks, groups,
+# rows whose vertical taps fall partly or wholly outside the input, zero-tap rows and columns, up to 8 vertical
+# taps, output_padding, and KernelBench 75 / 81 in miniature.
+SPARSE_FAMILIES = {
+    "kb81_small": dict(n=2, c_in=32, c_out=64, h=9, w=60, k=3, stride=5, padding=1, dilation=2),
+    "kb75_small": dict(n=2, c_in=32, c_out=64, h=7, w=90, k=(3, 5), stride=(2, 3), padding=(1, 2), dilation=(2, 1),
+                       groups=4),
+    "cout37_chunks": dict(n=1, c_in=5, c_out=37, h=6, w=41, k=3, stride=4, padding=2, output_padding=(1, 3)),
+    "cout9_no_bias": dict(n=3, c_in=3, c_out=9, h=5, w=7, k=(2, 3), stride=(3, 2), bias=False),
+    "stride1_tiny_cin": dict(n=1, c_in=2, c_out=20, h=11, w=300, k=3, padding=1),
+    "taps8_rows": dict(n=1, c_in=2, c_out=18, h=12, w=9, k=(8, 2), padding=(5, 0)),
+    "padding_edge_rows": dict(n=2, c_in=4, c_out=24, h=3, w=5, k=3, stride=2, padding=(2, 1)),
+    "groups3_depthwise_ish": dict(n=2, c_in=6, c_out=51, h=8, w=8, k=3, stride=3, padding=1, groups=3),
+    "wide_row_many_runs": dict(n=1, c_in=4, c_out=33, h=2, w=400, k=(1, 4), stride=(1, 2), padding=(0, 1)),
+    "input_1x1": dict(n=2, c_in=7, c_out=17, h=1, w=1, k=(3, 5), stride=(2, 3)),
+}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", list(SPARSE_FAMILIES))
+def test_sparse_forced(problem: str, mode: str) -> None:
+    err, tol, path = run_case(**SPARSE_FAMILIES[problem], mode=mode, force_path="sparse",
+                              seed=zlib.crc32(problem.encode()) % 10_000)
+    assert path == "sparse"
+    assert err <= tol, f"{problem}/sparse/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+def test_sparse_default_choice_and_fallback() -> None:
+    """Layers whose output elements average at most 48 multiply-adds run sparse; float64 and rows with more than
+    8 vertical taps cannot, and a forced sparse path there runs the default choice."""
+    for mode in ("fp32", "tf32", "bf16", "fp16"):
+        assert _path(mode, **SPARSE_FAMILIES["kb81_small"]) == "sparse", mode
+        assert _path(mode, **SPARSE_FAMILIES["kb75_small"]) == "sparse", mode
+    assert _path("fp64", **SPARSE_FAMILIES["kb81_small"]) == "simt"
+    # 16 input channels x 1 tap x 4 taps / 2: 32 multiply-adds an element -> sparse; 64 channels: 128 -> not.
+    assert _path("tf32", n=1, c_in=16, c_out=32, h=8, w=8, k=(1, 4), stride=(1, 2), padding=(0, 1)) == "sparse"
+    assert _path("tf32", n=1, c_in=64, c_out=32, h=8, w=8, k=(1, 4), stride=(1, 2), padding=(0, 1)) == "tensor_core"
+    assert run_case(n=1, c_in=8, c_out=16, h=5, w=6, k=3, stride=5, mode="fp64", force_path="sparse")[2] == "simt"
+    nine = dict(n=1, c_in=16, c_out=16, h=12, w=6, k=(9, 1), padding=(4, 0))
+    assert run_case(**nine, mode="tf32", force_path="sparse")[2] == "tensor_core"
+
+
 @pytest.mark.parametrize("hw", [(1, 1), (1, 37), (31, 1), (33, 65), (127, 129)])
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
 def test_odd_sizes(hw: tuple[int, int], mode: str) -> None:
