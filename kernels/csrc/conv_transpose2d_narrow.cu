@@ -57,33 +57,16 @@ __device__ __forceinline__ void narrow_load_weights(const double* s, double (&w)
   }
 }
 
-// Per-axis phase geometry as 32-bit values, made on the host with make_axis_phase (phase.cuh) and passed as a
-// kernel parameter: the kernel then needs no 64-bit division, whose calls cost registers and spills.
+// Per-axis phase geometry as 32-bit values (AxisPhase32, phase.cuh), made on the host and passed as a kernel
+// parameter.
 constexpr int kNarrowMaxStride = 32;
 constexpr int64_t kNarrowMaxExtent = int64_t(1) << 28;  // sizes, paddings and kernel extents, per axis
 
-struct NarrowAxis {
-  int o0, count, base, a0, step, dstep, taps;  // AxisPhase's fields
-};
-
 struct NarrowGeom {
-  NarrowAxis h[kNarrowMaxStride];  // by residue r_h < stride_h
-  NarrowAxis w[kNarrowMaxStride];  // by residue r_w < stride_w
-  int cin, cout;                   // channels per group
+  AxisPhase32 h[kNarrowMaxStride];  // by residue r_h < stride_h
+  AxisPhase32 w[kNarrowMaxStride];  // by residue r_w < stride_w
+  int cin, cout;                    // channels per group
 };
-
-NarrowAxis narrow_axis(int64_t r, int64_t out_size, int64_t stride, int64_t pad, int64_t dil, int64_t k) {
-  const AxisPhase a = make_axis_phase(r, out_size, stride, pad, dil, k);
-  return {static_cast<int>(a.o0),   static_cast<int>(a.count), static_cast<int>(a.base), static_cast<int>(a.a0),
-          static_cast<int>(a.step), static_cast<int>(a.dstep), static_cast<int>(a.taps)};
-}
-
-// Most valid taps of any phase on one axis. Residue 0 always has tap a0 = 0 and so the most taps,
-// (k - 1) / step + 1 with step = stride / gcd(stride, dilation) (phase.cuh).
-int64_t narrow_max_taps(int64_t stride, int64_t dil, int64_t k) {
-  const int64_t step = stride / gcd64(stride, dil);
-  return (k - 1) / step + 1;
-}
 
 // Shared memory for the weights of the largest (phase, group), or ~0 when more than kNarrowMaxSmem.
 size_t narrow_smem_bytes(const ConvTranspose2dParams& p) {
@@ -93,7 +76,7 @@ size_t narrow_smem_bytes(const ConvTranspose2dParams& p) {
   const int64_t acc_bytes = p.dtype == DType::kFloat64 ? 8 : 4;
   const int64_t per_k = lanes * acc_bytes;  // bytes per (tap, input channel)
   const int64_t max_k = static_cast<int64_t>(kNarrowMaxSmem) / per_k;
-  const int64_t taps = narrow_max_taps(p.stride_h, p.dil_h, p.kH) * narrow_max_taps(p.stride_w, p.dil_w, p.kW);
+  const int64_t taps = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW);
   // Compared one factor at a time first, so that huge channel or tap counts cannot overflow the product.
   if (cin_g > max_k || taps > max_k || cin_g * taps > max_k) return ~size_t(0);
   return static_cast<size_t>(cin_g * taps * per_k);
@@ -147,8 +130,8 @@ __global__ void __launch_bounds__(kNarrowMaxThreads)
   for (int z = blockIdx.z; z < num_z; z += gridDim.z) {
     const int grp = z % groups;
     const int phase = z / groups;
-    const NarrowAxis& ah = g.h[phase / stride_w];
-    const NarrowAxis& aw = g.w[phase % stride_w];
+    const AxisPhase32& ah = g.h[phase / stride_w];
+    const AxisPhase32& aw = g.w[phase % stride_w];
     const int count_h = ah.count, count_w = aw.count;
     const int cw = (count_w + kTP - 1) / kTP;  // units per phase row
     const int units = static_cast<int>(p.N) * count_h * cw;
@@ -285,8 +268,8 @@ bool narrow_eligible(const ConvTranspose2dParams& p) {
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream) {
   if (!narrow_eligible(p)) return cudaErrorInvalidValue;
   NarrowGeom g{};
-  for (int64_t r = 0; r < p.stride_h; ++r) g.h[r] = narrow_axis(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
-  for (int64_t r = 0; r < p.stride_w; ++r) g.w[r] = narrow_axis(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
+  for (int64_t r = 0; r < p.stride_h; ++r) g.h[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
+  for (int64_t r = 0; r < p.stride_w; ++r) g.w[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
   g.cin = static_cast<int>(p.C_in / p.groups);
   g.cout = static_cast<int>(p.C_out / p.groups);
   switch (p.dtype) {

@@ -41,29 +41,14 @@ constexpr int kSparseMaxTapsH = 8;
 constexpr int64_t kSparseMaxExtent = int64_t(1) << 28;  // sizes, paddings and kernel extents, per axis
 constexpr int64_t kSparseMaxMacs = 48;  // default choice: average multiply-adds an output element
 
-struct SparseAxis {
-  int o0, count, base, a0, step, dstep, taps;  // AxisPhase's fields (phase.cuh)
-};
-
 struct SparseGeom {
-  SparseAxis h[kSparseMaxStride];  // by residue r_h < stride_h
-  SparseAxis w[kSparseMaxStride];  // by residue r_w < stride_w
-  int cin, cout;                   // channels per group
-  int taps_h;                      // most vertical taps of a row: staged input rows and weight rows
-  int xwp;                         // staged input columns per (tap row, channel), a multiple of 4
-  int pitch;                       // floats per (tap row, kernel column) of staged weights: cin * kCoc + 4
+  AxisPhase32 h[kSparseMaxStride];  // by residue r_h < stride_h (phase.cuh)
+  AxisPhase32 w[kSparseMaxStride];  // by residue r_w < stride_w
+  int cin, cout;                    // channels per group
+  int taps_h;                       // most vertical taps of a row: staged input rows and weight rows
+  int xwp;                          // staged input columns per (tap row, channel), a multiple of 4
+  int pitch;                        // floats per (tap row, kernel column) of staged weights: cin * kCoc + 4
 };
-
-SparseAxis sparse_axis(int64_t r, int64_t out_size, int64_t stride, int64_t pad, int64_t dil, int64_t k) {
-  const AxisPhase a = make_axis_phase(r, out_size, stride, pad, dil, k);
-  return {static_cast<int>(a.o0),   static_cast<int>(a.count), static_cast<int>(a.base), static_cast<int>(a.a0),
-          static_cast<int>(a.step), static_cast<int>(a.dstep), static_cast<int>(a.taps)};
-}
-
-// Most valid taps of any phase on one axis: residue 0 has tap 0 and (k - 1) / step + 1 taps (phase.cuh).
-int64_t sparse_max_taps(int64_t stride, int64_t dil, int64_t k) {
-  return (k - 1) / (stride / gcd64(stride, dil)) + 1;
-}
 
 // Output channels a chunk: 32, or 16 when a group has at most 16.
 int sparse_coc(const ConvTranspose2dParams& p) { return p.C_out / p.groups > 16 ? 32 : 16; }
@@ -77,7 +62,7 @@ int64_t sparse_xwp(const ConvTranspose2dParams& p) {
 // Dynamic shared memory: staged input rows plus one chunk's weights; ~0 when the counts are out of range.
 size_t sparse_smem_bytes(const ConvTranspose2dParams& p) {
   const int64_t cin = p.C_in / p.groups;
-  const int64_t taps_h = sparse_max_taps(p.stride_h, p.dil_h, p.kH);
+  const int64_t taps_h = max_phase_taps(p.stride_h, p.dil_h, p.kH);
   const int64_t limit = static_cast<int64_t>(kSparseMaxSmem) / 4;  // floats
   if (taps_h > kSparseMaxTapsH || cin > limit || p.kW > limit) return ~size_t(0);
   const int64_t x_floats = taps_h * cin * sparse_xwp(p);
@@ -125,7 +110,7 @@ __global__ void __launch_bounds__(kSparseThreads)
   const int ow0 = blockIdx.x * kSparseThreads;
   const int ow = ow0 + static_cast<int>(threadIdx.x);
   const bool in_row = ow < w_out;
-  const SparseAxis& aw = g.w[(ow + pad_w) % stride_w];
+  const AxisPhase32& aw = g.w[(ow + pad_w) % stride_w];
   const int qw = (ow - aw.o0) / stride_w;  // exact: ow has o0's residue and ow >= o0
   // First input column any pixel of the block reads (kernel column k_w - 1 of pixel ow0).
   const int iw_lo = sparse_floor_div(ow0 + pad_w - (k_w - 1) * static_cast<int>(p.dil_w), stride_w);
@@ -138,7 +123,7 @@ __global__ void __launch_bounds__(kSparseThreads)
     for (int oh = blockIdx.y; oh < h_out; oh += gridDim.y) {
       // The row's vertical taps th read input row hi = qh + base - th * dstep; the valid ones are a contiguous
       // range [th_lo, th_hi] (hi falls as th grows). Block-uniform.
-      const SparseAxis& ah = g.h[(oh + pad_h) % stride_h];
+      const AxisPhase32& ah = g.h[(oh + pad_h) % stride_h];
       const int qh = (oh - ah.o0) / stride_h;
       const int top = qh + ah.base;
       const int th_lo = top >= h_in ? (top - h_in + ah.dstep) / ah.dstep : 0;  // first th with hi < h_in
@@ -255,11 +240,11 @@ bool sparse_preferred(const ConvTranspose2dParams& p) {
 cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream) {
   if (!sparse_eligible(p)) return cudaErrorInvalidValue;
   SparseGeom g{};
-  for (int64_t r = 0; r < p.stride_h; ++r) g.h[r] = sparse_axis(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
-  for (int64_t r = 0; r < p.stride_w; ++r) g.w[r] = sparse_axis(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
+  for (int64_t r = 0; r < p.stride_h; ++r) g.h[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
+  for (int64_t r = 0; r < p.stride_w; ++r) g.w[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
   g.cin = static_cast<int>(p.C_in / p.groups);
   g.cout = static_cast<int>(p.C_out / p.groups);
-  g.taps_h = static_cast<int>(sparse_max_taps(p.stride_h, p.dil_h, p.kH));
+  g.taps_h = static_cast<int>(max_phase_taps(p.stride_h, p.dil_h, p.kH));
   g.xwp = static_cast<int>(sparse_xwp(p));
   g.pitch = g.cin * sparse_coc(p) + 4;
   switch (p.dtype) {

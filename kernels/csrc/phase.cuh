@@ -58,4 +58,24 @@ __host__ __device__ inline AxisPhase make_axis_phase(int64_t r, int64_t out_size
   return ax;
 }
 
+// Most valid taps of any phase on one axis: residue 0 always has tap a0 = 0 and so the most taps,
+// (k - 1) / step + 1 with step = stride / gcd(stride, dilation).
+__host__ __device__ inline int64_t max_phase_taps(int64_t stride, int64_t dil, int64_t k) {
+  return (k - 1) / (stride / gcd64(stride, dil)) + 1;
+}
+
+// AxisPhase in 32 bits, for kernels that take a per-residue table of them as a kernel parameter (narrow, sparse):
+// the kernel then needs no 64-bit division, whose calls cost registers and spills. The caller has checked that
+// every size fits.
+struct AxisPhase32 {
+  int o0, count, base, a0, step, dstep, taps;  // AxisPhase's fields
+};
+
+inline AxisPhase32 make_axis_phase32(int64_t r, int64_t out_size, int64_t stride, int64_t pad, int64_t dil,
+                                     int64_t k) {
+  const AxisPhase a = make_axis_phase(r, out_size, stride, pad, dil, k);
+  return {static_cast<int>(a.o0),   static_cast<int>(a.count), static_cast<int>(a.base), static_cast<int>(a.a0),
+          static_cast<int>(a.step), static_cast<int>(a.dstep), static_cast<int>(a.taps)};
+}
+
 }  // namespace deconv
