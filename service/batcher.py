@@ -325,9 +325,9 @@ class Batcher:
                 self._remove(item, "dropped")
                 if self.metrics is not None:
                     self.metrics.dropped.labels(self.layer.name, "deadline").inc()
-                if not item.future.done():
-                    item.future.set_exception(DeadlineExceededError(
-                        f"deadline passed after {1e3 * (now - item.enqueued):.0f} ms in the queue"))
+                if not item.future.done():  # enqueued is the receipt time the deadline counts from
+                    item.future.set_exception(DeadlineExceededError.before_execution(
+                        1e3 * (item.deadline - item.enqueued)))
         if not self._queue:
             self._report_depth()
             return []

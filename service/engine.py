@@ -92,9 +92,8 @@ class EngineConnection(ipc.FrameProtocol):
             return
         batcher, item = entry
         if batcher.drop(item, reason) and reason == "deadline":
-            waited_ms = 1e3 * ((item.deadline or item.enqueued) - item.enqueued)
-            self.send(ipc.error_frame(request_id, DeadlineExceededError(
-                f"X-Deadline-Ms of {waited_ms:g} ms passed before execution")))
+            deadline_ms = 1e3 * ((item.deadline or item.enqueued) - item.enqueued)
+            self.send(ipc.error_frame(request_id, DeadlineExceededError.before_execution(deadline_ms)))
 
     def lost(self, exc: Exception | None) -> None:
         self.engine.connections.discard(self)

@@ -107,6 +107,12 @@ class DeadlineExceededError(ServiceError):
 
     status, type = 504, "deadline_exceeded"
 
+    @classmethod
+    def before_execution(cls, deadline_ms: float) -> DeadlineExceededError:
+        """The one answer for a passed ``X-Deadline-Ms``, whichever of the route's timer, the batcher or the engine
+        notices it first."""
+        return cls(f"X-Deadline-Ms of {deadline_ms:g} ms passed before execution")
+
 
 class ClientGoneError(ServiceError):
     """The client went away; nothing is sent (status 499 is for the metrics only)."""

@@ -318,7 +318,7 @@ async def run_inference(
                 raise DeadlineExceededError(
                     f"no result within the request timeout of {service.settings.request_timeout_s:g} s")
             if deadline is not None and now >= deadline and batcher.drop(item, "deadline"):
-                raise DeadlineExceededError(f"X-Deadline-Ms of {deadline_ms:g} ms passed before execution")
+                raise DeadlineExceededError.before_execution(deadline_ms)
     finally:
         gone.cancel()
         if item.state == "queued":  # this task was cancelled: nobody waits for the result any more
