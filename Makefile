@@ -13,7 +13,7 @@ EXTRAS ?=
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Architectures for `make nvcc-check` (CI compiles every kernel source for these).
-NVCC_ARCHS ?= 80 90
+NVCC_ARCHS ?= 80 90a
 
 .PHONY: install install-dev test lint format serve nvcc-check kernels bench clean
 

@@ -72,12 +72,28 @@ def cuda_archs() -> list[tuple[int, int, str]]:
     return sorted(set(archs))
 
 
+def _sass_suffix(major: int, minor: int, suffix: str) -> str:
+    """sm_90 machine code is built as sm_90a, which every compute capability 9.0 GPU runs: it holds the wgmma
+    tiles (conv_transpose2d_halo.cu)."""
+    return "a" if (major, minor) == (9, 0) else suffix
+
+
 def gencode_flags(archs: list[tuple[int, int, str]]) -> list[str]:
-    """SASS for every architecture plus PTX for the newest, so that newer GPUs can still JIT the kernels."""
-    flags = [f"-gencode=arch=compute_{ma}{mi}{s},code=sm_{ma}{mi}{s}" for ma, mi, s in archs]
+    """SASS for every architecture (9.0 as 9.0a) plus PTX for the newest as named, so that newer GPUs can still
+    JIT the kernels."""
+    flags = []
+    for ma, mi, s in archs:
+        sa = _sass_suffix(ma, mi, s)
+        flags.append(f"-gencode=arch=compute_{ma}{mi}{sa},code=sm_{ma}{mi}{sa}")
     ma, mi, s = archs[-1]
     flags.append(f"-gencode=arch=compute_{ma}{mi}{s},code=compute_{ma}{mi}{s}")
     return flags
+
+
+def arch_defines(archs: list[tuple[int, int, str]]) -> list[str]:
+    """``-DDECONV_SM90A_SASS`` when the build holds sm_90a code: the host then launches the wgmma tiles on
+    compute capability 9.0 GPUs (everywhere else they fall back to mma.sync tiles)."""
+    return ["-DDECONV_SM90A_SASS"] if any((ma, mi) == (9, 0) for ma, mi, _ in archs) else []
 
 
 def cache_root() -> Path:
@@ -109,7 +125,7 @@ def build_key(archs: list[tuple[int, int, str]]) -> str:
     for name, text in _sources().items():
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
     for part in (torch.__version__, str(torch.version.cuda), _nvcc_version(), *gencode_flags(archs),
-                 *CXX_FLAGS, *CUDA_FLAGS):
+                 *arch_defines(archs), *CXX_FLAGS, *CUDA_FLAGS):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -139,7 +155,7 @@ def load(verbose: bool = False) -> ModuleType:
                 cpp_sources=[src["binding.cpp"]],
                 cuda_sources=[text for fname, text in src.items() if fname.endswith(".cu")],
                 extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=[*CUDA_FLAGS, *gencode_flags(archs)],
+                extra_cuda_cflags=[*CUDA_FLAGS, *gencode_flags(archs), *arch_defines(archs)],
                 extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 verbose=verbose,

@@ -16,10 +16,11 @@
 //               a thread holds every output channel of its pixels; every dtype, exact FFMA;
 //   sparse      (conv_transpose2d_sparse.cu) for layers whose output elements average at most 48 multiply-adds
 //               (large strides, few input channels): a block writes runs of whole output rows; exact FFMA;
-//   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles) for dense layers
-//               in float32 / bfloat16 / float16;
+//   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles;
+//               conv_transpose2d_wgmma.cu: warp-specialized halo tiles on sm_90 wgmma) for dense layers in
+//               float32 / bfloat16 / float16;
 //   SIMT        (below) for everything else (float64, too few input channels, weights too large for narrow).
-// It needs nothing newer than sm_80 and builds with CUDA 11.8.
+// It needs nothing newer than sm_80; the wgmma tiles run where the build holds sm_90a code (kernels/build.py).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -59,9 +59,10 @@ cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_
                                      KernelPath* path_out);
 
 // Tensor-core path (conv_transpose2d_mma.cu). Configurations 0 .. kNumGatherConfigs - 1 are the gather kernel's
-// tiles, the next kNumHaloConfigs the halo kernel's (conv_transpose2d_halo.cu).
+// tiles, the next kNumHaloConfigs the halo tiles (halo.cuh): mma.sync (conv_transpose2d_halo.cu) and, on sm_90,
+// warp-specialized wgmma (conv_transpose2d_wgmma.cu).
 constexpr int kNumGatherConfigs = 4;
-constexpr int kNumHaloConfigs = 5;
+constexpr int kNumHaloConfigs = 9;
 constexpr int kNumTensorCoreConfigs = kNumGatherConfigs + kNumHaloConfigs;
 int tensor_core_config(const ConvTranspose2dParams& p);  // chosen tile configuration, or -1 if not eligible
 size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);
@@ -70,6 +71,8 @@ cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaS
 // Halo kernel (conv_transpose2d_halo.cu); `config` counts from 0 within the halo configurations.
 int halo_block_n(int config);                  // output channels per block
 int halo_choose(const ConvTranspose2dParams& p);  // the halo configuration for this problem, or -1: gather kernel
+// Whether a halo configuration runs a wgmma tile here, which reads its weights packed K-major (mma.cuh).
+bool halo_kmajor(const ConvTranspose2dParams& p, int config);
 cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32_t* packed_weights,
                         int64_t ciw_pad, int64_t co_pad, cudaStream_t stream);
 

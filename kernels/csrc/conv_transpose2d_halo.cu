@@ -33,6 +33,10 @@
 // element through registers instead (same tile, slower loads). Halos beyond kHaloH x kHaloW (taps - 1 times the
 // dilation step) and stages that do not fit in shared memory are not eligible: tensor_core_config falls back to
 // the gather kernel.
+//
+// This file also chooses among the halo configurations (halo.cuh): on sm_90, TF32/BF16/FP16 layers whose tiles
+// fill the SMs run the same tiles warp-specialized on wgmma (conv_transpose2d_wgmma.cu), the rest these mma.sync
+// tiles.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,80 +51,12 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "halo.cuh"
 #include "mma.cuh"
 #include "phase.cuh"
 
 namespace deconv {
 namespace {
-
-constexpr int kMaxStages = 3;  // 2 when three stages do not fit in shared memory
-
-struct HaloShape {
-  int th, tw, bn, warps_m, warps_n;
-};
-// Index = halo configuration (tensor-core configuration kNumGatherConfigs + index).
-constexpr HaloShape kHaloShapes[kNumHaloConfigs] = {
-    {8, 32, 64, 4, 2},    // 0: 256 pixels x 64 channels, 8 warps (warp tile 64 x 32)
-    {16, 32, 64, 8, 2},   // 1: 512 pixels x 64 channels, 16 warps
-    {8, 32, 128, 4, 4},   // 2: 256 pixels x 128 channels, 16 warps
-    {16, 32, 32, 8, 1},   // 3: 512 pixels x 32 channels, 8 warps
-    {16, 32, 16, 8, 1},   // 4: 512 pixels x 16 channels, 8 warps (warp tile 64 x 16)
-};
-
-// Division by a divisor fixed for the whole launch, for dividends in [0, 2^31): a multiply-high, an add and a
-// shift instead of a ~25-instruction integer division (the stage copies decompose every index).
-struct FastDiv {
-  uint32_t d, mul, shr;
-};
-
-__host__ __device__ inline FastDiv make_fast_div(uint32_t d) {
-  uint32_t shr = 0;
-  while ((uint64_t(1) << shr) < d) ++shr;
-  const uint64_t mul = ((uint64_t(1) << 32) * ((uint64_t(1) << shr) - d)) / d + 1;
-  return {d, static_cast<uint32_t>(mul), shr};
-}
-
-__device__ __forceinline__ int fdiv(int n, const FastDiv& f) {
-  return static_cast<int>((__umulhi(static_cast<uint32_t>(n), f.mul) + static_cast<uint32_t>(n)) >> f.shr);
-}
-
-// Largest halo a tile's patch holds: (taps - 1) * dstep rows and columns (up to 7 x 9 dense kernels).
-constexpr int kHaloH = 6;
-constexpr int kHaloW = 8;
-
-// Patch strides are compile-time constants, so that every fragment load of a tap is one base register plus an
-// immediate offset. Rows hold TW + kHaloW columns plus up to one vector of misalignment.
-__host__ __device__ constexpr int patch_row_stride(int tw, int elem_bytes) {
-  return (tw + kHaloW + 16 / elem_bytes - 1 + 16 / elem_bytes - 1) / (16 / elem_bytes) * (16 / elem_bytes);
-}
-__host__ __device__ constexpr int patch_channel_stride(int th, int tw, int elem_bytes) {
-  return (th + kHaloH) * patch_row_stride(tw, elem_bytes) +
-         ((8 - (th + kHaloH) * patch_row_stride(tw, elem_bytes) % 32) + 32) % 32;  // == 8 mod 32
-}
-
-// Host-computed launch geometry (weights sized for the phase with the most taps).
-struct HaloGeom {
-  int nvec;         // 16-byte vectors copied per patch row (vectorized copy)
-  int patch_words;  // 32-bit words of the patch in a stage
-  int stage_words;  // patch + weights
-  int vec;          // 1: 16-byte cp.async copies; 0: element copies through registers
-  int stages;       // pipeline depth: 2 or 3
-  FastDiv nvec_div;  // by nvec
-  int64_t tiles_h, tiles_w;  // tiles per image of the largest phase
-  int split;        // blocks of a cluster that share a tile, each over 1/split of the stages (1: no split)
-};
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 // Barrier over the block's cluster (split-K); the host launches clusters only for sm_90 code.
 __device__ __forceinline__ void cluster_sync() {
@@ -210,11 +146,19 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     // This block's stages: [c_lo, c_lo + nloc) of the nchunks (all of them without a split).
     const int c_lo = static_cast<int>(int64_t(rank) * nchunks / split);
     const int nloc = static_cast<int>(int64_t(rank + 1) * nchunks / split) - c_lo;
-    const FastDiv ph_div = make_fast_div(ph);
-    const FastDiv tw_div = make_fast_div(taps_w > 0 ? taps_w : 1);
+    const FastDiv pairs_div = make_fast_div(ph * geo.nvec);
     const int a0 = static_cast<int>(ah.a0), b0 = static_cast<int>(aw.a0);
     const int step_h = static_cast<int>(ah.step), step_w = static_cast<int>(aw.step);
     const int k_w = static_cast<int>(p.kW);
+    // The phase's taps as kernel-tap indices a * kW + b, tap t = (th, tw) at t = th * taps_w + tw: the weight
+    // copies of every stage look them up instead of decomposing t.
+    int* tap_table = reinterpret_cast<int*>(smem + geo.extra);
+    __syncthreads();  // the previous phase's tiles are done with the table
+    for (int t = tid; t < taps; t += kThreads) {
+      const int th = t / taps_w;
+      tap_table[t] = (a0 + th * step_h) * k_w + b0 + (t - th * taps_w) * step_w;
+    }
+    __syncthreads();
 
     for (int64_t nt = blockIdx.y; nt * BN < cout_g; nt += gridDim.y) {
       const int64_t n0 = nt * BN;
@@ -238,18 +182,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
           const int ci0 = c * kKC;
           const T* x_chunk = x_img + int64_t(ci0) * hw_in;
           if (geo.vec) {
-            // v = (ch * ph + row) * nvec + vc; patch row 0, column 0 is x row hi0, column wa.
-            const int total = kKC * ph * geo.nvec;
-            for (int v = tid; v < total; v += kThreads) {
-              const int rowv = fdiv(v, geo.nvec_div);
-              const int vc = v - rowv * geo.nvec;
-              const int ch = fdiv(rowv, ph_div);
-              const int row = rowv - ch * ph;
-              const int hi = hi0 + row, wi = wa + vc * kVec;
-              const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
-              const T* src = ok ? x_chunk + int64_t(ch) * hw_in + (hi * w_in + wi) : x;
-              cp_async16(patch + ch * kCS + row * kRS + vc * kVec, src, ok ? 16 : 0);
-            }
+            copy_patch_vec<T, kKC, kRS, kCS>(patch, x_chunk, x, tid, kThreads, ph, geo.nvec, pairs_div, geo.nvec_div,
+                                             hi0, wa, h_in, w_in, hw_in, static_cast<int>(cin_g - ci0));
           } else {
             const int per_ch = ph * pw;
             for (int e = tid; e < kKC * per_ch; e += kThreads) {
@@ -271,9 +205,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
             const int r = v - t * (8 * kBRowVecs);
             const int k = r / kBRowVecs;
             const int col = (r - k * kBRowVecs) * 4;
-            const int th = fdiv(t, tw_div);
-            const int tw = t - th * taps_w;
-            const int64_t tap = int64_t(a0 + th * step_h) * k_w + b0 + tw * step_w;
+            const int64_t tap = tap_table[t];
             cp_async16(wsm + (t * 8 + k) * kWS + col, w_chunk + (tap * ciw_pad + k) * co_pad + col, 16);
           }
         };
@@ -418,24 +350,29 @@ int max_taps(int64_t stride, int64_t out_size, int64_t pad, int64_t dil, int64_t
   return static_cast<int>(best);
 }
 
-// Attribute `A` of the current device, queried once per device (0 when the query fails).
+// Attribute `A` of the current device, queried once per device (-1 when the query fails).
 template <cudaDeviceAttr A>
 int device_attribute() {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};
+  static std::atomic<int> cached[kMaxDevices] = {};  // value + 1; 0: not asked yet
   int dev = 0, value = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices && (value = cached[dev].load(std::memory_order_relaxed)) > 0) return value;
-  if (cudaDeviceGetAttribute(&value, A, dev) != cudaSuccess) return 0;
-  if (dev < kMaxDevices) cached[dev].store(value, std::memory_order_relaxed);
+  if (cudaGetDevice(&dev) != cudaSuccess) return -1;
+  if (dev < kMaxDevices && (value = cached[dev].load(std::memory_order_relaxed)) > 0) return value - 1;
+  if (cudaDeviceGetAttribute(&value, A, dev) != cudaSuccess) return -1;
+  if (dev < kMaxDevices) cached[dev].store(value + 1, std::memory_order_relaxed);
   return value;
 }
 
-// Opt-in shared memory per block of the current device.
-size_t max_dynamic_smem() { return static_cast<size_t>(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()); }
+}  // namespace
 
-// Multiprocessors of the current device.
+size_t max_dynamic_smem() {
+  const int bytes = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+  return bytes > 0 ? static_cast<size_t>(bytes) : 0;
+}
+
 int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
+
+namespace {
 
 constexpr int kMaxSplit = 8;  // the portable cluster size
 
@@ -456,10 +393,38 @@ int halo_split(const ConvTranspose2dParams& p, int64_t blocks) {
   return split >= 2 ? static_cast<int>(split) : 1;
 }
 
-struct HaloPlan {
-  HaloGeom geo;
-  size_t smem;
-};
+// Whether the current device can run the warp-specialized wgmma kernel for this problem's precision: not exact
+// fp32, an sm_90 device, and kernels built with sm_90a code (kernels/build.py defines DECONV_SM90A_SASS then; a
+// compute capability 9.0 GPU runs that machine code rather than JIT-compiled PTX).
+bool wgmma_device(const ConvTranspose2dParams& p) {
+#if defined(DECONV_SM90A_SASS)
+  return !(p.dtype == DType::kFloat32 && p.precision != Precision::kTF32) &&
+         device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9 &&
+         device_attribute<cudaDevAttrComputeCapabilityMinor>() == 0;
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+// The halo configuration that runs for `config`: config itself, or the fallback of a warp-specialized tile that
+// cannot run here (wgmma_device), lacks what it needs (16-byte aligned input rows, strides up to kWsMaxStride,
+// tile indices in 31 bits) or would leave the SMs idle without the halo kernel's split.
+int halo_effective(const ConvTranspose2dParams& p, int config) {
+  const HaloShape& s = kHaloShapes[config];
+  if (!s.ws) return config;
+  const int64_t vec_elems = p.dtype == DType::kFloat32 ? 4 : 8;
+  if (!wgmma_device(p) || p.W_in % vec_elems != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 != 0 ||
+      p.stride_h > kWsMaxStride || p.stride_w > kWsMaxStride)
+    return s.fallback;
+  const int64_t spatial = p.N * tc::div_up(tc::div_up(p.H_out, p.stride_h), s.th) *
+                          tc::div_up(tc::div_up(p.W_out, p.stride_w), s.tw);
+  const int64_t blocks = spatial * tc::div_up(p.C_out / p.groups, s.bn) * p.stride_h * p.stride_w * p.groups;
+  if (blocks >= (int64_t(1) << 31) || halo_split(p, blocks) > 1) return s.fallback;
+  return config;
+}
+
+}  // namespace
 
 HaloPlan halo_plan(const ConvTranspose2dParams& p, int config) {
   const HaloShape s = kHaloShapes[config];
@@ -479,19 +444,25 @@ HaloPlan halo_plan(const ConvTranspose2dParams& p, int config) {
   g.nvec_div = make_fast_div(static_cast<uint32_t>(g.nvec));
   const int64_t cs = patch_channel_stride(s.th, s.tw, elem);
   g.patch_words = static_cast<int>(8 * cs);  // 8 fp32 channels or 16 16-bit channels
-  const int64_t w_words = taps_h * taps_w * 8 * (s.bn + 8);
+  const int64_t w_words = taps_h * taps_w * 8 * (s.ws ? s.bn : s.bn + 8);  // ws: K-major, no padding
   g.stage_words = static_cast<int>(g.patch_words + w_words);
   const int64_t epi = int64_t(s.bn) * (s.th * s.tw + 4) * 4;
   const size_t limit = max_dynamic_smem();
-  g.stages = kMaxStages;
-  while (g.stages > 2 && static_cast<size_t>(g.stages) * g.stage_words * 4 > limit) --g.stages;
+  // After the stages (and the halo kernel's accumulator staging, which aliases them): the halo kernel's tap
+  // table, or the warp-specialized kernel's full and empty barriers.
+  const int64_t extra_words = s.ws ? 4 * kMaxWsStages : kMaxTaps;
+  g.stages = s.ws ? kMaxWsStages : kMaxStages;
+  while (g.stages > 2 && (static_cast<size_t>(g.stages) * g.stage_words + extra_words) * 4 > limit) --g.stages;
   const int64_t pipe = int64_t(g.stages) * g.stage_words * 4;
   g.tiles_h = tc::div_up(tc::div_up(p.H_out, p.stride_h), s.th);
   g.tiles_w = tc::div_up(tc::div_up(p.W_out, p.stride_w), s.tw);
   g.split = 1;
-  pl.smem = static_cast<size_t>(pipe > epi ? pipe : epi);
+  g.extra = static_cast<int>((s.ws || pipe > epi ? pipe : epi) / 4);  // the ws kernel stages no accumulators
+  pl.smem = static_cast<size_t>(g.extra + extra_words) * 4;
   return pl;
 }
+
+namespace {
 
 void cluster_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&attr)[1], dim3 grid, int threads, size_t smem,
                     int split, cudaStream_t stream) {
@@ -563,8 +534,10 @@ cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl
 template <typename T, tc::MmaKind K>
 cudaError_t launch_halo_kind(const ConvTranspose2dParams& p, int config, const uint32_t* wt, int64_t ciw_pad,
                         int64_t co_pad, cudaStream_t stream) {
+  config = halo_effective(p, config);
   const HaloPlan pl = halo_plan(p, config);
   if (pl.smem > max_dynamic_smem()) return cudaErrorInvalidConfiguration;
+  if (kHaloShapes[config].ws) return launch_halo_ws(p, config, pl, wt, ciw_pad, co_pad, stream);
   switch (config) {
     case 0:
       return launch_halo_shape<T, K, 8, 32, 64, 4, 2>(p, pl, wt, ciw_pad, co_pad, stream);
@@ -584,6 +557,8 @@ cudaError_t launch_halo_kind(const ConvTranspose2dParams& p, int config, const u
 
 int halo_block_n(int config) { return kHaloShapes[config].bn; }
 
+bool halo_kmajor(const ConvTranspose2dParams& p, int config) { return kHaloShapes[halo_effective(p, config)].ws; }
+
 int halo_choose(const ConvTranspose2dParams& p) {
   if (p.dtype == DType::kFloat64) return -1;
   if (p.H_in > (int64_t(1) << 30) || p.W_in > (int64_t(1) << 30) || p.H_out > (int64_t(1) << 30) ||
@@ -599,6 +574,9 @@ int halo_choose(const ConvTranspose2dParams& p) {
   // but exact fp32, whose per-stage partial sums (tc::add_tile) spill at the 16-warp tiles' 128 registers.
   const bool exact = p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
   const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;
+  // On sm_90 the warp-specialized wgmma tiles of the same channel widths (bench/NOTES.md v11).
+  const int ws = exact ? -1 : cout_g > 64 ? 6 : cout_g > 32 ? 5 : cout_g > 16 ? 7 : -1;
+  if (ws >= 0 && halo_effective(p, ws) == ws && halo_plan(p, ws).smem <= max_dynamic_smem()) return ws;
   return halo_plan(p, config).smem <= max_dynamic_smem() ? config : -1;
 }
 

@@ -307,13 +307,14 @@ Packing packing(const ConvTranspose2dParams& p, int config) {
 }
 
 template <typename T, MmaKind K>
-cudaError_t pack_weights(const ConvTranspose2dParams& p, const Packing& pk, cudaStream_t stream) {
+cudaError_t pack_weights(const ConvTranspose2dParams& p, const Packing& pk, int config, cudaStream_t stream) {
   const int64_t total = p.groups * p.kH * p.kW * pk.ciw_pad * pk.co_pad;
   const int pack_blocks = static_cast<int>(div_up(total, 256) < 4096 ? div_up(total, 256) : 4096);
+  const bool kmajor = config >= kNumGatherConfigs && halo_kmajor(p, config - kNumGatherConfigs);
   pack_weights_kernel<T, K><<<pack_blocks, 256, 0, stream>>>(static_cast<const T*>(p.w),
                                                              static_cast<uint32_t*>(p.workspace), p.groups,
                                                              p.C_in / p.groups, p.C_out / p.groups, p.kH, p.kW,
-                                                             pk.ciw_pad, pk.co_pad);
+                                                             pk.ciw_pad, pk.co_pad, kmajor);
   return cudaGetLastError();
 }
 
@@ -341,7 +342,7 @@ cudaError_t launch_config(const ConvTranspose2dParams& p, const Packing& pk, cud
 template <typename T, MmaKind K>
 cudaError_t launch_kind(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
   const Packing pk = packing(p, config);
-  const cudaError_t err = pack_weights<T, K>(p, pk, stream);
+  const cudaError_t err = pack_weights<T, K>(p, pk, config, stream);
   if (err != cudaSuccess) return err;
   switch (config) {
     case 0:

@@ -63,11 +63,13 @@ __device__ __forceinline__ uint32_t round_word(uint32_t w) {
   }
 }
 
-// Packs w [C_in, C_out/g, kH, kW] into words [g][a][b][ciw_pad][co_pad] (see the file comment), zero-padded.
+// Packs w [C_in, C_out/g, kH, kW] into words [g][a][b][ciw_pad][co_pad] (see the file comment), zero-padded;
+// `kmajor` (the wgmma tiles) packs [g][a][b][ciw_pad / 4][co_pad][4] instead: 4 channel words of an output
+// channel together, the K-major core-matrix rows that wgmma reads.
 template <typename T, MmaKind K>
 __global__ void pack_weights_kernel(const T* __restrict__ w, uint32_t* __restrict__ wt, int64_t groups,
                                     int64_t cin_g, int64_t cout_g, int64_t kH, int64_t kW, int64_t ciw_pad,
-                                    int64_t co_pad) {
+                                    int64_t co_pad, bool kmajor) {
   const int64_t total = groups * kH * kW * ciw_pad * co_pad;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t co = i % co_pad;
@@ -93,7 +95,7 @@ __global__ void pack_weights_kernel(const T* __restrict__ w, uint32_t* __restric
         word = lo | (hi << 16);
       }
     }
-    wt[i] = word;
+    wt[kmajor ? ((i - co - cw * co_pad) + (cw / 4) * co_pad * 4 + co * 4 + cw % 4) : i] = word;
   }
 }
 

@@ -68,6 +68,18 @@ def test_gencode_flags_sass_for_each_ptx_for_the_newest():
     ]
 
 
+def test_sm90_machine_code_is_sm90a_with_portable_ptx():
+    """CC 9.0 SASS is built as sm_90a (the wgmma tiles) and says so to the host; PTX stays plain compute_90."""
+    assert kb.gencode_flags([(8, 0, ""), (9, 0, "")]) == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90,code=compute_90",
+    ]
+    assert kb.arch_defines([(9, 0, "")]) == ["-DDECONV_SM90A_SASS"]
+    assert kb.arch_defines([(8, 0, ""), (9, 0, "a")]) == ["-DDECONV_SM90A_SASS"]
+    assert kb.arch_defines([(8, 0, ""), (8, 6, ""), (10, 0, "")]) == []
+
+
 def test_cache_root_honours_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DECONV_KERNEL_CACHE", str(tmp_path / "cache"))
     assert kb.cache_root() == tmp_path / "cache"
