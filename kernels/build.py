@@ -74,7 +74,7 @@ def cuda_archs() -> list[tuple[int, int, str]]:
 
 def _sass_suffix(major: int, minor: int, suffix: str) -> str:
     """sm_90 machine code is built as sm_90a, which every compute capability 9.0 GPU runs: it holds the wgmma
-    tiles (conv_transpose2d_halo.cu)."""
+    tiles (conv_transpose2d_wgmma.cu)."""
     return "a" if (major, minor) == (9, 0) else suffix
 
 
