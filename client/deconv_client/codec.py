@@ -16,6 +16,7 @@ import ast
 import json
 import math
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -184,6 +185,12 @@ def encode_npy(array: np.ndarray) -> Payload:
     return Payload((first, *views), NPY_MEDIA_TYPE, len(first) + array.nbytes)
 
 
+# CPython 3.11 before 3.11.8 builds ASTs with interpreter-wide recursion bookkeeping, so ast.literal_eval in two
+# threads at once can fail with "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905); the
+# SDK decodes from several threads (the CLI's bench, callers' pools), so header parsing takes turns.
+_LITERAL_EVAL_LOCK = threading.Lock()
+
+
 def decode_npy(buffer: bytes | bytearray | memoryview) -> np.ndarray:
     """Decode a ``.npy`` payload into an array that views ``buffer`` (no copy), validating it first.
 
@@ -208,7 +215,8 @@ def decode_npy(buffer: bytes | bytearray | memoryview) -> np.ndarray:
         raise CodecError("truncated .npy header")
     try:
         text = bytes(mv[start : start + hlen]).decode("utf8" if major == 3 else "latin1")
-        header = ast.literal_eval(text)
+        with _LITERAL_EVAL_LOCK:
+            header = ast.literal_eval(text)
     except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
         raise CodecError(f"unreadable .npy header: {exc}") from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
