@@ -6,6 +6,11 @@ cuDNN (NCHW, PyTorch's default) and cuDNN with channels_last tensors with CUDA e
 before every timed run, the median of ``--reps`` runs. The floor is max(FLOPs / matrix rate, bytes / copy
 bandwidth) with both ceilings measured at the start of the same run.
 
+Ours is timed twice: with the dispatcher's default choice (``ours_default_ms``) and, unless ``--no-tune``, with
+measured kernel choice (kernels.tuning, what the service runs; ``ours_ms``, ``choice``), each checked on the fresh
+inputs. cuDNN likewise: PyTorch's default (``cudnn_ms``, the speedup target's reference) and with
+``torch.backends.cudnn.benchmark`` (``cudnn_benchmark_ms``), its own measured choice.
+
     python bench/kernelbench.py                       # tf32, fp32 (exact) and bf16; table + JSON
     python bench/kernelbench.py --modes tf32 --ids 57 75 --compile
 """
@@ -31,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
-from kernels.functional import output_size  # noqa: E402
+from kernels.functional import normalize_args, output_size, resolve_precision  # noqa: E402
 
 PROBLEMS = ROOT / "bench" / "kernelbench_conv_transpose2d.json"
 TOL = {"tf32": 2e-3, "fp32": 1e-5, "bf16": 2e-2}
@@ -85,8 +90,14 @@ def min_bytes(p: dict, elem: int) -> int:
     return (x + w + y + (p["out_channels"] if p["bias"] else 0)) * elem
 
 
+# GPU cycles of the sleep queued before each timed run (~100 us at H100/H200 clocks): longer than any call's host
+# dispatch, so that the call's kernels are all queued before the start event runs and the events time the GPU
+# alone, not the host (bench/NOTES.md v12: on a slow host a batch-1 call's Python dispatch outlasted the L2 flush).
+HOST_SLACK_CYCLES = 200_000
+
+
 class Timer:
-    """CUDA-event timing with an L2 flush before every run; returns the median in ms."""
+    """CUDA-event timing of GPU time with an L2 flush before every run; returns the median in ms."""
 
     def __init__(self, reps: int, warmup: int) -> None:
         self.reps, self.warmup = reps, warmup
@@ -100,6 +111,7 @@ class Timer:
         times = []
         for _ in range(self.reps):
             self.flush_buf.zero_()
+            torch.cuda._sleep(HOST_SLACK_CYCLES)
             start.record()
             fn()
             end.record()
@@ -134,7 +146,27 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y64 - ref).norm() / ref.norm()).item()
 
 
-def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], use_compile: bool) -> dict:
+def cudnn_benchmark(timer: Timer, fn: Callable[[], object]) -> float:
+    """``fn``'s time with ``torch.backends.cudnn.benchmark`` on (its first call measures cuDNN's algorithms)."""
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        fn()
+        return timer(fn)
+    finally:
+        torch.backends.cudnn.benchmark = old
+
+
+def tuned_label(x: torch.Tensor, conv: nn.ConvTranspose2d) -> str:
+    """The kernel that measured choice keeps for ``conv`` on input ``x`` (tuning on, already tuned)."""
+    args = normalize_args(conv.stride, conv.padding, conv.output_padding, conv.groups, conv.dilation)
+    mode = resolve_precision(x.dtype, getattr(conv, "precision", None))
+    aligned = x.data_ptr() % 16 == 0
+    return kernels.tuning.TUNER.choose(x.shape, conv.weight, conv.bias, args, mode, aligned=aligned).label
+
+
+def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], use_compile: bool,
+                tune: bool) -> dict:
     torch.backends.cudnn.allow_tf32 = mode != "fp32"
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     torch.manual_seed(p["id"])
@@ -150,11 +182,19 @@ def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], us
             ref = F.conv_transpose2d(x.double(), conv.weight.double(),
                                      None if conv.bias is None else conv.bias.double(), conv.stride, conv.padding,
                                      conv.output_padding, conv.groups, conv.dilation)
-            errs.append(rel_err(model_new(x), ref))
+            for tuned in (False, True) if tune else (False,):
+                kernels.tuning.enable(tuned)
+                errs.append(rel_err(model_new(x), ref))  # the first tuned call measures the candidates
             del ref
         x = torch.rand(shape, device="cuda").to(dtype)
-        ours = timer(lambda: model_new(x))
+        kernels.tuning.enable(False)
+        ours_default = timer(lambda: model_new(x))
+        kernels.tuning.enable(tune)
+        ours = timer(lambda: model_new(x)) if tune else ours_default
+        choice = tuned_label(x, model_new.conv_transpose2d) if tune else "default"
+        kernels.tuning.enable(False)
         cudnn = timer(lambda: model(x))
+        cudnn_bench = cudnn_benchmark(timer, lambda: model(x))
         model_cl = copy.deepcopy(model).to(memory_format=torch.channels_last)
         x_cl = x.contiguous(memory_format=torch.channels_last)
         cudnn_cl = timer(lambda: model_cl(x_cl))
@@ -170,8 +210,11 @@ def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], us
             "bf16": ceilings["bf16_matmul_TFLOPs"]}[mode]
     floor = max(flops / rate / 1e9, nbytes / ceilings["copy_TBps"] / 1e9)
     row = {
-        "id": p["id"], "precision": mode, "ours_ms": round(ours, 4), "cudnn_ms": round(cudnn, 4),
+        "id": p["id"], "precision": mode, "ours_ms": round(ours, 4), "ours_default_ms": round(ours_default, 4),
+        "choice": choice, "cudnn_ms": round(cudnn, 4), "cudnn_benchmark_ms": round(cudnn_bench, 4),
         "cudnn_channels_last_ms": round(cudnn_cl, 4), "speedup_vs_cudnn": round(cudnn / ours, 3),
+        "speedup_vs_cudnn_benchmark": round(cudnn_bench / ours, 3),
+        "default_speedup_vs_cudnn": round(cudnn / ours_default, 3),
         "speedup_vs_cudnn_channels_last": round(cudnn_cl / ours, 3), "floor_ms": round(floor, 4),
         "pct_of_floor": round(100 * floor / ours, 1), "ours_TFLOPs": round(flops / ours / 1e9, 2),
         "cudnn_TFLOPs": round(flops / cudnn / 1e9, 2), "max_rel_err": max(errs), "tolerance": TOL[mode],
@@ -198,24 +241,42 @@ def bundled_layers() -> Iterator[tuple[dict, torch.Tensor, torch.Tensor | None, 
         yield cfg, w, b, kw, cfg.get("precision") if dtype == torch.float32 else None
 
 
-def run_layers(timer: Timer, hw: int) -> list[dict]:
-    """The service's bundled layers at batch 1, 8 and 64: ours vs cuDNN."""
+def run_layers(timer: Timer, hw: int, tune: bool) -> list[dict]:
+    """The service's bundled layers at batch 1, 8 and 64: ours (default and, with ``tune``, measured choice, as
+    the service runs them) vs cuDNN (default and with cudnn.benchmark)."""
     rows = []
     for cfg, w, b, kw, prec in bundled_layers():
         dtype = w.dtype
         for n in (1, 8, 64):
             x = torch.rand(n, cfg["in_channels"], hw, hw, device="cuda").to(dtype)
+            ours_fn = partial(kernels.conv_transpose2d, x, w, b, groups=cfg["groups"], precision=prec, **kw)
             with torch.no_grad():
                 ref = F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(),
                                          groups=cfg["groups"], **kw)
-                err = rel_err(kernels.conv_transpose2d(x, w, b, groups=cfg["groups"], precision=prec, **kw), ref)
+                err = rel_err(ours_fn(), ref)
+                ours_default = timer(ours_fn)
+                choice = "default"
+                if tune:
+                    kernels.tuning.enable(True)
+                    err = max(err, rel_err(ours_fn(), ref))  # tunes, then checks the kept kernel
+                    ours = timer(ours_fn)
+                    args = normalize_args(kw["stride"], kw["padding"], kw["output_padding"], cfg["groups"],
+                                          kw["dilation"])
+                    choice = kernels.tuning.TUNER.choose(x.shape, w, b, args, resolve_precision(dtype, prec)).label
+                    kernels.tuning.enable(False)
+                else:
+                    ours = ours_default
                 torch.backends.cudnn.allow_tf32 = prec != "fp32"
-                ours = timer(partial(kernels.conv_transpose2d, x, w, b, groups=cfg["groups"], precision=prec, **kw))
-                cudnn = timer(partial(F.conv_transpose2d, x, w, b, groups=cfg["groups"], **kw))
+                cudnn_fn = partial(F.conv_transpose2d, x, w, b, groups=cfg["groups"], **kw)
+                cudnn = timer(cudnn_fn)
+                cudnn_bench = cudnn_benchmark(timer, cudnn_fn)
                 torch.backends.cudnn.allow_tf32 = True
             rows.append({"layer": cfg["name"], "batch": n, "hw": hw, "dtype": cfg["dtype"], "precision": prec,
-                         "ours_ms": round(ours, 4), "cudnn_ms": round(cudnn, 4),
-                         "speedup_vs_cudnn": round(cudnn / ours, 3), "max_rel_err": err})
+                         "ours_ms": round(ours, 4), "ours_default_ms": round(ours_default, 4), "choice": choice,
+                         "cudnn_ms": round(cudnn, 4), "cudnn_benchmark_ms": round(cudnn_bench, 4),
+                         "speedup_vs_cudnn": round(cudnn / ours, 3),
+                         "speedup_vs_cudnn_benchmark": round(cudnn_bench / ours, 3),
+                         "default_speedup_vs_cudnn": round(cudnn / ours_default, 3), "max_rel_err": err})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -227,6 +288,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile of the PyTorch model")
+    ap.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="time only the dispatcher's default kernel choice (no kernels.tuning)")
     ap.add_argument("--out", type=Path, help="JSON path (default docs/benchmarks/kernelbench-<device>.json)")
     ap.add_argument("--layers-hw", type=int, default=32,
                     help="input H = W for the bundled-layers table (0 skips it)")
@@ -244,38 +307,46 @@ def main() -> None:
     rows = []
     for mode in args.modes:
         for p in problems:
-            row = run_problem(p, mode, timer, ceilings, args.compile)
+            row = run_problem(p, mode, timer, ceilings, args.compile, args.tune)
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    layer_rows = run_layers(timer, args.layers_hw) if args.layers_hw else []
+    layer_rows = run_layers(timer, args.layers_hw, args.tune) if args.layers_hw else []
 
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     out = args.out or ROOT / "docs" / "benchmarks" / f"kernelbench-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-           "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "problems": rows,
+           "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "tuned": args.tune,
+           "problems": rows,
            "layers": layer_rows}
     out.write_text(json.dumps(doc, indent=1) + "\n")
 
-    hdr = f"{'id':>3} {'mode':>5} {'ours ms':>9} {'cuDNN ms':>9} {'cuDNN-CL':>9} {'speedup':>8} {'vs CL':>6} " \
-          f"{'floor ms':>9} {'%floor':>7} {'TFLOP/s':>8} {'rel err':>9} ok"
+    hdr = f"{'id':>3} {'mode':>5} {'ours ms':>8} {'choice':>8} {'default':>8} {'cuDNN ms':>8} {'cuDNN-B':>8} " \
+          f"{'cuDNN-CL':>8} {'speedup':>8} {'vs B':>6} {'vs CL':>6} {'%floor':>7} {'rel err':>9} ok"
     print(f"\n{device}\n{hdr}")
     for r in rows:
-        print(f"{r['id']:>3} {r['precision']:>5} {r['ours_ms']:>9.3f} {r['cudnn_ms']:>9.3f} "
-              f"{r['cudnn_channels_last_ms']:>9.3f} {r['speedup_vs_cudnn']:>7.2f}x "
-              f"{r['speedup_vs_cudnn_channels_last']:>5.2f}x {r['floor_ms']:>9.3f} {r['pct_of_floor']:>6.1f}% "
-              f"{r['ours_TFLOPs']:>8.1f} {r['max_rel_err']:>9.2e} {'yes' if r['correct'] else 'NO'}")
+        print(f"{r['id']:>3} {r['precision']:>5} {r['ours_ms']:>8.3f} {r['choice']:>8} {r['ours_default_ms']:>8.3f} "
+              f"{r['cudnn_ms']:>8.3f} {r['cudnn_benchmark_ms']:>8.3f} {r['cudnn_channels_last_ms']:>8.3f} "
+              f"{r['speedup_vs_cudnn']:>7.2f}x {r['speedup_vs_cudnn_benchmark']:>5.2f}x "
+              f"{r['speedup_vs_cudnn_channels_last']:>5.2f}x {r['pct_of_floor']:>6.1f}% "
+              f"{r['max_rel_err']:>9.2e} {'yes' if r['correct'] else 'NO'}")
     for mode in args.modes:
-        sp = [r["speedup_vs_cudnn"] for r in rows if r["precision"] == mode]
-        if sp:
-            print(f"{mode}: geometric-mean speedup vs cuDNN {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x "
-                  f"(min {min(sp):.2f}x)")
+        for key, name in (("speedup_vs_cudnn", "cuDNN"), ("speedup_vs_cudnn_benchmark", "cuDNN benchmark"),
+                          ("default_speedup_vs_cudnn", "cuDNN, our default choice")):
+            sp = [r[key] for r in rows if r["precision"] == mode]
+            if sp:
+                print(f"{mode}: geometric-mean speedup vs {name} "
+                      f"{math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x (min {min(sp):.2f}x)")
     if layer_rows:
-        print(f"\nbundled layers, {args.layers_hw}x{args.layers_hw} inputs")
+        print(f"\nbundled layers, {args.layers_hw}x{args.layers_hw} inputs (ms; B: cudnn.benchmark)")
         for r in layer_rows:
-            print(f"{r['layer']:>16} N={r['batch']:<3} ours {r['ours_ms']:8.4f} ms  cuDNN {r['cudnn_ms']:8.4f} ms  "
-                  f"{r['speedup_vs_cudnn']:5.2f}x  err {r['max_rel_err']:.1e}")
+            print(f"{r['layer']:>16} N={r['batch']:<3} ours {r['ours_ms']:7.4f} {r['choice']:>8} default "
+                  f"{r['ours_default_ms']:7.4f}  cuDNN {r['cudnn_ms']:7.4f} B {r['cudnn_benchmark_ms']:7.4f}  "
+                  f"{r['speedup_vs_cudnn']:5.2f}x B {r['speedup_vs_cudnn_benchmark']:5.2f}x "
+                  f"default {r['default_speedup_vs_cudnn']:5.2f}x err {r['max_rel_err']:.1e}")
+        below = [r for r in layer_rows if r["speedup_vs_cudnn"] < 1]
+        print(f"layers at or above cuDNN: {len(layer_rows) - len(below)} of {len(layer_rows)}")
     print(f"wrote {out}")
 
 

@@ -4,12 +4,14 @@
     y = kernels.conv_transpose2d(x, w, b, stride=2, padding=1)    # F.conv_transpose2d's signature
     layer = kernels.ConvTranspose2d(64, 32, 4, stride=2, padding=1)  # nn.ConvTranspose2d's signature
     model = kernels.convert(model)                                  # swap every nn.ConvTranspose2d in place
+    kernels.tuning.enable()                                         # measured kernel choice per problem
 
 CUDA tensors run the kernels in ``kernels/csrc`` (built on first use, see ``kernels.build``); CPU tensors run
 PyTorch's reference implementation.
 """
 
+from kernels import tuning
 from kernels.functional import ConvTranspose2dArgumentError, conv_transpose2d, output_size
 from kernels.module import ConvTranspose2d, convert
 
-__all__ = ["ConvTranspose2d", "ConvTranspose2dArgumentError", "conv_transpose2d", "convert", "output_size"]
+__all__ = ["ConvTranspose2d", "ConvTranspose2dArgumentError", "conv_transpose2d", "convert", "output_size", "tuning"]

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.tuning import DEFAULT, TUNER, KernelChoice
+
 IntPair = int | Sequence[int]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -274,6 +276,14 @@ def _forward_cuda(
     return y, KERNEL_PATHS[path]
 
 
+def _forced(choice: KernelChoice) -> tuple[int, int, int]:
+    """The extension's (force_path, force_config, force_split) for a kernel choice."""
+    if choice is DEFAULT:
+        return -1, -1, -1
+    return (FORCE_PATHS[choice.path], -1 if choice.config is None else choice.config,
+            -1 if choice.split is None else choice.split)
+
+
 def conv_transpose2d_staged(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -281,13 +291,15 @@ def conv_transpose2d_staged(
     args: ConvArgs,
     precision: str | None,
     out: torch.Tensor,
+    choice: KernelChoice = DEFAULT,
 ) -> str:
     """``conv_transpose2d`` from host memory into host memory, for a thread that serves batches.
 
     Uploads ``input`` ([N, C_in, H, W] on the CPU; pinned memory makes the copy asynchronous) to ``weight``'s GPU,
     runs the kernels, writes the output into ``out`` ([N, C_out, H_out, W_out], contiguous, on the CPU) and waits
     for the current CUDA stream, releasing the GIL once for all of it rather than once per tensor operation. No
-    autograd. Returns the kernel family that ran.
+    autograd. ``choice`` asks for a kernel (kernels.tuning); the default lets the dispatcher choose. Returns the
+    kernel family that ran.
 
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
@@ -308,7 +320,8 @@ def conv_transpose2d_staged(
                                            f"input {list(input.shape)}, got {list(out.shape)}")
     mode = resolve_precision(input.dtype, precision)
     path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
-                                            list(args.output_padding), list(args.dilation), args.groups, mode, out)
+                                            list(args.output_padding), list(args.dilation), args.groups, mode, out,
+                                            *_forced(choice))
     return KERNEL_PATHS[path]
 
 
@@ -323,6 +336,7 @@ def conv_transpose2d_gathered(
     bias: torch.Tensor | None,
     args: ConvArgs,
     precision: str | None,
+    choice: KernelChoice = DEFAULT,
 ) -> torch.Tensor:
     """``conv_transpose2d`` of an input given as host memory in parts, into a new pinned host tensor.
 
@@ -330,7 +344,8 @@ def conv_transpose2d_gathered(
     serving batch: each request's samples where they arrived). In one extension call that releases the GIL once,
     the parts are copied into pinned staging memory, uploaded to ``weight``'s GPU, run through the kernels on the
     current stream, downloaded into a new pinned ``[N, C_out, H_out, W_out]`` tensor, and the stream is waited for.
-    No autograd; every check runs here, before the call, without tensor operations.
+    No autograd; every check runs here, before the call, without tensor operations. ``choice`` asks for a kernel
+    (kernels.tuning); the default lets the dispatcher choose.
 
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, or parts that do not add up to
@@ -367,15 +382,22 @@ def conv_transpose2d_gathered(
     mode = resolve_precision(weight.dtype, precision)
     return _load_extension().forward_gathered(  # type: ignore[no-any-return]
         list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-        list(args.dilation), args.groups, mode)
+        list(args.dilation), args.groups, mode, *_forced(choice))
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """Whether the kernels will see ``x`` (made contiguous first) at a 16-byte aligned address."""
+    return not x.is_contiguous() or x.data_ptr() % 16 == 0
 
 
 class _ConvTranspose2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str,
+        choice: KernelChoice = DEFAULT,
     ) -> torch.Tensor:
-        y, _ = _forward_cuda(x, weight, bias, args, precision)
+        y, _ = _forward_cuda(x, weight, bias, args, precision, force_path=choice.path, force_config=choice.config,
+                             force_split=choice.split)
         ctx.save_for_backward(x, weight)
         ctx.args = args
         ctx.has_bias = bias is not None
@@ -392,7 +414,7 @@ class _ConvTranspose2dFunction(torch.autograd.Function):
             grad_y, x, weight, [weight.shape[1] * a.groups] if ctx.has_bias else None,
             list(a.stride), list(a.padding), list(a.dilation), True, list(a.output_padding), a.groups, mask,
         )
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def conv_transpose2d(
@@ -428,7 +450,9 @@ def conv_transpose2d(
         channels_last when the input is channels_last, like PyTorch.
 
     CPU tensors run PyTorch's reference implementation. CUDA tensors run this project's kernels; under
-    ``torch.autocast`` they are cast to the autocast dtype first, as PyTorch does for convolutions. Gradients
+    ``torch.autocast`` they are cast to the autocast dtype first, as PyTorch does for convolutions. With measured
+    kernel choice on (``kernels.tuning.enable()`` or ``DECONV_TUNE=1``, like ``torch.backends.cudnn.benchmark``),
+    the first call of each problem times the candidate kernels and later calls run the fastest. Gradients
     (input, weight, bias) come from PyTorch's ``aten.convolution_backward``.
 
     Raises:
@@ -462,11 +486,16 @@ def conv_transpose2d(
     if x.shape[0] == 0:
         h_out, w_out = _out_hw(x.shape, weight, args)
         y = x.new_empty((0, weight.shape[1] * args.groups, h_out, w_out))
-    elif torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                      or (bias is not None and bias.requires_grad)):
-        y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode)
-    else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
-        y, _ = _forward_cuda(x, weight, bias, args, mode)
+    else:
+        choice = DEFAULT
+        if TUNER.enabled:  # measured kernel choice (kernels.tuning), tuned on the first call of this problem
+            choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x))
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode, choice)
+        else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
+            y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
+                                 force_split=choice.split)
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     return y.squeeze(0) if unbatched else y

@@ -20,6 +20,10 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
+# Input sizes the server runs at startup (service: warm_shapes): bench/kernelbench.py's bundled-layer size, and for
+# the demo layers also bench/service_load.py's default request size.
+WARM = [(32, 32)]
+DEMO_WARM = [(16, 16), (32, 32)]
 sys.path.insert(0, str(HERE.parent))
 
 from service.export import export_model  # noqa: E402
@@ -43,26 +47,26 @@ def main() -> None:
     dcgan = "DCGAN generator (ngf=16)"
     export_model(gen, HERE, precision="tf32", description=dcgan, overwrite=True,
                  names={"3": "dcgan_up1", "6": "dcgan_up2", "9": "dcgan_up3", "12": "dcgan_rgb"},
-                 limits={"max_height": 256, "max_width": 256})
+                 limits={"max_height": 256, "max_width": 256}, warm_shapes=WARM)
     export_model(gen, HERE, dtype="bfloat16", description=dcgan, overwrite=True, names={"6": "dcgan_up2_bf16"},
-                 limits={"max_height": 256, "max_width": 256})
+                 limits={"max_height": 256, "max_width": 256}, warm_shapes=WARM)
 
     torch.manual_seed(1)
     export_model(nn.ConvTranspose2d(128, 64, kernel_size=2, stride=2), HERE, precision="fp32", overwrite=True,
-                 description="U-Net up-convolution", names={"": "unet_up"})
+                 description="U-Net up-convolution", names={"": "unet_up"}, warm_shapes=WARM)
 
     torch.manual_seed(2)
     odd = nn.ConvTranspose2d(48, 24, kernel_size=(3, 5), stride=(2, 1), padding=(1, 2), output_padding=(1, 0),
                              groups=4, dilation=(1, 2))
     export_model(odd, HERE, precision="fp32", overwrite=True, description="grouped, dilated, asymmetric",
-                 names={"": "grouped_dilated"})
+                 names={"": "grouped_dilated"}, warm_shapes=WARM)
 
     torch.manual_seed(3)
     demo = nn.ConvTranspose2d(16, 8, kernel_size=4, stride=2, padding=1)
     export_model(demo, HERE, precision="tf32", description="demo", overwrite=True, names={"": "demo"},
-                 limits={"max_height": 512, "max_width": 512})
+                 limits={"max_height": 512, "max_width": 512}, warm_shapes=DEMO_WARM)
     export_model(demo, HERE, dtype="float16", description="demo", overwrite=True, names={"": "demo_fp16"},
-                 limits={"max_height": 512, "max_width": 512})
+                 limits={"max_height": 512, "max_width": 512}, warm_shapes=DEMO_WARM)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,21 @@ class Service:
             log.error("%s", exc)
             raise
 
+    async def _warm_layers(self) -> None:
+        """Measured kernel choice on or off (Settings.tune), then every layer's warm_shapes run on every worker."""
+        assert self.registry is not None
+        assert self.pool is not None
+        from kernels import tuning
+
+        tuning.enable(self.settings.tune)
+        t0 = time.perf_counter()
+        runs = 0
+        for layer in self.registry:
+            runs += await self.pool.warm_up(layer)
+        log.info("warm-up: %d batch(es) of the layers' warm_shapes in %.1f s (measured kernel choice %s, %d "
+                 "problem(s) measured)", runs, time.perf_counter() - t0, "on" if self.settings.tune else "off",
+                 len(tuning.TUNER))
+
     async def _prepare(self) -> None:
         assert self.registry is not None
         assert self.pool is not None
@@ -170,6 +185,8 @@ class Service:
             if problems:
                 self._fail("self-test failed: " + "; ".join(problems))
                 return
+            if self.backend == "cuda":
+                await self._warm_layers()
         except Exception as exc:
             log.exception("warm-up failed")
             self._fail(f"warm-up failed ({type(exc).__name__}); the server log has the details")

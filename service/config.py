@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Log one line per HTTP request at level info (uvicorn's access log).")
     self_test: bool = Field(True, description="Run every layer against the float64 reference before ready.")
+    tune: bool = Field(
+        True, description="GPU: measure the fastest kernel for each layer and input size at each batch-size "
+        "bucket (powers of two up to the max batch) and use it (kernels.tuning). The layers' warm_shapes are "
+        "measured at startup, other sizes on their first batch (milliseconds to a second, once).")
     worker_timeout_s: float = Field(
         120.0, gt=0.0, description="Longest one batch may execute; then its worker thread is declared dead, its "
         "batches fail with 500 and a fresh thread takes over.")

@@ -24,7 +24,7 @@ import importlib
 import json
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,15 @@ def _pair(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, tuple | list) else [int(value), int(value)]
 
 
+def _check_warm_shapes(warm_shapes: Sequence[Sequence[int]]) -> None:
+    if not all(isinstance(hw, Sequence) and len(hw) == 2 and all(type(v) is int and v > 0 for v in hw)
+               for hw in warm_shapes):
+        raise ExportError(f"warm_shapes must be (height, width) pairs of positive ints, got {list(warm_shapes)}")
+
+
 def layer_config(module: nn.ConvTranspose2d, name: str, dtype: str, precision: str | None,
-                 limits: Mapping[str, Any] | None = None, description: str = "") -> dict[str, Any]:
+                 limits: Mapping[str, Any] | None = None, description: str = "",
+                 warm_shapes: Sequence[Sequence[int]] = ()) -> dict[str, Any]:
     """The repository config of one ``nn.ConvTranspose2d``, its hyper-parameters copied exactly."""
     cfg: dict[str, Any] = {
         "name": name,
@@ -86,6 +93,9 @@ def layer_config(module: nn.ConvTranspose2d, name: str, dtype: str, precision: s
             raise ExportError(f"unknown limit {key!r}; known: {', '.join(LIMIT_KEYS)}")
         if value is not None:
             cfg[key] = value
+    if warm_shapes:
+        _check_warm_shapes(warm_shapes)
+        cfg["warm_shapes"] = [[h, w] for h, w in warm_shapes]
     if description:
         cfg["description"] = description
     return cfg
@@ -111,6 +121,7 @@ def export_model(
     names: Mapping[str, str] | None = None,
     limits: Mapping[str, Any] | None = None,
     description: str | None = None,
+    warm_shapes: Sequence[Sequence[int]] = (),
     overwrite: bool = False,
 ) -> list[Path]:
     """Write ``<name>.json`` + ``<name>.safetensors`` for every ``nn.ConvTranspose2d`` in ``model``.
@@ -128,6 +139,8 @@ def export_model(
         names: module path -> layer name; when given, only those modules are exported.
         limits: batching/size limits written into every config (``max_batch_size`` ...); omitted ones use
             the server's defaults.
+        warm_shapes: input sizes ``(H, W)`` the server runs at startup (kernels loaded and measured before the
+            first request of that size), written into every config.
         overwrite: replace existing files of the same names.
 
     Returns:
@@ -137,6 +150,7 @@ def export_model(
         ExportError: no transposed convolution found, an invalid or duplicate name, an unknown module path,
             a dtype that is not servable, or files that exist already.
     """
+    _check_warm_shapes(warm_shapes)
     out = Path(out_dir)
     found = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ConvTranspose2d)]
     if names is not None:
@@ -177,7 +191,7 @@ def export_model(
                 raise ExportError(f"precision must be 'tf32' or 'fp32', got {prec!r}")
         label = description or type(model).__name__
         desc = f"{label}[{path}]: {module!r}" if path else f"{label}: {module!r}"
-        cfg = layer_config(module, name, dt, prec, limits, desc)
+        cfg = layer_config(module, name, dt, prec, limits, desc, warm_shapes)
         tensors = {"weight": module.weight.detach().to("cpu", DTYPES[dt]).contiguous()}
         if module.bias is not None:
             tensors["bias"] = module.bias.detach().to("cpu", DTYPES[dt]).contiguous()
@@ -238,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="export only this module path under this name (repeatable)")
     for key in LIMIT_KEYS:
         p.add_argument(f"--{key.replace('_', '-')}", type=float if key.endswith("_ms") else int, default=None)
+    p.add_argument("--warm-shape", action="append", nargs=2, type=int, default=[], metavar=("H", "W"),
+                   help="input size the server runs at startup, for every layer (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -251,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         model = load_model(args.model, kwargs, args.checkpoint)
         limits = {k: getattr(args, k) for k in LIMIT_KEYS}
         written = export_model(model, args.out, dtype=args.dtype, precision=args.precision, prefix=args.prefix,
-                               names=names, limits=limits, overwrite=args.overwrite)
+                               names=names, limits=limits, warm_shapes=args.warm_shape, overwrite=args.overwrite)
     except (ExportError, json.JSONDecodeError, ImportError, AttributeError, OSError, RuntimeError) as exc:
         sys.exit(f"export failed: {exc}")
     log.info("wrote %d layer(s) to %s", len(written), args.out)

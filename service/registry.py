@@ -62,6 +62,10 @@ class RepositoryError(ValueError):
         super().__init__(f"layer repository {root} is invalid ({len(problems)} problem(s)):\n  {lines}")
 
 
+# Most warm_shapes entries of one layer: each costs startup time on every worker at every batch-size bucket.
+MAX_WARM_SHAPES = 8
+
+
 def _pair_field(value: Any) -> tuple[int, int]:
     if isinstance(value, bool):
         raise ValueError("must be an int or a pair of ints [height, width]")
@@ -97,12 +101,24 @@ class LayerConfig(BaseModel):
     max_queue_size: int | None = Field(None, ge=1)
     max_height: int = Field(1024, ge=1)
     max_width: int = Field(1024, ge=1)
+    # Input sizes [H, W] run at startup on every worker at each batch-size bucket (powers of two up to the max
+    # batch), so that kernels are loaded and, with Settings.tune, measured before the first request of that size.
+    warm_shapes: tuple[tuple[int, int], ...] = ()
     description: str = ""
 
     @field_validator("kernel_size", "stride", "padding", "output_padding", "dilation", mode="before")
     @classmethod
     def _pairs(cls, value: Any) -> tuple[int, int]:
         return _pair_field(value)
+
+    @field_validator("warm_shapes", mode="before")
+    @classmethod
+    def _warm_shapes(cls, value: Any) -> tuple[tuple[int, int], ...]:
+        if not isinstance(value, list | tuple) or len(value) > MAX_WARM_SHAPES or not all(
+            isinstance(v, list | tuple) and len(v) == 2 for v in value
+        ):
+            raise ValueError(f"must be a list of at most {MAX_WARM_SHAPES} [height, width] pairs, got {value!r}")
+        return tuple(_pair_field(v) for v in value)
 
     @field_validator("kernel_size", "stride", "dilation")
     @classmethod
@@ -153,6 +169,10 @@ class LayerConfig(BaseModel):
             normalize_args(self.stride, self.padding, self.output_padding, self.groups, self.dilation)
         except ConvTranspose2dArgumentError as exc:
             raise ValueError(str(exc)) from None
+        for h, w in self.warm_shapes:
+            if not (1 <= h <= self.max_height and 1 <= w <= self.max_width):
+                raise ValueError(f"warm_shapes entry {[h, w]} must lie within 1..max_height ({self.max_height}) and "
+                                 f"1..max_width ({self.max_width})")
         return self
 
 
@@ -242,6 +262,7 @@ class Layer:
             "max_queue_size": self.limits.max_queue_size,
             "max_height": c.max_height,
             "max_width": c.max_width,
+            "warm_shapes": [list(hw) for hw in c.warm_shapes],
             "input_shape": [-1, c.in_channels, -1, -1],
             "output_shape": [-1, c.out_channels, -1, -1],
             "output_size": self.output_formula(),

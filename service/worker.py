@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
-from kernels.functional import conv_transpose2d_gathered, conv_transpose2d_staged
+from kernels.functional import conv_transpose2d_gathered, conv_transpose2d_staged, resolve_precision
+from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
 from service.codec import AnyTensor, RawTensor, copy_into, split_rows
 from service.errors import InternalError
 from service.faults import Faults
@@ -64,18 +65,38 @@ def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                             precision=layer.kernel_precision)
 
 
+def serving_choice(shape: tuple[int, ...], weight: torch.Tensor, bias: torch.Tensor | None,
+                   layer: Layer) -> KernelChoice:
+    """The kernel for a batch of ``shape`` [N, C_in, H, W]: the dispatcher's default, or with measured choice on
+    (kernels.tuning, Settings.tune) the fastest measured at N's batch-size bucket (the next power of two, at most
+    the layer's max batch), measured first if this is the bucket's first batch (on the current stream)."""
+    if not TUNER.enabled:
+        return DEFAULT
+    n = min(bucket(shape[0]), max(shape[0], layer.limits.max_batch_size))
+    mode = resolve_precision(weight.dtype, layer.kernel_precision)
+    return TUNER.choose((n, *shape[1:]), weight, bias, layer.args, mode)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes ``serving_choice`` measures at: powers of two below the max batch, and the max batch."""
+    out = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i < max_batch_size]
+    return [*out, max_batch_size]
+
+
 def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias: torch.Tensor | None,
                             layer: Layer) -> torch.Tensor:
     """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream."""
     parts = [x.data if isinstance(x, RawTensor) else x.contiguous() for x in inputs]
     shape = (sum(int(x.shape[0]) for x in inputs), *(int(d) for d in inputs[0].shape[1:]))
-    return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision)
+    return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision,
+                                     serving_choice(shape, weight, bias, layer))
 
 
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
                           out: torch.Tensor) -> None:
     """``kernel_forward`` from pinned host memory into pinned host ``out`` on the current stream, waiting for it."""
-    conv_transpose2d_staged(x, weight, bias, layer.args, layer.kernel_precision, out)
+    conv_transpose2d_staged(x, weight, bias, layer.args, layer.kernel_precision, out,
+                            serving_choice(tuple(x.shape), weight, bias, layer))
 
 
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
@@ -455,6 +476,31 @@ class WorkerPool:
                 problems.append(f"layer {layer.name!r} on {worker.name}: relative error {err:.2e} exceeds "
                                 f"{layer.tolerance:.0e} ({c.dtype}, precision {c.precision})")
         return problems
+
+    async def warm_up(self, layer: Layer, seed: int = 1) -> int:
+        """Run random batches of each of the layer's ``warm_shapes`` at every batch-size bucket (``batch_buckets``)
+        on every worker, so that the kernels are loaded and, with measured choice on, measured before the first
+        request of that size. Buckets whose output would pass twice the layer's max batch bytes (the batcher never
+        builds them) are skipped. Returns the batches run.
+
+        Raises:
+            InternalError: a batch failed (the server log has the details).
+        """
+        c = layer.config
+        g = torch.Generator().manual_seed(seed)
+        runs = 0
+        for h, w in c.warm_shapes:
+            h_out, w_out = layer.output_hw(h, w)
+            sample_bytes = c.out_channels * h_out * w_out * layer.dtype.itemsize
+            for n in batch_buckets(layer.limits.max_batch_size):
+                if n > 1 and n * sample_bytes > 2 * layer.limits.max_batch_bytes:
+                    break
+                x = torch.randn(n, c.in_channels, h, w, generator=g).to(layer.dtype)
+                for worker in self.workers:
+                    reserved = await self.acquire_specific(worker)
+                    await self.run(reserved, layer, [x])
+                    runs += 1
+        return runs
 
     async def acquire_specific(self, worker: Worker) -> Worker:
         """Reserve a slot on this particular worker (self-tests check every device)."""

@@ -113,6 +113,24 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
   return pr;
 }
 
+// A kernel choice asked for by the caller (kernels/tuning.py, tests): -1 everywhere lets the dispatcher choose.
+struct Forced {
+  int64_t path = -1, config = -1, split = -1;
+};
+
+Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split) {
+  TORCH_CHECK(force_path >= -1 && force_path <= 3,
+              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow) or 3 "
+              "(sparse), got ",
+              num(force_path), ".");
+  TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
+              "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
+              num(deconv::kNumTensorCoreConfigs - 1), ", got ", num(force_config), ".");
+  TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 8),
+              "conv_transpose2d: force_split must be -1 (choose) or 1 to 8, got ", num(force_split), ".");
+  return Forced{force_path, force_config, force_split};
+}
+
 // Runs a checked problem: x, weight, bias and y on one CUDA device, on its current stream. Returns the kernel path.
 int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
                const torch::Tensor& y, const Problem& pr, const std::vector<int64_t>& stride,
@@ -177,14 +195,7 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  TORCH_CHECK(force_path >= -1 && force_path <= 3,
-              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow) or 3 "
-              "(sparse), got ",
-              num(force_path), ".");
-  TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
-              "conv_transpose2d: force_config out of range.");
-  TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 8),
-              "conv_transpose2d: force_split must be -1 (choose) or 1 to 8, got ", num(force_split), ".");
+  check_forced(force_path, force_config, force_split);
   const c10::cuda::CUDAGuard guard(x.device());
   torch::Tensor y;
   if (out.has_value()) {
@@ -207,10 +218,12 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
 int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weight,
                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& y_host, const Problem& pr,
                          const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
-                         const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision) {
+                         const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision,
+                         const Forced& forced) {
   const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
   const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
-  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, -1, -1, -1);
+  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, forced.path,
+                              forced.config, forced.split);
   y_host.copy_(y, /*non_blocking=*/true);
   at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
   return path;
@@ -225,7 +238,9 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
                        const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
                        std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                        std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
-                       const torch::Tensor& y_host) {  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
+                       const torch::Tensor& y_host,  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
+                       int64_t force_path, int64_t force_config, int64_t force_split) {
+  const Forced forced = check_forced(force_path, force_config, force_split);
   TORCH_CHECK(x_host.device().is_cpu() && y_host.device().is_cpu(),
               "conv_transpose2d_staged: input and output must be CPU tensors.");
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_staged: weight must be a CUDA tensor.");
@@ -237,7 +252,7 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
               " CPU tensor of the input's dtype.");
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
-  return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision);
+  return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced);
 }
 
 // Buffers obtained from Python objects, released (with the GIL held) when this goes out of scope.
@@ -270,7 +285,9 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
                                const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
                                const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
                                std::vector<int64_t> padding, std::vector<int64_t> output_padding,
-                               std::vector<int64_t> dilation, int64_t groups, const std::string& precision) {
+                               std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
+                               int64_t force_path, int64_t force_config, int64_t force_split) {
+  const Forced forced = check_forced(force_path, force_config, force_split);
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
   TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
   const torch::Tensor x_meta = at::empty(x_shape, weight.options().device(at::kMeta));
@@ -311,7 +328,7 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
       dst += part.bytes;
     }
     y_host = at::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, pinned);
-    run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision);
+    run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced);
   }
   return y_host;
 }
@@ -334,10 +351,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",
         py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
-        py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"));
+        py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"),
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1);
   m.def("forward_gathered", &forward_gathered,
         "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
         "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
         py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
-        py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"));
+        py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1);
+  // Tile configurations the force_config argument takes: [0, num_gather_configs) the gather kernel's, the rest up
+  // to num_tensor_core_configs the halo kernel's (the only ones force_split applies to).
+  m.attr("num_gather_configs") = deconv::kNumGatherConfigs;
+  m.attr("num_tensor_core_configs") = deconv::kNumTensorCoreConfigs;
 }

@@ -574,8 +574,10 @@ int halo_choose(const ConvTranspose2dParams& p) {
   // but exact fp32, whose per-stage partial sums (tc::add_tile) spill at the 16-warp tiles' 128 registers.
   const bool exact = p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
   const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;
-  // On sm_90 the warp-specialized wgmma tiles of the same channel widths (bench/NOTES.md v11).
-  const int ws = exact ? -1 : cout_g > 64 ? 6 : cout_g > 32 ? 5 : cout_g > 16 ? 7 : -1;
+  // On sm_90 the warp-specialized wgmma tiles of the same channel widths (bench/NOTES.md v11); for 33-64 channels
+  // with many taps a stage (KernelBench 65: 3 x 7) the four-consumer 512 x 64 tile, which keeps more wgmma in
+  // flight per stage (v11 sweep: 65 TF32 1.92 against 2.35 ms, bf16 1.17 against 1.34; 57's 9 taps: slower).
+  const int ws = exact ? -1 : cout_g > 64 ? 6 : cout_g > 32 ? (taps >= 15 ? 8 : 5) : cout_g > 16 ? 7 : -1;
   if (ws >= 0 && halo_effective(p, ws) == ws && halo_plan(p, ws).smem <= max_dynamic_smem()) return ws;
   return halo_plan(p, config).smem <= max_dynamic_smem() ? config : -1;
 }

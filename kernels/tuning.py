@@ -1,0 +1,338 @@
+"""Measured kernel choice per problem, like ``torch.backends.cudnn.benchmark``.
+
+The dispatcher in kernels/csrc picks a kernel family (narrow, sparse, tensor cores, SIMT), a tile configuration
+and a split-K factor from the problem's sizes alone. That rule was fitted on a handful of problems, and on others
+a different tile is faster (bench/NOTES.md v12). With tuning on, the first call of a problem times every kernel
+that can run it, on random inputs of the same shape, and keeps the fastest; later calls of that problem reuse the
+choice at no cost (a dictionary lookup).
+
+    import kernels
+    kernels.tuning.enable()                   # or DECONV_TUNE=1 in the environment
+    y = kernels.conv_transpose2d(x, w, b, 2)  # the first call of this shape measures (milliseconds to seconds)
+
+A problem is the device, the input's shape and dtype, the weight's shape, whether there is a bias, the stride,
+padding, output_padding, dilation and groups, the precision, and whether the input rows start 16-byte aligned
+(what the warp-specialized tiles need). Every choice is one that the GPU tests run on awkward shapes, so any choice
+is correct; the tuner still compares each candidate's output with the default kernel's and drops a candidate that
+disagrees (logged as an error: it would be a kernel bug).
+
+Timing follows bench/kernelbench.py: CUDA events around each call, an L2 flush before each, the median of several
+calls. A first pass times every candidate a few times; the fastest few are timed again, longer, with the default
+among them, and the fastest of that pass wins (the default on a tie within 2%).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("deconv.tuning")
+
+# First pass: every candidate, this many timed calls; second pass: the best few, this many.
+FIRST_REPS = 3
+SECOND_REPS = 15
+SECOND_PASS_MAX = 4  # candidates in the second pass, the default among them
+SECOND_PASS_WITHIN = 1.5  # ... and only those within this factor of the first pass's best
+TIE = 0.02  # a candidate must beat the default by more than this fraction to replace it
+# Split-K candidates (several blocks of a thread-block cluster sharing one tile) are timed only for problems whose
+# best first-pass time is under this: larger problems already fill the GPU with tiles.
+SPLIT_BELOW_MS = 0.25
+SPLITS = (1, 2, 4, 8)
+SPLIT_CONFIGS = 3  # the fastest halo configurations of the first pass that get split candidates
+MAX_ENTRIES = 4096  # cached problems per process (the oldest dropped first)
+# Norm-wise relative difference from the default kernel's output above which a candidate is rejected, by precision
+# ("fp32" exact, "tf32", 16-bit types, float64): several times what two correct kernels differ by.
+AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "sparse" or None to let it
+    choose), ``config`` (a tensor-core tile configuration) and ``split`` (the halo kernel's split-K factor)."""
+
+    path: str | None = None
+    config: int | None = None
+    split: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4"."""
+        if self.path is None and self.config is None and self.split is None:
+            return "default"
+        name = f"tc{self.config}" if self.config is not None else (self.path or "default")
+        return f"{name}/s{self.split}" if self.split is not None else name
+
+
+DEFAULT = KernelChoice()
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate's measurement: the kernel family that ran, its median time and its output's relative
+    difference from the default kernel's (None when it was not compared)."""
+
+    choice: KernelChoice
+    ran: str
+    ms: float
+    diff: float | None
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of tuning one problem: the choice, its time and the default's (second pass, same calls), every
+    trial (first pass, then second), and the seconds tuning took."""
+
+    choice: KernelChoice
+    ms: float
+    default_ms: float
+    trials: tuple[Trial, ...]
+    seconds: float
+
+
+def _env_enabled() -> bool:
+    return os.environ.get("DECONV_TUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def bucket(n: int) -> int:
+    """The batch size a serving batch of ``n`` samples is tuned at: the next power of two."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def agree_tolerance(dtype: torch.dtype, precision: str) -> float:
+    """How far a candidate's output may be from the default kernel's (norm-wise relative difference)."""
+    if dtype == torch.float64:
+        return AGREE["fp64"]
+    if dtype == torch.float32:
+        return AGREE[precision]
+    return AGREE["16bit"]
+
+
+def candidates(num_configs: int) -> list[KernelChoice]:
+    """Every first-pass candidate: the default, each kernel family, each tensor-core tile configuration."""
+    out = [DEFAULT, KernelChoice("narrow"), KernelChoice("sparse"), KernelChoice("simt")]
+    out += [KernelChoice("tensor_core", c) for c in range(num_configs)]
+    return out
+
+
+def split_candidates(trials: Sequence[Trial], num_gather: int) -> list[KernelChoice]:
+    """Split-K variants of the fastest halo tile configurations among ``trials`` (when the problem is small)."""
+    tc = [t for t in trials if t.ran == "tensor_core" and t.choice.config is not None
+          and t.choice.config >= num_gather and t.choice.split is None]
+    if not tc or min(t.ms for t in trials) >= SPLIT_BELOW_MS:
+        return []
+    best = sorted(tc, key=lambda t: t.ms)[:SPLIT_CONFIGS]
+    return [KernelChoice("tensor_core", t.choice.config, s) for t in best for s in SPLITS]
+
+
+def pick(first: Sequence[Trial], second: Sequence[Trial]) -> tuple[KernelChoice, float, float]:
+    """The winner of the second pass (the default on a tie within ``TIE``): (choice, its ms, the default's ms)."""
+    del first  # the second pass decides; the first only chose who runs in it
+    default = next(t for t in second if t.choice == DEFAULT)
+    best = min(second, key=lambda t: t.ms)
+    if best.ms < default.ms * (1 - TIE):
+        return best.choice, best.ms, default.ms
+    return DEFAULT, default.ms, default.ms
+
+
+def second_pass_choices(first: Sequence[Trial]) -> list[KernelChoice]:
+    """Who runs again: the default, then the fastest first-pass candidates within ``SECOND_PASS_WITHIN`` of the
+    best, ``SECOND_PASS_MAX`` in all."""
+    best = min(t.ms for t in first)
+    out = [DEFAULT]
+    for t in sorted(first, key=lambda t: t.ms):
+        if len(out) >= SECOND_PASS_MAX or t.ms > best * SECOND_PASS_WITHIN:
+            break
+        if t.choice not in out:
+            out.append(t.choice)
+    return out
+
+
+# GPU cycles of a sleep queued before each timed call, so that the call is queued before its start event runs and
+# the events time the GPU alone (bench/kernelbench.py does the same).
+HOST_SLACK_CYCLES = 200_000
+
+
+class Timer:
+    """CUDA-event timing of one call's GPU time after an L2 flush, as bench/kernelbench.py times: the median of
+    ``reps``."""
+
+    def __init__(self, device: torch.device) -> None:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        self.flush = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device=device)
+
+    def __call__(self, fn: Callable[[], object], reps: int) -> float:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for start, end in events:
+            self.flush.zero_()
+            torch.cuda._sleep(HOST_SLACK_CYCLES)
+            start.record()
+            fn()
+            end.record()
+        events[-1][1].synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+class Tuner:
+    """The process's cache of measured choices (``TUNER``); thread-safe, one tuning at a time per device."""
+
+    def __init__(self, enabled: bool = False, max_entries: int = MAX_ENTRIES) -> None:
+        self.enabled = enabled
+        self.max_entries = max_entries
+        # Read without the lock (one dict lookup, atomic in CPython: a call's whole cost when tuned); written with it.
+        self._cache: dict[Hashable, KernelChoice] = {}
+        self._lock = threading.Lock()  # guards writes to _cache, and _device_locks
+        self._device_locks: dict[int, threading.Lock] = {}
+
+    @staticmethod
+    def key(shape: Sequence[int], weight: torch.Tensor, has_bias: bool, args: Any, precision: str,
+            aligned: bool) -> tuple[Hashable, ...]:
+        """The cache key of a problem (``args``: kernels.functional.ConvArgs, hashable)."""
+        return (torch.Size(shape), weight.shape, weight.dtype, weight.device, has_bias, args, precision, aligned)
+
+    def lookup(self, key: Hashable) -> KernelChoice | None:
+        """The cached choice for ``key``, or None."""
+        return self._cache.get(key)
+
+    def store(self, key: Hashable, choice: KernelChoice) -> None:
+        """Cache ``choice`` for ``key``; past ``max_entries`` the oldest entries are dropped first."""
+        with self._lock:
+            self._cache.pop(key, None)
+            self._cache[key] = choice
+            while len(self._cache) > self.max_entries:
+                del self._cache[next(iter(self._cache))]
+
+    def clear(self) -> None:
+        """Forget every choice."""
+        with self._lock:
+            self._cache.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cache)
+
+    def _device_lock(self, index: int) -> threading.Lock:
+        with self._lock:
+            return self._device_locks.setdefault(index, threading.Lock())
+
+    def choose(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
+               precision: str, aligned: bool = True) -> KernelChoice:
+        """The kernel for this problem: ``DEFAULT`` when tuning is off, else the cached choice, tuning it first
+        if there is none (on ``weight``'s device, on the current stream, blocking the calling thread)."""
+        if not self.enabled:
+            return DEFAULT
+        key = self.key(shape, weight, bias is not None, args, precision, aligned)
+        choice = self.lookup(key)
+        if choice is not None:
+            return choice
+        with self._device_lock(weight.device.index or 0):
+            choice = self.lookup(key)  # another thread may have tuned it meanwhile
+            if choice is None:
+                choice = self.tune(shape, weight, bias, args, precision, aligned=aligned).choice
+        return choice
+
+    def tune(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
+             precision: str, aligned: bool = True) -> TuneResult:
+        """Measure every candidate kernel on random inputs of ``shape`` and cache the fastest (see the module).
+
+        Raises:
+            whatever the default kernel raises on this problem (out of memory, a bad argument); a failing
+            non-default candidate is only skipped.
+        """
+        from kernels.functional import _forward_cuda, _load_extension, _out_hw
+
+        t0 = time.perf_counter()
+        ext = _load_extension()
+        dev = weight.device
+        shape = tuple(int(d) for d in shape)
+        numel = shape[0] * shape[1] * shape[2] * shape[3]
+        with torch.no_grad(), torch.cuda.device(dev):
+            gen = torch.Generator(device=dev).manual_seed(0x5EED)
+            # Random (never zero) input; when the problem's rows are not 16-byte aligned, neither are these.
+            flat = torch.randn(numel + 1, device=dev, generator=gen).to(weight.dtype)
+            x = (flat[:numel] if aligned else flat[1:]).view(shape)
+            h_out, w_out = _out_hw(shape, weight, args)
+            out = torch.empty((shape[0], weight.shape[1] * args.groups, h_out, w_out), dtype=weight.dtype,
+                              device=dev)
+            timer = Timer(dev)
+
+            def call(c: KernelChoice) -> str:
+                return _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
+                                     force_config=c.config, force_split=c.split)[1]
+
+            acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            call(DEFAULT)
+            ref = out.to(acc, copy=True)
+            ref_norm = float(ref.norm()) or 1.0
+            tol = agree_tolerance(weight.dtype, precision)
+
+            def trial(c: KernelChoice, reps: int, check: bool) -> Trial | None:
+                try:
+                    ran = call(c)  # warm-up (first launch of a kernel loads its module)
+                    if c.path is not None and ran != c.path:
+                        return None  # not eligible: the dispatcher fell back, a duplicate of another candidate
+                    diff = None
+                    if check and c != DEFAULT:
+                        diff = float((out.to(acc) - ref).norm()) / ref_norm
+                        if not diff <= tol:  # also catches NaN
+                            log.error("tuning %s: %s disagrees with the default kernel (relative difference "
+                                      "%.2e > %.0e); skipped", _describe(shape, weight, args, precision), c.label,
+                                      diff, tol)
+                            return None
+                    ms = timer(lambda: call(c), reps)
+                    return Trial(c, ran, ms, diff)
+                except torch.cuda.OutOfMemoryError:
+                    if c == DEFAULT:
+                        raise
+                    log.warning("tuning: %s ran out of memory; skipped", c.label)
+                except RuntimeError as exc:
+                    if c == DEFAULT:
+                        raise
+                    log.warning("tuning: %s failed (%s); skipped", c.label, exc)
+                return None
+
+            first: list[Trial] = []
+            for c in candidates(int(ext.num_tensor_core_configs)):
+                t = trial(c, FIRST_REPS, check=True)
+                if t is not None:
+                    first.append(t)
+            for c in split_candidates(first, int(ext.num_gather_configs)):
+                t = trial(c, FIRST_REPS, check=True)
+                if t is not None:
+                    first.append(t)
+            second = [t for c in second_pass_choices(first)
+                      if (t := trial(c, SECOND_REPS, check=False)) is not None]
+        choice, ms, default_ms = pick(first, second)
+        result = TuneResult(choice, ms, default_ms, tuple(first + second), time.perf_counter() - t0)
+        self.store(self.key(shape, weight, bias is not None, args, precision, aligned), choice)
+        log.info("tuned %s: %s %.4f ms (default %.4f ms), %d trials in %.2f s",
+                 _describe(shape, weight, args, precision), choice.label, ms, default_ms, len(result.trials),
+                 result.seconds)
+        return result
+
+
+def _describe(shape: Sequence[int], weight: torch.Tensor, args: Any, precision: str) -> str:
+    return (f"{list(shape)} x {list(weight.shape)} {str(weight.dtype).removeprefix('torch.')}/{precision} "
+            f"stride {list(args.stride)} padding {list(args.padding)} dilation {list(args.dilation)} "
+            f"groups {args.groups}")
+
+
+TUNER = Tuner(enabled=_env_enabled())
+
+
+def enable(enabled: bool = True) -> None:
+    """Turn measured kernel choice on (or off) for this process."""
+    TUNER.enabled = enabled
+
+
+def enabled() -> bool:
+    """Whether measured kernel choice is on."""
+    return TUNER.enabled
