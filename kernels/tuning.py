@@ -11,10 +11,11 @@ choice at no cost (a dictionary lookup).
     y = kernels.conv_transpose2d(x, w, b, 2)  # the first call of this shape measures (milliseconds to seconds)
 
 A problem is the device, the input's shape and dtype, the weight's shape, whether there is a bias, the stride,
-padding, output_padding, dilation and groups, the precision, and whether the input rows start 16-byte aligned
-(what the warp-specialized tiles need). Every choice is one that the GPU tests run on awkward shapes, so any choice
-is correct; the tuner still compares each candidate's output with the default kernel's and drops a candidate that
-disagrees (logged as an error: it would be a kernel bug).
+padding, output_padding, dilation and groups, the precision, whether the input rows start 16-byte aligned (what
+the warp-specialized tiles need), and whether the calls bring packed weights (``WeightPacks``: the service's do,
+which makes the tensor-core kernels cheaper by their packing kernel). Every choice is one that the GPU tests run
+on awkward shapes, so any choice is correct; the tuner still compares each candidate's output with the default
+kernel's and drops a candidate that disagrees (logged as an error: it would be a kernel bug).
 
 Timing follows bench/kernelbench.py: CUDA events around each call, an L2 flush before each, the median of several
 calls. A first pass times every candidate a few times; the fastest few are timed again, longer, with the default
@@ -194,9 +195,10 @@ class Tuner:
 
     @staticmethod
     def key(shape: Sequence[int], weight: torch.Tensor, has_bias: bool, args: Any, precision: str,
-            aligned: bool) -> tuple[Hashable, ...]:
+            aligned: bool, packed: bool = False) -> tuple[Hashable, ...]:
         """The cache key of a problem (``args``: kernels.functional.ConvArgs, hashable)."""
-        return (torch.Size(shape), weight.shape, weight.dtype, weight.device, has_bias, args, precision, aligned)
+        return (torch.Size(shape), weight.shape, weight.dtype, weight.device, has_bias, args, precision, aligned,
+                packed)
 
     def lookup(self, key: Hashable) -> KernelChoice | None:
         """The cached choice for ``key``, or None."""
@@ -224,23 +226,24 @@ class Tuner:
             return self._device_locks.setdefault(index, threading.Lock())
 
     def choose(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
-               precision: str, aligned: bool = True) -> KernelChoice:
+               precision: str, aligned: bool = True, packs: Any = None) -> KernelChoice:
         """The kernel for this problem: ``DEFAULT`` when tuning is off, else the cached choice, tuning it first
-        if there is none (on ``weight``'s device, on the current stream, blocking the calling thread)."""
+        if there is none (on ``weight``'s device, on the current stream, blocking the calling thread). ``packs``:
+        the calls' ``WeightPacks`` for ``weight``, if they bring them."""
         if not self.enabled:
             return DEFAULT
-        key = self.key(shape, weight, bias is not None, args, precision, aligned)
+        key = self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None)
         choice = self.lookup(key)
         if choice is not None:
             return choice
         with self._device_lock(weight.device.index or 0):
             choice = self.lookup(key)  # another thread may have tuned it meanwhile
             if choice is None:
-                choice = self.tune(shape, weight, bias, args, precision, aligned=aligned).choice
+                choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs).choice
         return choice
 
     def tune(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
-             precision: str, aligned: bool = True) -> TuneResult:
+             precision: str, aligned: bool = True, packs: Any = None) -> TuneResult:
         """Measure every candidate kernel on random inputs of ``shape`` and cache the fastest (see the module).
 
         Raises:
@@ -266,7 +269,7 @@ class Tuner:
 
             def call(c: KernelChoice) -> str:
                 return _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
-                                     force_config=c.config, force_split=c.split)[1]
+                                     force_config=c.config, force_split=c.split, packs=packs)[1]
 
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
             call(DEFAULT)
@@ -312,7 +315,7 @@ class Tuner:
                       if (t := trial(c, SECOND_REPS, check=False)) is not None]
         choice, ms, default_ms = pick(first, second)
         result = TuneResult(choice, ms, default_ms, tuple(first + second), time.perf_counter() - t0)
-        self.store(self.key(shape, weight, bias is not None, args, precision, aligned), choice)
+        self.store(self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None), choice)
         log.info("tuned %s: %s %.4f ms (default %.4f ms), %d trials in %.2f s",
                  _describe(shape, weight, args, precision), choice.label, ms, default_ms, len(result.trials),
                  result.seconds)

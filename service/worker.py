@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
-from kernels.functional import conv_transpose2d_gathered, conv_transpose2d_staged, resolve_precision
+from kernels.functional import WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged, resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
 from service.codec import AnyTensor, RawTensor, copy_into, split_rows
 from service.errors import InternalError
@@ -51,9 +51,9 @@ WORKER_TIMEOUT_S = 120.0
 
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
-# (requests' inputs [n_i, C_in, H, W] on the host, CUDA weight, bias, layer) -> pinned host output [N, C_out, H_out,
-# W_out]: the GPU worker's step, which returns once the output is there.
-GatheredFn = Callable[[list[AnyTensor], torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
+# (requests' inputs [n_i, C_in, H, W] on the host, CUDA weight, bias, layer, the weight's packs) -> pinned host output
+# [N, C_out, H_out, W_out]: the GPU worker's step, which returns once the output is there.
+GatheredFn = Callable[[list[AnyTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], torch.Tensor]
 # A batch handed to the worker thread: its future, its layer and its inputs.
 _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 
@@ -66,7 +66,7 @@ def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def serving_choice(shape: tuple[int, ...], weight: torch.Tensor, bias: torch.Tensor | None,
-                   layer: Layer) -> KernelChoice:
+                   layer: Layer, packs: WeightPacks | None = None) -> KernelChoice:
     """The kernel for a batch of ``shape`` [N, C_in, H, W]: the dispatcher's default, or with measured choice on
     (kernels.tuning, Settings.tune) the fastest measured at N's batch-size bucket (the next power of two, at most
     the layer's max batch), measured first if this is the bucket's first batch (on the current stream)."""
@@ -74,7 +74,7 @@ def serving_choice(shape: tuple[int, ...], weight: torch.Tensor, bias: torch.Ten
         return DEFAULT
     n = min(bucket(shape[0]), max(shape[0], layer.limits.max_batch_size))
     mode = resolve_precision(weight.dtype, layer.kernel_precision)
-    return TUNER.choose((n, *shape[1:]), weight, bias, layer.args, mode)
+    return TUNER.choose((n, *shape[1:]), weight, bias, layer.args, mode, packs=packs)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -84,19 +84,20 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias: torch.Tensor | None,
-                            layer: Layer) -> torch.Tensor:
-    """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream."""
+                            layer: Layer, packs: WeightPacks | None = None) -> torch.Tensor:
+    """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream
+    (``packs``: the weight's packed copies, kept with the worker's weights)."""
     parts = [x.data if isinstance(x, RawTensor) else x.contiguous() for x in inputs]
     shape = (sum(int(x.shape[0]) for x in inputs), *(int(d) for d in inputs[0].shape[1:]))
     return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision,
-                                     serving_choice(shape, weight, bias, layer))
+                                     serving_choice(shape, weight, bias, layer, packs), packs)
 
 
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, packs: WeightPacks | None = None) -> None:
     """``kernel_forward`` from pinned host memory into pinned host ``out`` on the current stream, waiting for it."""
     conv_transpose2d_staged(x, weight, bias, layer.args, layer.kernel_precision, out,
-                            serving_choice(tuple(x.shape), weight, bias, layer))
+                            serving_choice(tuple(x.shape), weight, bias, layer, packs), packs)
 
 
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
@@ -135,7 +136,8 @@ class Worker:
         self._forward = forward or kernel_forward  # the CPU worker's step
         self._gathered = gathered or kernel_forward_gathered  # the GPU worker's step
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
-        self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # layer -> (weight, bias, packed copies of the weight on a GPU worker)
+        self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None, WeightPacks | None]] = {}
         self.inflight_batches = 0
         self.inflight_samples = 0
         self.restarts = 0
@@ -246,7 +248,8 @@ class Worker:
         b = layer.bias.to(self.device) if layer.bias is not None else None
         if self.is_cuda:
             torch.cuda.synchronize(self.device)  # the worker's stream reads them later
-        self._weights[layer.name] = (w, b)
+        # The served weights never change: their packed copies are made once per tile layout and kept.
+        self._weights[layer.name] = (w, b, WeightPacks(w) if self.is_cuda else None)
 
     def run_batch(self, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
@@ -257,7 +260,7 @@ class Worker:
         Raises:
             InternalError: the kernel failed, or even one sample does not fit in GPU memory.
         """
-        weight, bias = self._weights[layer.name]
+        weight, bias, packs = self._weights[layer.name]
         sizes = [int(x.shape[0]) for x in inputs]
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
@@ -265,7 +268,7 @@ class Worker:
             if self.faults is not None:
                 self.faults.before_batch(layer.name, sum(sizes))
             if self.is_cuda:
-                y = self._run_cuda(layer, inputs, weight, bias)
+                y = self._run_cuda(layer, inputs, weight, bias, packs)
             else:
                 y = self._forward_span(layer, _gather(inputs), weight, bias, None)
             if isinstance(inputs[0], RawTensor):
@@ -289,14 +292,14 @@ class Worker:
                 self.metrics.worker_batches.labels(self.name).inc()
 
     def _run_cuda(self, layer: Layer, inputs: list[AnyTensor], weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                  bias: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:
         assert self._stream is not None
         n = sum(int(x.shape[0]) for x in inputs)
         try:
             if self.faults is not None:
                 self.faults.before_forward(layer.name, n)
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                return self._gathered(inputs, weight, bias, layer)  # [N, C_out, H_out, W_out], pinned
+                return self._gathered(inputs, weight, bias, layer, packs)  # [N, C_out, H_out, W_out], pinned
         except torch.cuda.OutOfMemoryError:
             if n <= 1:
                 raise
@@ -309,10 +312,10 @@ class Worker:
             _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
-            return self._halves(layer, host_in, weight, bias, host_out)
+            return self._halves(layer, host_in, weight, bias, host_out, packs)
 
     def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      out: torch.Tensor | None) -> torch.Tensor:
+                      out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
         """Run ``x`` [n, C_in, H, W] (host) through the layer; halve and retry on out-of-memory.
 
         On a GPU: upload, run, download into ``out`` (pinned host, [n, C_out, H_out, W_out]) on the worker's
@@ -324,16 +327,16 @@ class Worker:
             with torch.inference_mode():
                 if out is None:
                     return self._forward(x, weight, bias, layer)
-                kernel_forward_staged(x, weight, bias, layer, out)
+                kernel_forward_staged(x, weight, bias, layer, out, packs)
             return out
         except torch.cuda.OutOfMemoryError:
             if int(x.shape[0]) <= 1:
                 raise
         # Retry outside the except block, so that the failed attempt's tensors (held by the traceback) are freed.
-        return self._halves(layer, x, weight, bias, out)
+        return self._halves(layer, x, weight, bias, out, packs)
 
     def _halves(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out: torch.Tensor | None) -> torch.Tensor:
+                out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
         """``_forward_span`` of each half of ``x`` (at least 2 samples), after an out-of-memory on the whole."""
         n = int(x.shape[0])
         self._count_failure("oom_retry")
@@ -345,8 +348,8 @@ class Worker:
         if out is None:
             return torch.cat([self._forward_span(layer, x[:half], weight, bias, None),
                               self._forward_span(layer, x[half:], weight, bias, None)])
-        self._forward_span(layer, x[:half], weight, bias, out[:half])
-        self._forward_span(layer, x[half:], weight, bias, out[half:])
+        self._forward_span(layer, x[:half], weight, bias, out[:half], packs)
+        self._forward_span(layer, x[half:], weight, bias, out[half:], packs)
         return out
 
     def _count_failure(self, kind: str) -> None:

@@ -8,7 +8,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <array>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -131,11 +134,63 @@ Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_spli
   return Forced{force_path, force_config, force_split};
 }
 
+// Packed copies of one weight tensor for the tensor-core kernels, one per packed layout (conv_transpose2d_packing),
+// made on first use and kept: for weights that do not change while it lives (a served layer's). A call that
+// passes it skips the packing kernel it would otherwise run every time. Thread-safe; a new packing is waited for
+// once on the stream that made it, so that any stream may read it afterwards.
+class WeightPacks {
+ public:
+  explicit WeightPacks(const torch::Tensor& weight) : weight_(weight) {
+    TORCH_CHECK(weight.is_cuda() && weight.dim() == 4 && weight.is_contiguous(),
+                "WeightPacks: weight must be a contiguous 4-D CUDA tensor.");
+  }
+
+  // The packed weights for the kernel `p` runs (p.w must be this weight's memory), packing them on `stream` the
+  // first time; nullptr when that kernel reads the weights as they are.
+  const void* get(const deconv::ConvTranspose2dParams& p, cudaStream_t stream) {
+    TORCH_CHECK(p.w == weight_.data_ptr(), "WeightPacks: the call's weight is not the tensor these packs hold.");
+    const deconv::WeightPacking layout = deconv::conv_transpose2d_packing(p);
+    if (layout.bytes == 0) return nullptr;
+    const std::array<int64_t, 5> key{layout.kind, layout.groups, layout.ciw_pad, layout.co_pad, layout.kmajor};
+    const std::lock_guard<std::mutex> lock(mu_);
+    auto it = packs_.find(key);
+    if (it == packs_.end()) {
+      torch::Tensor t = torch::empty({static_cast<int64_t>(layout.bytes)}, weight_.options().dtype(at::kByte));
+      cudaError_t err = deconv::conv_transpose2d_pack(p, t.data_ptr(), stream);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+      TORCH_CHECK(err == cudaSuccess, "WeightPacks: packing the weights failed: ", cudaGetErrorString(err));
+      it = packs_.emplace(key, std::move(t)).first;
+    }
+    return it->second.data_ptr();
+  }
+
+  const torch::Tensor& weight() const { return weight_; }
+
+  int64_t size() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(packs_.size());
+  }
+
+ private:
+  const torch::Tensor weight_;
+  std::mutex mu_;
+  std::map<std::array<int64_t, 5>, torch::Tensor> packs_;
+};
+
+void check_packs(const WeightPacks* packs, const torch::Tensor& weight) {
+  if (packs == nullptr) return;
+  const torch::Tensor& w = packs->weight();
+  TORCH_CHECK(w.data_ptr() == weight.data_ptr() && w.sizes() == weight.sizes() &&
+                  w.scalar_type() == weight.scalar_type() && weight.is_contiguous(),
+              "conv_transpose2d: packs were made for another weight tensor.");
+}
+
 // Runs a checked problem: x, weight, bias and y on one CUDA device, on its current stream. Returns the kernel path.
 int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
                const torch::Tensor& y, const Problem& pr, const std::vector<int64_t>& stride,
                const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
-               const std::string& precision, int64_t force_path, int64_t force_config, int64_t force_split) {
+               const std::string& precision, int64_t force_path, int64_t force_config, int64_t force_split,
+               WeightPacks* packs) {
   if (pr.N == 0) return 0;
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wc = weight.contiguous();
@@ -167,6 +222,8 @@ int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::o
   p.force_path = static_cast<int>(force_path);
   p.force_config = static_cast<int>(force_config);
   p.force_split = static_cast<int>(force_split);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  if (packs != nullptr) p.packed_weights = packs->get(p, stream);
   // Scratch (packed weights) from PyTorch's caching allocator, on the current stream: freed when this returns,
   // reusable by the allocator only after the kernels queued on this stream have run.
   const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p);
@@ -176,8 +233,7 @@ int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::o
     p.workspace = workspace.data_ptr();
   }
   deconv::KernelPath path = deconv::KernelPath::kSimt;
-  const cudaError_t err =
-      deconv::conv_transpose2d_forward(p, at::cuda::getCurrentCUDAStream(x.device().index()).stream(), &path);
+  const cudaError_t err = deconv::conv_transpose2d_forward(p, stream, &path);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d kernel launch failed: ", cudaGetErrorString(err));
   return static_cast<int64_t>(path);
 }
@@ -190,12 +246,14 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            std::vector<int64_t> output_padding, std::vector<int64_t> dilation,
                                            int64_t groups, const std::string& precision,
                                            const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
-                                           int64_t force_path, int64_t force_config, int64_t force_split) {
+                                           int64_t force_path, int64_t force_config, int64_t force_split,
+                                           WeightPacks* packs) {
   TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
   check_forced(force_path, force_config, force_split);
+  check_packs(packs, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   torch::Tensor y;
   if (out.has_value()) {
@@ -209,7 +267,7 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   }
   const int64_t path =
       launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, force_path, force_config,
-             force_split);
+             force_split, packs);
   return {y, path};
 }
 
@@ -219,11 +277,11 @@ int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weigh
                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& y_host, const Problem& pr,
                          const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
                          const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision,
-                         const Forced& forced) {
+                         const Forced& forced, WeightPacks* packs) {
   const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
   const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
   const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, forced.path,
-                              forced.config, forced.split);
+                              forced.config, forced.split, packs);
   y_host.copy_(y, /*non_blocking=*/true);
   at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
   return path;
@@ -239,8 +297,9 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
                        std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                        std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                        const torch::Tensor& y_host,  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
-                       int64_t force_path, int64_t force_config, int64_t force_split) {
+                       int64_t force_path, int64_t force_config, int64_t force_split, WeightPacks* packs) {
   const Forced forced = check_forced(force_path, force_config, force_split);
+  check_packs(packs, weight);
   TORCH_CHECK(x_host.device().is_cpu() && y_host.device().is_cpu(),
               "conv_transpose2d_staged: input and output must be CPU tensors.");
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_staged: weight must be a CUDA tensor.");
@@ -252,7 +311,8 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
               " CPU tensor of the input's dtype.");
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
-  return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced);
+  return run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced,
+                          packs);
 }
 
 // Buffers obtained from Python objects, released (with the GIL held) when this goes out of scope.
@@ -286,9 +346,11 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
                                const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
                                std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                                std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
-                               int64_t force_path, int64_t force_config, int64_t force_split) {
+                               int64_t force_path, int64_t force_config, int64_t force_split,
+                               WeightPacks* packs) {
   const Forced forced = check_forced(force_path, force_config, force_split);
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
+  check_packs(packs, weight);
   TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
   const torch::Tensor x_meta = at::empty(x_shape, weight.options().device(at::kMeta));
   const Problem pr =
@@ -328,7 +390,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
       dst += part.bytes;
     }
     y_host = at::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, pinned);
-    run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced);
+    run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced,
+                     packs);
   }
   return y_host;
 }
@@ -346,19 +409,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
-        py::arg("force_split") = -1);
+        py::arg("force_split") = -1, py::arg("packs") = nullptr);
   m.def("forward_staged", &forward_staged,
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",
         py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"),
-        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1);
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
+        py::arg("packs") = nullptr);
   m.def("forward_gathered", &forward_gathered,
         "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
         "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
         py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
-        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1);
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
+        py::arg("packs") = nullptr);
+  py::class_<WeightPacks>(m, "WeightPacks",
+                          "Packed copies of one CUDA weight tensor for the tensor-core kernels, one per layout, made "
+                          "on first use and kept (for weights that do not change while it lives).")
+      .def(py::init<const torch::Tensor&>(), py::arg("weight"))
+      .def("__len__", &WeightPacks::size);
   // Tile configurations the force_config argument takes: [0, num_gather_configs) the gather kernel's, the rest up
   // to num_tensor_core_configs the halo kernel's (the only ones force_split applies to).
   m.attr("num_gather_configs") = deconv::kNumGatherConfigs;

@@ -226,14 +226,25 @@ KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
 
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p) {
   const KernelChoice c = choose_kernel(p);
-  return c.path == KernelPath::kTensorCore ? tensor_core_workspace_bytes(p, c.config) : 0;
+  return c.path == KernelPath::kTensorCore && p.packed_weights == nullptr ? tensor_core_workspace_bytes(p, c.config)
+                                                                           : 0;
+}
+
+WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p) {
+  const KernelChoice c = choose_kernel(p);
+  return c.path == KernelPath::kTensorCore ? tensor_core_packing(p, c.config) : WeightPacking{};
+}
+
+cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
+  const KernelChoice c = choose_kernel(p);
+  return c.path == KernelPath::kTensorCore ? tensor_core_pack(p, c.config, dst, stream) : cudaSuccess;
 }
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
   const KernelChoice c = choose_kernel(p);
   if (path_out != nullptr) *path_out = c.path;
   if (c.path == KernelPath::kTensorCore) {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+    if (p.workspace == nullptr && p.packed_weights == nullptr) return cudaErrorInvalidValue;
     return launch_tensor_core(p, c.config, stream);
   }
   if (c.path == KernelPath::kNarrow) return launch_narrow(p, stream);

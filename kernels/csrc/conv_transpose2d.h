@@ -36,6 +36,9 @@ struct ConvTranspose2dParams {
   DType dtype;
   Precision precision;
   void* workspace;          // scratch of conv_transpose2d_workspace_bytes(p) bytes (packed weights), or nullptr
+  // Weights already packed for the kernel this problem runs (conv_transpose2d_pack, same layout as
+  // conv_transpose2d_packing says), or nullptr: the tensor-core kernels then pack them into the workspace first.
+  const void* packed_weights;
   // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse. A forced path that is not eligible for the
   // problem falls back to the choice of -1.
   int force_path;
@@ -50,8 +53,24 @@ struct ConvTranspose2dParams {
 // Which kernel family ran; reported back to Python for tests and benchmarks.
 enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3 };
 
-// Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none).
+// Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none, or when
+// p.packed_weights is given).
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
+
+// The packed copy of the weights that the kernel chosen for `p` reads: its size (0 when that kernel reads the
+// weights as they are) and what its content depends on besides the weights themselves (two packings with equal
+// fields are identical, so one can serve every problem of that layout).
+struct WeightPacking {
+  size_t bytes;
+  int64_t kind;     // multiply kind: TF32, 3xTF32, BF16, FP16
+  int64_t groups;
+  int64_t ciw_pad;  // input-channel words per group, padded
+  int64_t co_pad;   // output channels per group, padded to the tile width
+  bool kmajor;      // K-major core matrices (the wgmma tiles)
+};
+WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p);
+// Packs p.w for the kernel chosen for `p` into `dst` (conv_transpose2d_packing(p).bytes bytes) on `stream`.
+cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 
 // Launches the forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
 // `path_out`, when not null, receives the kernel family chosen for this problem.
@@ -66,6 +85,8 @@ constexpr int kNumHaloConfigs = 9;
 constexpr int kNumTensorCoreConfigs = kNumGatherConfigs + kNumHaloConfigs;
 int tensor_core_config(const ConvTranspose2dParams& p);  // chosen tile configuration, or -1 if not eligible
 size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);
+WeightPacking tensor_core_packing(const ConvTranspose2dParams& p, int config);
+cudaError_t tensor_core_pack(const ConvTranspose2dParams& p, int config, void* dst, cudaStream_t stream);
 cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 // Halo kernel (conv_transpose2d_halo.cu); `config` counts from 0 within the halo configurations.

@@ -306,20 +306,24 @@ Packing packing(const ConvTranspose2dParams& p, int config) {
   return {div_up(div_up(cin_g, per_word), kBKW) * kBKW, div_up(cout_g, bn) * bn};
 }
 
+bool config_kmajor(const ConvTranspose2dParams& p, int config) {
+  return config >= kNumGatherConfigs && halo_kmajor(p, config - kNumGatherConfigs);
+}
+
 template <typename T, MmaKind K>
-cudaError_t pack_weights(const ConvTranspose2dParams& p, const Packing& pk, int config, cudaStream_t stream) {
+cudaError_t pack_weights(const ConvTranspose2dParams& p, const Packing& pk, int config, void* dst,
+                         cudaStream_t stream) {
   const int64_t total = p.groups * p.kH * p.kW * pk.ciw_pad * pk.co_pad;
   const int pack_blocks = static_cast<int>(div_up(total, 256) < 4096 ? div_up(total, 256) : 4096);
-  const bool kmajor = config >= kNumGatherConfigs && halo_kmajor(p, config - kNumGatherConfigs);
-  pack_weights_kernel<T, K><<<pack_blocks, 256, 0, stream>>>(static_cast<const T*>(p.w),
-                                                             static_cast<uint32_t*>(p.workspace), p.groups,
-                                                             p.C_in / p.groups, p.C_out / p.groups, p.kH, p.kW,
-                                                             pk.ciw_pad, pk.co_pad, kmajor);
+  pack_weights_kernel<T, K><<<pack_blocks, 256, 0, stream>>>(static_cast<const T*>(p.w), static_cast<uint32_t*>(dst),
+                                                             p.groups, p.C_in / p.groups, p.C_out / p.groups, p.kH,
+                                                             p.kW, pk.ciw_pad, pk.co_pad, config_kmajor(p, config));
   return cudaGetLastError();
 }
 
 template <typename T, MmaKind K, int BM, int BN, int WM, int WN>
-cudaError_t launch_config(const ConvTranspose2dParams& p, const Packing& pk, cudaStream_t stream) {
+cudaError_t launch_config(const ConvTranspose2dParams& p, const uint32_t* wt, const Packing& pk,
+                          cudaStream_t stream) {
   auto kernel = conv_transpose2d_mma_kernel<T, K, BM, BN, WM, WN>;
   constexpr size_t smem = smem_bytes<BM, BN>();
   if (smem > 48 * 1024) {
@@ -334,28 +338,41 @@ cudaError_t launch_config(const ConvTranspose2dParams& p, const Packing& pk, cud
   const dim3 grid(static_cast<unsigned>(m_tiles < 0x7fffffff ? m_tiles : 0x7fffffff),
                   static_cast<unsigned>(n_tiles < 65535 ? n_tiles : 65535),
                   static_cast<unsigned>(z < 65535 ? z : 65535));
-  kernel<<<grid, WM * WN * 32, smem, stream>>>(p, static_cast<const uint32_t*>(p.workspace), pk.ciw_pad,
-                                               pk.co_pad);
+  kernel<<<grid, WM * WN * 32, smem, stream>>>(p, wt, pk.ciw_pad, pk.co_pad);
   return cudaGetLastError();
 }
 
 template <typename T, MmaKind K>
 cudaError_t launch_kind(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
   const Packing pk = packing(p, config);
-  const cudaError_t err = pack_weights<T, K>(p, pk, config, stream);
-  if (err != cudaSuccess) return err;
+  const uint32_t* wt = static_cast<const uint32_t*>(p.packed_weights);
+  if (wt == nullptr) {  // pack into the workspace first
+    const cudaError_t err = pack_weights<T, K>(p, pk, config, p.workspace, stream);
+    if (err != cudaSuccess) return err;
+    wt = static_cast<const uint32_t*>(p.workspace);
+  }
   switch (config) {
     case 0:
-      return launch_config<T, K, 128, 128, 4, 2>(p, pk, stream);
+      return launch_config<T, K, 128, 128, 4, 2>(p, wt, pk, stream);
     case 1:
-      return launch_config<T, K, 128, 64, 4, 2>(p, pk, stream);
+      return launch_config<T, K, 128, 64, 4, 2>(p, wt, pk, stream);
     case 2:
-      return launch_config<T, K, 256, 32, 8, 1>(p, pk, stream);
+      return launch_config<T, K, 256, 32, 8, 1>(p, wt, pk, stream);
     case 3:
-      return launch_config<T, K, 256, 16, 8, 1>(p, pk, stream);
+      return launch_config<T, K, 256, 16, 8, 1>(p, wt, pk, stream);
     default:
-      return launch_halo(p, config - kNumGatherConfigs, static_cast<const uint32_t*>(p.workspace), pk.ciw_pad,
-                         pk.co_pad, stream);
+      return launch_halo(p, config - kNumGatherConfigs, wt, pk.ciw_pad, pk.co_pad, stream);
+  }
+}
+
+MmaKind mma_kind(const ConvTranspose2dParams& p) {
+  switch (p.dtype) {
+    case DType::kFloat16:
+      return MmaKind::kFP16;
+    case DType::kBFloat16:
+      return MmaKind::kBF16;
+    default:
+      return p.precision == Precision::kTF32 ? MmaKind::kTF32 : MmaKind::k3xTF32;
   }
 }
 
@@ -380,6 +397,28 @@ size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config) {
   if (config < 0) return 0;
   const Packing pk = packing(p, config);
   return static_cast<size_t>(p.groups * p.kH * p.kW * pk.ciw_pad * pk.co_pad) * 4;
+}
+
+WeightPacking tensor_core_packing(const ConvTranspose2dParams& p, int config) {
+  if (config < 0) return WeightPacking{};
+  const Packing pk = packing(p, config);
+  return {tensor_core_workspace_bytes(p, config), static_cast<int64_t>(mma_kind(p)), p.groups, pk.ciw_pad,
+          pk.co_pad, config_kmajor(p, config)};
+}
+
+cudaError_t tensor_core_pack(const ConvTranspose2dParams& p, int config, void* dst, cudaStream_t stream) {
+  const Packing pk = packing(p, config);
+  switch (mma_kind(p)) {
+    case MmaKind::kTF32:
+      return pack_weights<float, MmaKind::kTF32>(p, pk, config, dst, stream);
+    case MmaKind::k3xTF32:
+      return pack_weights<float, MmaKind::k3xTF32>(p, pk, config, dst, stream);
+    case MmaKind::kFP16:
+      return pack_weights<__half, MmaKind::kFP16>(p, pk, config, dst, stream);
+    case MmaKind::kBF16:
+      return pack_weights<__nv_bfloat16, MmaKind::kBF16>(p, pk, config, dst, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_tensor_core(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {

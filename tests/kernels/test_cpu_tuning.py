@@ -285,14 +285,14 @@ class FakeTune:
         self._lock = threading.Lock()
 
     def __call__(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
-                 precision: str, aligned: bool = True) -> TuneResult:
+                 precision: str, aligned: bool = True, packs: Any = None) -> TuneResult:
         with self._lock:
             self.calls.append((tuple(shape), bias is not None, args, precision, aligned))
         time.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
         self.tuner.store(Tuner.key(tuple(int(d) for d in shape), weight, bias is not None, args, precision,
-                                   aligned), self.answer)
+                                   aligned, packs is not None), self.answer)
         return TuneResult(self.answer, 1.0, 2.0, (), self.delay_s)
 
 
@@ -479,3 +479,16 @@ def test_cpu_tensors_never_consult_the_tuner(monkeypatch: pytest.MonkeyPatch, re
     monkeypatch.setattr(kf, "TUNER", RaisingTuner())
     y1 = kernels.conv_transpose2d(x[0], WEIGHT, None, 2, 1)  # unbatched
     assert torch.equal(y1, F.conv_transpose2d(x[0], WEIGHT, None, 2, 1))
+
+
+def test_weight_packs_take_a_contiguous_4d_cuda_weight_only() -> None:
+    from kernels.functional import ConvTranspose2dArgumentError, WeightPacks, _ext_packs
+
+    with pytest.raises(ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
+        WeightPacks(torch.randn(16, 8, 4, 4))
+    w = torch.randn(16, 8, 4, 4)
+    assert _ext_packs(None, w) is None
+    packs = object.__new__(WeightPacks)  # as if made for another tensor (no GPU here to make a real one)
+    packs.weight = torch.randn(16, 8, 4, 4)
+    with pytest.raises(ConvTranspose2dArgumentError, match="another weight tensor"):
+        _ext_packs(packs, w)

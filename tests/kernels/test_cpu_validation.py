@@ -227,7 +227,8 @@ def test_force_split_reaches_the_extension(monkeypatch, force_split, code):
     class FakeExtension:
         @staticmethod
         def forward(*args):
-            calls.append(args[-1])
+            calls.append(args[-2])  # force_split; the packs come last
+            assert args[-1] is None
             return F.conv_transpose2d(*args[:3]), 1
 
     monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
@@ -246,15 +247,15 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
     class FakeExtension:
         @staticmethod
         def forward(x, weight, bias, stride, padding, output_padding, dilation, groups, precision, out,
-                    force_path_code, force_config, force_split):
-            calls.append((force_path_code, force_config, force_split))
+                    force_path_code, force_config, force_split, packs):
+            calls.append((force_path_code, force_config, force_split, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
             return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}[ran]
 
     monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
     y, path = kf._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
-    assert calls == [(code, -1, -1)]
+    assert calls == [(code, -1, -1, None)]
     assert path == ran
     assert torch.equal(y, F.conv_transpose2d(x, w))
 

@@ -106,3 +106,52 @@ def test_gathered_runs_a_given_choice(choice: KernelChoice) -> None:
     y = conv_transpose2d_gathered([host[:3], host[3:]], host.shape, wt, b, args, precision, choice)
     ref = reference(x, wt, b, stride=2, padding=1)
     assert rel_err(y.cuda(), ref) <= tol, choice.label
+
+
+# --- packed weights kept with a layer (WeightPacks) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["tf32", "fp32", "bf16", "fp16"])
+def test_weight_packs_give_what_per_call_packing_gives(mode: str) -> None:
+    """Every tensor-core tile (gather, mma.sync halo, wgmma halo, split) and the other families, with the weights
+    packed once and kept, computes bit for bit what the same kernel computes packing per call."""
+    x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode=mode)
+    packs = kernels.functional.WeightPacks(wt)
+    choices = [DEFAULT, KernelChoice("narrow"), KernelChoice("simt"), KernelChoice("tensor_core", 5, 4),
+               *(KernelChoice("tensor_core", c) for c in range(13))]
+    ref = reference(x, wt, b, stride=2, padding=1)
+    for c in choices:
+        kw = dict(force_path=c.path, force_config=c.config, force_split=c.split)
+        plain, path = _forward_cuda(x, wt, b, args, precision, **kw)
+        out = torch.full_like(plain, float("nan"))
+        packed, path_packed = _forward_cuda(x, wt, b, args, precision, out=out, packs=packs, **kw)
+        assert path == path_packed
+        assert torch.equal(plain, packed), c.label
+        assert rel_err(packed, ref) <= tol, c.label
+    made = len(packs)
+    assert made >= 2  # the gather tiles and the halo tiles pack differently
+    for c in choices:  # every layout is there now: nothing new is made
+        _forward_cuda(x, wt, b, args, precision, force_path=c.path, force_config=c.config, packs=packs)
+    assert len(packs) == made
+
+
+def test_weight_packs_refuse_another_weight() -> None:
+    x, wt, b, args, precision, _ = make(**PROBLEMS["dcgan_up1_b8"], mode="tf32")
+    packs = kernels.functional.WeightPacks(wt)
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="another weight"):
+        _forward_cuda(x, wt.clone(), b, args, precision, packs=packs)
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
+        kernels.functional.WeightPacks(wt.cpu())
+
+
+def test_gathered_with_packs_and_a_tuner_that_measured_with_them() -> None:
+    x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode="tf32")
+    packs = kernels.functional.WeightPacks(wt)
+    tuner = Tuner(enabled=True)
+    choice = tuner.choose(x.shape, wt, b, args, precision, packs=packs)
+    assert len(packs) >= 1
+    assert tuner.lookup(Tuner.key(x.shape, wt, True, args, precision, True, True)) == choice
+    assert tuner.lookup(Tuner.key(x.shape, wt, True, args, precision, True, False)) is None
+    host = x.cpu()
+    y = conv_transpose2d_gathered([host[:5], host[5:]], host.shape, wt, b, args, precision, choice, packs)
+    assert rel_err(y.cuda(), reference(x, wt, b, stride=2, padding=1)) <= tol

@@ -185,10 +185,11 @@ class RecordingTuner:
         self.calls: list[tuple[Any, ...]] = []
 
     def choose(self, shape: Any, weight: torch.Tensor, bias: torch.Tensor | None, args: Any, precision: str,
-               aligned: bool = True) -> KernelChoice:
+               aligned: bool = True, packs: Any = None) -> KernelChoice:
         if not self.enabled:
             raise AssertionError("choose called while tuning is off")
         self.calls.append((tuple(shape), weight, bias, args, precision, aligned))
+        self.packs = packs
         return self.answer
 
 
@@ -320,3 +321,12 @@ def test_warm_up_reports_a_failing_batch(tmp_path):
     finally:
         pool.shutdown()
     assert worker.inflight_batches == 0
+
+
+def test_serving_choice_hands_the_packs_to_the_tuner(tmp_path, monkeypatch):
+    layer = _layer(tmp_path)
+    tuner = RecordingTuner()
+    monkeypatch.setattr("service.worker.TUNER", tuner)
+    packs = object()
+    serving_choice((3, 4, 8, 8), layer.weight, layer.bias, layer, packs)  # type: ignore[arg-type]
+    assert tuner.packs is packs
