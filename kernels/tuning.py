@@ -133,9 +133,9 @@ def split_candidates(trials: Sequence[Trial], num_gather: int) -> list[KernelCho
     return [KernelChoice("tensor_core", t.choice.config, s) for t in best for s in SPLITS]
 
 
-def pick(first: Sequence[Trial], second: Sequence[Trial]) -> tuple[KernelChoice, float, float]:
-    """The winner of the second pass (the default on a tie within ``TIE``): (choice, its ms, the default's ms)."""
-    del first  # the second pass decides; the first only chose who runs in it
+def pick(second: Sequence[Trial]) -> tuple[KernelChoice, float, float]:
+    """The winner of the second pass (the default on a tie within ``TIE``): (choice, its ms, the default's ms).
+    The first pass only chose who runs in the second."""
     default = next(t for t in second if t.choice == DEFAULT)
     best = min(second, key=lambda t: t.ms)
     if best.ms < default.ms * (1 - TIE):
@@ -228,8 +228,13 @@ class Tuner:
     def choose(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
                precision: str, aligned: bool = True, packs: Any = None) -> KernelChoice:
         """The kernel for this problem: ``DEFAULT`` when tuning is off, else the cached choice, tuning it first
-        if there is none (on ``weight``'s device, on the current stream, blocking the calling thread). ``packs``:
-        the calls' ``WeightPacks`` for ``weight``, if they bring them."""
+        if there is none (on ``weight``'s device, on the current stream, blocking the calling thread); the default
+        when tuning runs out of GPU memory. ``packs``: the calls' ``WeightPacks`` for ``weight``, if they bring
+        them.
+
+        Raises:
+            what the default kernel raises on this problem, other than running out of memory.
+        """
         if not self.enabled:
             return DEFAULT
         key = self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None)
@@ -239,7 +244,14 @@ class Tuner:
         with self._device_lock(weight.device.index or 0):
             choice = self.lookup(key)  # another thread may have tuned it meanwhile
             if choice is None:
-                choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs).choice
+                try:
+                    choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs).choice
+                except torch.cuda.OutOfMemoryError:
+                    # Tuning holds a few copies of the problem; the call itself may still fit. Not cached: a
+                    # later call tunes again.
+                    log.warning("tuning %s ran out of GPU memory; the default kernel runs",
+                                _describe(shape, weight, args, precision))
+                    return DEFAULT
         return choice
 
     def tune(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
@@ -313,7 +325,7 @@ class Tuner:
                     first.append(t)
             second = [t for c in second_pass_choices(first)
                       if (t := trial(c, SECOND_REPS, check=False)) is not None]
-        choice, ms, default_ms = pick(first, second)
+        choice, ms, default_ms = pick(second)
         result = TuneResult(choice, ms, default_ms, tuple(first + second), time.perf_counter() - t0)
         self.store(self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None), choice)
         log.info("tuned %s: %s %.4f ms (default %.4f ms), %d trials in %.2f s",

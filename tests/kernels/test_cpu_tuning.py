@@ -184,20 +184,20 @@ def test_second_pass_with_the_default_alone() -> None:
 
 def test_pick_keeps_the_default_on_a_tie() -> None:
     second = [_trial(DEFAULT, 1.0), _trial(_tc(5), 1.0 * (1 - TIE / 2)), _trial(KernelChoice("narrow"), 1.3)]
-    assert tuning.pick([], second) == (DEFAULT, 1.0, 1.0)
+    assert tuning.pick(second) == (DEFAULT, 1.0, 1.0)
     # Exactly TIE faster is still a tie.
-    assert tuning.pick([], [_trial(DEFAULT, 1.0), _trial(_tc(5), 1.0 - TIE)])[0] == DEFAULT
+    assert tuning.pick([_trial(DEFAULT, 1.0), _trial(_tc(5), 1.0 - TIE)])[0] == DEFAULT
 
 
 def test_pick_takes_a_clear_winner() -> None:
     second = [_trial(KernelChoice("narrow"), 0.9), _trial(DEFAULT, 1.0), _trial(_tc(5, 2), 0.7),
               _trial(_tc(5), 0.8)]
-    assert tuning.pick([], second) == (_tc(5, 2), 0.7, 1.0)
+    assert tuning.pick(second) == (_tc(5, 2), 0.7, 1.0)
 
 
 def test_pick_keeps_the_default_when_it_is_fastest() -> None:
     second = [_trial(_tc(5), 1.1), _trial(DEFAULT, 0.5)]
-    assert tuning.pick([_trial(_tc(5), 0.1)], second) == (DEFAULT, 0.5, 0.5)  # the first pass does not decide
+    assert tuning.pick(second) == (DEFAULT, 0.5, 0.5)
 
 
 # --- the cache -------------------------------------------------------------------------------------------------
@@ -389,9 +389,19 @@ def test_choose_tunes_once_under_concurrent_callers(monkeypatch: pytest.MonkeyPa
 
 def test_a_failed_tuning_is_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     tuner = Tuner(enabled=True)
-    fake = _fake(monkeypatch, tuner, _tc(5), error=RuntimeError("CUDA out of memory (simulated)"))
+    fake = _fake(monkeypatch, tuner, _tc(5), error=RuntimeError("bad argument (simulated)"))
     with pytest.raises(RuntimeError, match="simulated"):
         tuner.choose((2, 16, 8, 8), WEIGHT, None, ARGS, "fp32")
+    assert len(tuner) == 0
+    fake.error = None
+    assert tuner.choose((2, 16, 8, 8), WEIGHT, None, ARGS, "fp32") == _tc(5)
+    assert len(fake.calls) == 2
+
+
+def test_tuning_out_of_memory_runs_the_default_and_tunes_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    tuner = Tuner(enabled=True)
+    fake = _fake(monkeypatch, tuner, _tc(5), error=torch.cuda.OutOfMemoryError("out of memory (simulated)"))
+    assert tuner.choose((2, 16, 8, 8), WEIGHT, None, ARGS, "fp32") == DEFAULT
     assert len(tuner) == 0
     fake.error = None
     assert tuner.choose((2, 16, 8, 8), WEIGHT, None, ARGS, "fp32") == _tc(5)
