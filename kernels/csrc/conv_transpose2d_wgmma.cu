@@ -3,8 +3,8 @@
 // every tap a shifted window of one staged input patch), with the loads and the multiplies in different warps.
 //
 // kCons consumer warpgroups and one producer warpgroup, persistent over the tiles (one block an SM, tile =
-// ((phase x group) x channel block) x (image x spatial tile), spatial fastest, decoded with host-made phase
-// tables and fast divisions). Consumer warpgroup c owns pixels [c, c + 1) x BM / kCons as m64 blocks.
+// (((image x spatial tile) x channel block) x group) x phase, phase fastest (WsTiles), decoded with host-made
+// phase tables and fast divisions). Consumer warpgroup c owns pixels [c, c + 1) x BM / kCons as m64 blocks.
 //
 // The producer fills a ring of `stages` shared-memory buffers, each one stage of 8 K words (8 fp32 or 16 16-bit
 // input channels): the patch with 16-byte cp.async from its 128 threads (zero-filled outside x), and the
@@ -35,9 +35,13 @@ namespace deconv {
 namespace {
 
 // Tile decoding, made on the host: per-residue phases of both axes and the divisors of the tile index.
+// Tile index = ((spatial tile * n_tiles + channel tile) * groups + group) * phases + phase: the stride phases of
+// one output region, then its channel tiles, run on neighbouring blocks at the same time, so that their shared
+// input patch is read from DRAM once and the output sectors that the phases each write a part of are completed in
+// L2 (bench/NOTES.md v12: phase-slowest order moved 2.1x cuDNN's DRAM bytes on a stride-2 layer).
 struct WsTiles {
   AxisPhase32 ah[kWsMaxStride], aw[kWsMaxStride];
-  FastDiv spatial, n_tiles, tiles_img, tiles_w, groups, stride_w;
+  FastDiv phases, groups, n_tiles, tiles_img, tiles_w, stride_w;
   int total;  // tiles
 };
 
@@ -116,12 +120,12 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
     int img, qh0, qw0, taps_h, taps_w, ph, nchunks, hi0, wa, shift;
   };
   auto decode = [&](int tile, Tile& d) {
-    const int zt = fdiv(tile, tiles.spatial);
-    const int bx = tile - zt * static_cast<int>(tiles.spatial.d);
-    const int z = fdiv(zt, tiles.n_tiles);
-    d.n0 = int64_t(zt - z * static_cast<int>(tiles.n_tiles.d)) * BN;
-    const int phase = fdiv(z, tiles.groups);
-    d.grp = z - phase * static_cast<int>(tiles.groups.d);
+    const int r0 = fdiv(tile, tiles.phases);
+    const int phase = tile - r0 * static_cast<int>(tiles.phases.d);
+    const int r1 = fdiv(r0, tiles.groups);
+    d.grp = r0 - r1 * static_cast<int>(tiles.groups.d);
+    const int bx = fdiv(r1, tiles.n_tiles);
+    d.n0 = int64_t(r1 - bx * static_cast<int>(tiles.n_tiles.d)) * BN;
     const int rh = fdiv(phase, tiles.stride_w);
     d.ah = tiles.ah[rh];
     d.aw = tiles.aw[phase - rh * static_cast<int>(tiles.stride_w.d)];
@@ -318,7 +322,7 @@ cudaError_t launch_shape(const ConvTranspose2dParams& p, const HaloPlan& pl, con
   for (int64_t r = 0; r < p.stride_w; ++r) tl.aw[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
   const int64_t n_tiles = co_pad / BN;
   const int64_t spatial = p.N * pl.geo.tiles_h * pl.geo.tiles_w;
-  tl.spatial = make_fast_div(static_cast<uint32_t>(spatial));
+  tl.phases = make_fast_div(static_cast<uint32_t>(p.stride_h * p.stride_w));
   tl.n_tiles = make_fast_div(static_cast<uint32_t>(n_tiles));
   tl.tiles_img = make_fast_div(static_cast<uint32_t>(pl.geo.tiles_h * pl.geo.tiles_w));
   tl.tiles_w = make_fast_div(static_cast<uint32_t>(pl.geo.tiles_w));
