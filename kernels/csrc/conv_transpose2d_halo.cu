@@ -130,7 +130,17 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     return (m / TW) * kRS + m % TW - (wm * kWarpM) % TW;
   };
 
-  for (int64_t z = blockIdx.z; z < num_z; z += gridDim.z) {
+  // Work items (spatial tile, channel tile, phase and group), phase and group fastest: the stride phases of one
+  // output region, then its channel tiles, run on neighbouring blocks at the same time, so that their shared input
+  // patch is read from DRAM once and the output sectors that the phases each write a part of are completed in L2
+  // (bench/NOTES.md v12). The phase's set-up below is redone per item: integer work and two barriers, small
+  // against a tile's stages.
+  const int64_t n_tiles = tc::div_up(cout_g, BN);
+  const int64_t items = p.N * tiles_img * n_tiles * num_z;
+  for (int64_t item = blockIdx.x / split; item < items; item += gridDim.x / split) {
+    const int64_t z = item % num_z;
+    const int64_t nt = (item / num_z) % n_tiles;
+    const int64_t bx = item / num_z / n_tiles;
     const int64_t grp = z % p.groups;
     const int64_t phase = z / p.groups;
     const AxisPhase ah = make_axis_phase(phase / p.stride_w, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
@@ -153,17 +163,17 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     // The phase's taps as kernel-tap indices a * kW + b, tap t = (th, tw) at t = th * taps_w + tw: the weight
     // copies of every stage look them up instead of decomposing t.
     int* tap_table = reinterpret_cast<int*>(smem + geo.extra);
-    __syncthreads();  // the previous phase's tiles are done with the table
+    __syncthreads();  // the previous item is done with the table
     for (int t = tid; t < taps; t += kThreads) {
       const int th = t / taps_w;
       tap_table[t] = (a0 + th * step_h) * k_w + b0 + (t - th * taps_w) * step_w;
     }
     __syncthreads();
 
-    for (int64_t nt = blockIdx.y; nt * BN < cout_g; nt += gridDim.y) {
+    {
       const int64_t n0 = nt * BN;
       const uint32_t* wt_grp = wt + grp * p.kH * p.kW * ciw_pad * co_pad + n0;
-      for (int64_t bx = blockIdx.x / split; bx < p.N * tiles_img; bx += gridDim.x / split) {
+      {
         const int64_t img = bx / tiles_img;
         const int64_t rem = bx - img * tiles_img;
         const int64_t tile_h = rem / geo.tiles_w;
@@ -512,15 +522,13 @@ cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
   if (err != cudaSuccess) return err;
-  const int64_t bx = p.N * pl.geo.tiles_h * pl.geo.tiles_w;
-  const int64_t by = co_pad / BN;
-  const int64_t bz = p.stride_h * p.stride_w * p.groups;
+  // One block (a cluster of `split` with split-K) per work item: spatial tiles x channel tiles x phases x groups.
+  const int64_t items = p.N * pl.geo.tiles_h * pl.geo.tiles_w * (co_pad / BN) * p.stride_h * p.stride_w * p.groups;
   HaloGeom geo = pl.geo;
-  geo.split = halo_split(p, bx * by * bz);
+  geo.split = halo_split(p, items);
   if (geo.split > 1 && !clusters_fit(kernel, WM * WN * 32, pl.smem, geo.split)) geo.split = 1;
   const int64_t max_x = 0x7fffffff / geo.split;  // grid x stays a multiple of the split
-  const dim3 grid(static_cast<unsigned>((bx < max_x ? bx : max_x) * geo.split),
-                  static_cast<unsigned>(by < 65535 ? by : 65535), static_cast<unsigned>(bz < 65535 ? bz : 65535));
+  const dim3 grid(static_cast<unsigned>((items < max_x ? items : max_x) * geo.split));
   if (geo.split == 1) {
     kernel<<<grid, WM * WN * 32, pl.smem, stream>>>(p, wt, ciw_pad, co_pad, geo);
     return cudaGetLastError();
