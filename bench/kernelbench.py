@@ -96,12 +96,6 @@ def min_bytes(p: dict, elem: int) -> int:
     return (x + w + y + (p["out_channels"] if p["bias"] else 0)) * elem
 
 
-# GPU cycles of the sleep queued before each timed run (~100 us at H100/H200 clocks): longer than any call's host
-# dispatch, so that the call's kernels are all queued before the start event runs and the events time the GPU
-# alone, not the host (bench/NOTES.md v12: on a slow host a batch-1 call's Python dispatch outlasted the L2 flush).
-HOST_SLACK_CYCLES = 200_000
-
-
 class Timer:
     """CUDA-event timing of GPU time with an L2 flush before every run; returns the median in ms."""
 
@@ -117,7 +111,8 @@ class Timer:
         times = []
         for _ in range(self.reps):
             self.flush_buf.zero_()
-            torch.cuda._sleep(HOST_SLACK_CYCLES)
+            # Host dispatch stays out of the window (kernels.tuning.HOST_SLACK_CYCLES; bench/NOTES.md v12).
+            torch.cuda._sleep(kernels.tuning.HOST_SLACK_CYCLES)
             start.record()
             fn()
             end.record()
@@ -273,13 +268,10 @@ def run_layers(timer: Timer, hw: int, tune: bool) -> list[dict]:
                     kernels.tuning.enable(True)
                     err = max(err, rel_err(ours_fn(), ref))  # tunes, then checks the kept kernel
                     ours_call = timer(ours_fn)
-                    kernels.tuning.enable(False)
                     # As the service runs it: the weights packed once and kept, the kernel measured with them.
                     packs = WeightPacks(w)
-                    kept = kernels.tuning.TUNER
-                    kept.enabled = True
-                    c = kept.choose(x.shape, w, b, args, mode, packs=packs)
-                    kept.enabled = False
+                    c = kernels.tuning.TUNER.choose(x.shape, w, b, args, mode, packs=packs)
+                    kernels.tuning.enable(False)
                     choice = c.label
                     served = partial(_forward_cuda, x, w, b, args, mode, force_path=c.path, force_config=c.config,
                                      force_split=c.split, packs=packs)

@@ -156,8 +156,10 @@ def second_pass_choices(first: Sequence[Trial]) -> list[KernelChoice]:
     return out
 
 
-# GPU cycles of a sleep queued before each timed call, so that the call is queued before its start event runs and
-# the events time the GPU alone (bench/kernelbench.py does the same).
+# GPU cycles of a sleep queued before each timed call (~100 us at H100/H200 clocks), longer than any call's host
+# dispatch, so that the call is queued before its start event runs and the events time the GPU alone, not the host
+# (bench/kernelbench.py uses it too; bench/NOTES.md v12: on a slow host a batch-1 call's Python dispatch outlasted
+# the L2 flush).
 HOST_SLACK_CYCLES = 200_000
 
 

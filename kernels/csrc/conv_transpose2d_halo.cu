@@ -170,183 +170,179 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32, 1)
     }
     __syncthreads();
 
-    {
-      const int64_t n0 = nt * BN;
-      const uint32_t* wt_grp = wt + grp * p.kH * p.kW * ciw_pad * co_pad + n0;
-      {
-        const int64_t img = bx / tiles_img;
-        const int64_t rem = bx - img * tiles_img;
-        const int64_t tile_h = rem / geo.tiles_w;
-        const int64_t tile_w = rem - tile_h * geo.tiles_w;
-        if (tile_h >= tiles_h || tile_w >= tiles_w) continue;  // a smaller phase: nothing here
-        const int qh0 = static_cast<int>(tile_h * TH), qw0 = static_cast<int>(tile_w * TW);
-        const int hi0 = qh0 + static_cast<int>(ah.base) - (taps_h > 0 ? taps_h - 1 : 0) * dstep_h;
-        const int wi0 = qw0 + static_cast<int>(aw.base) - (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;
-        const int wa = geo.vec ? floor_div(wi0, kVec) * kVec : wi0;  // first column copied
-        const int shift = wi0 - wa;
-        const T* x_img = x + (img * p.C_in + grp * cin_g) * hw_in;
+    const int64_t n0 = nt * BN;
+    const uint32_t* wt_grp = wt + grp * p.kH * p.kW * ciw_pad * co_pad + n0;
+    const int64_t img = bx / tiles_img;
+    const int64_t rem = bx - img * tiles_img;
+    const int64_t tile_h = rem / geo.tiles_w;
+    const int64_t tile_w = rem - tile_h * geo.tiles_w;
+    if (tile_h >= tiles_h || tile_w >= tiles_w) continue;  // a smaller phase: nothing here
+    const int qh0 = static_cast<int>(tile_h * TH), qw0 = static_cast<int>(tile_w * TW);
+    const int hi0 = qh0 + static_cast<int>(ah.base) - (taps_h > 0 ? taps_h - 1 : 0) * dstep_h;
+    const int wi0 = qw0 + static_cast<int>(aw.base) - (taps_w > 0 ? taps_w - 1 : 0) * dstep_w;
+    const int wa = geo.vec ? floor_div(wi0, kVec) * kVec : wi0;  // first column copied
+    const int shift = wi0 - wa;
+    const T* x_img = x + (img * p.C_in + grp * cin_g) * hw_in;
 
-        auto load_stage = [&](int c, int buf) {
-          uint32_t* st = smem + buf * geo.stage_words;
-          T* patch = reinterpret_cast<T*>(st);
-          const int ci0 = c * kKC;
-          const T* x_chunk = x_img + int64_t(ci0) * hw_in;
-          if (geo.vec) {
-            copy_patch_vec<T, kKC, kRS, kCS>(patch, x_chunk, x, tid, kThreads, ph, geo.nvec, pairs_div, geo.nvec_div,
-                                             hi0, wa, h_in, w_in, hw_in, static_cast<int>(cin_g - ci0));
-          } else {
-            const int per_ch = ph * pw;
-            for (int e = tid; e < kKC * per_ch; e += kThreads) {
-              const int ch = e / per_ch;
-              const int r = e - ch * per_ch;
-              const int row = r / pw;
-              const int col = r - row * pw;
-              const int hi = hi0 + row, wi = wa + col;
-              const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
-              T v = ok ? x_chunk[int64_t(ch) * hw_in + (hi * w_in + wi)] : from_acc<T>(0.f);
-              patch[ch * kCS + row * kRS + col] = v;
-            }
-          }
-          // Weights: v = (t * 8 + k) * (BN / 4) + column vector; 8 * BN / 4 is a power of two.
-          uint32_t* wsm = st + geo.patch_words;
-          const uint32_t* w_chunk = wt_grp + int64_t(c) * 8 * co_pad;
-          for (int v = tid; v < taps * 8 * kBRowVecs; v += kThreads) {
-            const int t = v / (8 * kBRowVecs);
-            const int r = v - t * (8 * kBRowVecs);
-            const int k = r / kBRowVecs;
-            const int col = (r - k * kBRowVecs) * 4;
-            const int64_t tap = tap_table[t];
-            cp_async16(wsm + (t * 8 + k) * kWS + col, w_chunk + (tap * ciw_pad + k) * co_pad + col, 16);
-          }
-        };
-
-        // Exact fp32 runs each stage into `part` and adds it to `acc` (tc::add_tile says why).
-        constexpr bool kPartial = K == MmaKind::k3xTF32;
-        float acc[kMT][kNT][4];
-        float part[kPartial ? kMT : 1][kPartial ? kNT : 1][4];
-        tc::zero_tile(acc);
-
-        // Fragments of tap t: B from the stage's weights, A from the patch at the tap's offset.
-        auto load_frags = [&](const uint32_t* st, const uint32_t* wsm, int t, int off, uint32_t (&af)[kMT][4],
-                              uint32_t (&bf)[kNT][2]) {
-#pragma unroll
-          for (int j = 0; j < kNT; ++j) {
-            bf[j][0] = wsm[t * 8 * kWS + j * 8];
-            bf[j][1] = wsm[t * 8 * kWS + 4 * kWS + j * 8];
-          }
-          if constexpr (sizeof(T) == 4) {
-            const uint32_t* pa = st + t4 * kCS + a_base + off;
-#pragma unroll
-            for (int i = 0; i < kMT; ++i) {
-              const int o = pixel_offset(i);
-              af[i][0] = pa[o];
-              af[i][1] = pa[o + 8];
-              af[i][2] = pa[4 * kCS + o];
-              af[i][3] = pa[4 * kCS + o + 8];
-            }
-          } else {
-            const uint16_t* pa = reinterpret_cast<const uint16_t*>(st) + 2 * t4 * kCS + a_base + off;
-#pragma unroll
-            for (int i = 0; i < kMT; ++i) {
-              const int o = pixel_offset(i);
-              af[i][0] = __byte_perm(pa[o], pa[kCS + o], 0x5410);
-              af[i][1] = __byte_perm(pa[o + 8], pa[kCS + o + 8], 0x5410);
-              af[i][2] = __byte_perm(pa[8 * kCS + o], pa[9 * kCS + o], 0x5410);
-              af[i][3] = __byte_perm(pa[8 * kCS + o + 8], pa[9 * kCS + o + 8], 0x5410);
-            }
-          }
-        };
-        auto mma_tap = [&](uint32_t (&af)[kMT][4], uint32_t (&bf)[kNT][2]) {
-          if constexpr (K == MmaKind::kTF32) {  // x is staged as fp32; the packed weights are rounded already
-#pragma unroll
-            for (int i = 0; i < kMT; ++i)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) af[i][e] = tc::to_tf32(__uint_as_float(af[i][e]));
-          }
-          if constexpr (kPartial) {
-            tc::mma_warp_tile<K>(part, af, bf);
-          } else {
-            tc::mma_warp_tile<K>(acc, af, bf);
-          }
-        };
-
-        const int stages = geo.stages;
-        for (int s = 0; s < stages - 1; ++s) {
-          if (s < nloc) load_stage(c_lo + s, s);
-          cp_async_commit();
-        }
-        for (int c = 0; c < nloc; ++c) {
-          if (stages == 3) {
-            cp_async_wait<1>();
-          } else {
-            cp_async_wait<0>();
-          }
-          __syncthreads();  // stage c landed for everyone; stage c - 1's buffer is free
-          {
-            const int nxt = c + stages - 1;
-            if (nxt < nloc) load_stage(c_lo + nxt, nxt % stages);
-            cp_async_commit();
-          }
-          const uint32_t* st = smem + (c % stages) * geo.stage_words;
-          const uint32_t* wsm = st + geo.patch_words + t4 * kWS + wn * kWarpN + g8;
-          uint32_t af[kMT][4], bf[kNT][2];
-          int tw = 0;
-          int off = (taps_h - 1) * dstep_h * kRS + (taps_w - 1) * dstep_w + shift;  // tap 0's patch offset
-          auto advance = [&]() {
-            ++tw;
-            off -= dstep_w;
-            if (tw == taps_w) {
-              tw = 0;
-              off += taps_w * dstep_w - dstep_h * kRS;
-            }
-          };
-          if constexpr (kPartial) tc::zero_tile(part);
-          for (int t = 0; t < taps; ++t) {
-            load_frags(st, wsm, t, off, af, bf);
-            mma_tap(af, bf);
-            advance();
-          }
-          if constexpr (kPartial) tc::add_tile(acc, part);
-        }
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with the stages: Cs aliases them
-
-        // Epilogue: accumulators -> shared [channel][pixel] -> bias, convert, NCHW row segments.
-        tc::stage_accumulators(Cs, kCStride, acc, wm * kWarpM, wn * kWarpN, g8, t4);
-        if (split > 1) {
-          cluster_sync();  // every block's partial sums are staged
-        } else {
-          __syncthreads();
-        }
-        // A thread owns pixels (neighbouring threads: neighbouring pixels of a row) and walks channels, so the
-        // pixel's address is computed once and a warp stores 32 neighbouring pixels per channel.
-        constexpr int kPixThreads = BM < kThreads ? BM : kThreads;
-        T* y_blk = y + (img * p.C_out + grp * cout_g + n0) * hw_out;
-        const int nc_max = static_cast<int>(cout_g - n0 < BN ? cout_g - n0 : BN);
-        // With a split, this block writes its share of the channels, summing every block's partial sums.
-        const int nc_lo = rank * nc_max / split, nc_hi = (rank + 1) * nc_max / split;
-        for (int m = tid % kPixThreads; m < BM; m += kPixThreads) {
-          const int qh = qh0 + m / TW, qw = qw0 + m % TW;
-          if (qh >= ah.count || qw >= aw.count) continue;
-          T* y_pix = y_blk + (ah.o0 + int64_t(qh) * p.stride_h) * p.W_out + aw.o0 + int64_t(qw) * p.stride_w;
-          for (int nc = nc_lo + tid / kPixThreads; nc < nc_hi; nc += kThreads / kPixThreads) {
-            float v;
-            if (split > 1) {
-              v = 0.f;
-              for (int q = 0; q < split; ++q) v += cluster_shared(Cs, q)[nc * kCStride + m];
-            } else {
-              v = Cs[nc * kCStride + m];
-            }
-            if (bias != nullptr) v += to_acc(bias[grp * cout_g + n0 + nc]);
-            y_pix[nc * hw_out] = from_acc<T>(v);
-          }
-        }
-        if (split > 1) {
-          cluster_sync();  // the other blocks have read this block's Cs, which the next tile's stages overwrite
-        } else {
-          __syncthreads();  // Cs aliases the next tile's stages
+    auto load_stage = [&](int c, int buf) {
+      uint32_t* st = smem + buf * geo.stage_words;
+      T* patch = reinterpret_cast<T*>(st);
+      const int ci0 = c * kKC;
+      const T* x_chunk = x_img + int64_t(ci0) * hw_in;
+      if (geo.vec) {
+        copy_patch_vec<T, kKC, kRS, kCS>(patch, x_chunk, x, tid, kThreads, ph, geo.nvec, pairs_div, geo.nvec_div,
+                                         hi0, wa, h_in, w_in, hw_in, static_cast<int>(cin_g - ci0));
+      } else {
+        const int per_ch = ph * pw;
+        for (int e = tid; e < kKC * per_ch; e += kThreads) {
+          const int ch = e / per_ch;
+          const int r = e - ch * per_ch;
+          const int row = r / pw;
+          const int col = r - row * pw;
+          const int hi = hi0 + row, wi = wa + col;
+          const bool ok = ci0 + ch < cin_g && hi >= 0 && hi < h_in && wi >= 0 && wi < w_in;
+          T v = ok ? x_chunk[int64_t(ch) * hw_in + (hi * w_in + wi)] : from_acc<T>(0.f);
+          patch[ch * kCS + row * kRS + col] = v;
         }
       }
+      // Weights: v = (t * 8 + k) * (BN / 4) + column vector; 8 * BN / 4 is a power of two.
+      uint32_t* wsm = st + geo.patch_words;
+      const uint32_t* w_chunk = wt_grp + int64_t(c) * 8 * co_pad;
+      for (int v = tid; v < taps * 8 * kBRowVecs; v += kThreads) {
+        const int t = v / (8 * kBRowVecs);
+        const int r = v - t * (8 * kBRowVecs);
+        const int k = r / kBRowVecs;
+        const int col = (r - k * kBRowVecs) * 4;
+        const int64_t tap = tap_table[t];
+        cp_async16(wsm + (t * 8 + k) * kWS + col, w_chunk + (tap * ciw_pad + k) * co_pad + col, 16);
+      }
+    };
+
+    // Exact fp32 runs each stage into `part` and adds it to `acc` (tc::add_tile says why).
+    constexpr bool kPartial = K == MmaKind::k3xTF32;
+    float acc[kMT][kNT][4];
+    float part[kPartial ? kMT : 1][kPartial ? kNT : 1][4];
+    tc::zero_tile(acc);
+
+    // Fragments of tap t: B from the stage's weights, A from the patch at the tap's offset.
+    auto load_frags = [&](const uint32_t* st, const uint32_t* wsm, int t, int off, uint32_t (&af)[kMT][4],
+                          uint32_t (&bf)[kNT][2]) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+        bf[j][0] = wsm[t * 8 * kWS + j * 8];
+        bf[j][1] = wsm[t * 8 * kWS + 4 * kWS + j * 8];
+      }
+      if constexpr (sizeof(T) == 4) {
+        const uint32_t* pa = st + t4 * kCS + a_base + off;
+#pragma unroll
+        for (int i = 0; i < kMT; ++i) {
+          const int o = pixel_offset(i);
+          af[i][0] = pa[o];
+          af[i][1] = pa[o + 8];
+          af[i][2] = pa[4 * kCS + o];
+          af[i][3] = pa[4 * kCS + o + 8];
+        }
+      } else {
+        const uint16_t* pa = reinterpret_cast<const uint16_t*>(st) + 2 * t4 * kCS + a_base + off;
+#pragma unroll
+        for (int i = 0; i < kMT; ++i) {
+          const int o = pixel_offset(i);
+          af[i][0] = __byte_perm(pa[o], pa[kCS + o], 0x5410);
+          af[i][1] = __byte_perm(pa[o + 8], pa[kCS + o + 8], 0x5410);
+          af[i][2] = __byte_perm(pa[8 * kCS + o], pa[9 * kCS + o], 0x5410);
+          af[i][3] = __byte_perm(pa[8 * kCS + o + 8], pa[9 * kCS + o + 8], 0x5410);
+        }
+      }
+    };
+    auto mma_tap = [&](uint32_t (&af)[kMT][4], uint32_t (&bf)[kNT][2]) {
+      if constexpr (K == MmaKind::kTF32) {  // x is staged as fp32; the packed weights are rounded already
+#pragma unroll
+        for (int i = 0; i < kMT; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[i][e] = tc::to_tf32(__uint_as_float(af[i][e]));
+      }
+      if constexpr (kPartial) {
+        tc::mma_warp_tile<K>(part, af, bf);
+      } else {
+        tc::mma_warp_tile<K>(acc, af, bf);
+      }
+    };
+
+    const int stages = geo.stages;
+    for (int s = 0; s < stages - 1; ++s) {
+      if (s < nloc) load_stage(c_lo + s, s);
+      cp_async_commit();
+    }
+    for (int c = 0; c < nloc; ++c) {
+      if (stages == 3) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // stage c landed for everyone; stage c - 1's buffer is free
+      {
+        const int nxt = c + stages - 1;
+        if (nxt < nloc) load_stage(c_lo + nxt, nxt % stages);
+        cp_async_commit();
+      }
+      const uint32_t* st = smem + (c % stages) * geo.stage_words;
+      const uint32_t* wsm = st + geo.patch_words + t4 * kWS + wn * kWarpN + g8;
+      uint32_t af[kMT][4], bf[kNT][2];
+      int tw = 0;
+      int off = (taps_h - 1) * dstep_h * kRS + (taps_w - 1) * dstep_w + shift;  // tap 0's patch offset
+      auto advance = [&]() {
+        ++tw;
+        off -= dstep_w;
+        if (tw == taps_w) {
+          tw = 0;
+          off += taps_w * dstep_w - dstep_h * kRS;
+        }
+      };
+      if constexpr (kPartial) tc::zero_tile(part);
+      for (int t = 0; t < taps; ++t) {
+        load_frags(st, wsm, t, off, af, bf);
+        mma_tap(af, bf);
+        advance();
+      }
+      if constexpr (kPartial) tc::add_tile(acc, part);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the stages: Cs aliases them
+
+    // Epilogue: accumulators -> shared [channel][pixel] -> bias, convert, NCHW row segments.
+    tc::stage_accumulators(Cs, kCStride, acc, wm * kWarpM, wn * kWarpN, g8, t4);
+    if (split > 1) {
+      cluster_sync();  // every block's partial sums are staged
+    } else {
+      __syncthreads();
+    }
+    // A thread owns pixels (neighbouring threads: neighbouring pixels of a row) and walks channels, so the
+    // pixel's address is computed once and a warp stores 32 neighbouring pixels per channel.
+    constexpr int kPixThreads = BM < kThreads ? BM : kThreads;
+    T* y_blk = y + (img * p.C_out + grp * cout_g + n0) * hw_out;
+    const int nc_max = static_cast<int>(cout_g - n0 < BN ? cout_g - n0 : BN);
+    // With a split, this block writes its share of the channels, summing every block's partial sums.
+    const int nc_lo = rank * nc_max / split, nc_hi = (rank + 1) * nc_max / split;
+    for (int m = tid % kPixThreads; m < BM; m += kPixThreads) {
+      const int qh = qh0 + m / TW, qw = qw0 + m % TW;
+      if (qh >= ah.count || qw >= aw.count) continue;
+      T* y_pix = y_blk + (ah.o0 + int64_t(qh) * p.stride_h) * p.W_out + aw.o0 + int64_t(qw) * p.stride_w;
+      for (int nc = nc_lo + tid / kPixThreads; nc < nc_hi; nc += kThreads / kPixThreads) {
+        float v;
+        if (split > 1) {
+          v = 0.f;
+          for (int q = 0; q < split; ++q) v += cluster_shared(Cs, q)[nc * kCStride + m];
+        } else {
+          v = Cs[nc * kCStride + m];
+        }
+        if (bias != nullptr) v += to_acc(bias[grp * cout_g + n0 + nc]);
+        y_pix[nc * hw_out] = from_acc<T>(v);
+      }
+    }
+    if (split > 1) {
+      cluster_sync();  // the other blocks have read this block's Cs, which the next tile's stages overwrite
+    } else {
+      __syncthreads();  // Cs aliases the next tile's stages
     }
   }
 }
