@@ -196,6 +196,9 @@ class FrontendService(Service):
                 _, client = await loop.create_unix_connection(lambda: EngineClient(self), self.engine_socket)
                 break
             except OSError as exc:
+                if self.state == "draining":  # stopped while starting (the engine died, or a SIGTERM): no work
+                    log.info("stopped before the engine was reached: %s", exc)
+                    return
                 if time.monotonic() > deadline or parent_gone.is_set():
                     raise ConnectionError(f"no engine at {self.engine_socket}: {exc}") from exc
                 await asyncio.sleep(0.05)

@@ -17,6 +17,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from service.app import Service
 from service.config import Settings
+from service.supervisor import SERVING
 
 log = logging.getLogger("deconv.service")
 MAX_FDS_PER_MESSAGE = 16
@@ -126,6 +127,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=[])  # the app's start-up, and no listener of its own
         self.connections.setblocking(False)
         asyncio.get_running_loop().add_reader(self.connections.fileno(), self._take_connections)
+        if not self.should_exit:  # (a SIGTERM during start-up: no connections for a process about to stop)
+            self.connections.send(SERVING)  # the supervisor hands this process connections from now on
 
     def _take_connections(self) -> None:
         """Serve every connection waiting on the channel (one file descriptor per message)."""

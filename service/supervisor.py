@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -42,6 +43,7 @@ log = logging.getLogger("deconv.service")
 
 ENGINE_START_TIMEOUT_S = 120.0  # the engine loads the repository before its socket appears (kernels build later)
 HANDOVER_TIMEOUT_S = 1.0  # how long a connection waits for one HTTP process's channel before the next one is tried
+SERVING = b"s"  # what an HTTP process sends on its channel once it serves the connections handed to it
 
 
 class ConnectionDispatcher:
@@ -53,13 +55,17 @@ class ConnectionDispatcher:
     of connections to whichever process wakes first (an event loop accepts all it can), and ``SO_REUSEPORT``
     spreads them by address hash, which left one process with twice the connections of another under 64 clients.
 
-    A process whose channel is closed (it exited) is skipped from then on; one whose channel stays full for
-    ``HANDOVER_TIMEOUT_S`` is skipped for that connection. A connection no process takes is closed.
+    A process gets connections only once it has said on its channel that it serves them (``SERVING``, sent when
+    its start-up is done): a process still importing or connecting to the engine would leave a connection handed
+    to it waiting for seconds. Until one process serves, connections wait in the listen backlog. A process whose
+    channel is closed (it exited) is skipped from then on; one whose channel stays full for ``HANDOVER_TIMEOUT_S``
+    is skipped for that connection. A connection no process takes is closed.
     """
 
     def __init__(self, listener: socket.socket, channels: list[socket.socket]) -> None:
         self.listener = listener
         self.channels: list[socket.socket | None] = list(channels)
+        self.serving = [False] * len(channels)  # which processes said they serve
         self.handed_out = [0] * len(channels)  # connections given to each process
         self.refused = 0  # connections closed because no process took them
         self._next = 0
@@ -82,6 +88,13 @@ class ConnectionDispatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            open_channels = [i for i, c in enumerate(self.channels) if c is not None]
+            starting = [i for i in open_channels if not self.serving[i]]
+            if starting:
+                serving_now = len(open_channels) > len(starting)
+                self._hear_from(starting, 0.0 if serving_now else 0.2)
+                if not serving_now and any(c is not None for c in self.channels):
+                    continue  # nobody serves yet: connections wait in the backlog
             try:
                 conn, _ = self.listener.accept()
             except TimeoutError:
@@ -98,6 +111,24 @@ class ConnectionDispatcher:
                     if self.refused == 1 or self.refused % 1000 == 0:
                         log.error("no HTTP process took a connection (%d so far): closed", self.refused)
 
+    def _hear_from(self, indices: list[int], timeout_s: float) -> None:
+        """Read what the starting processes ``indices`` sent (waiting up to ``timeout_s``): ``SERVING``, or the
+        end of file of one that exited."""
+        channels = {self.channels[i]: i for i in indices}
+        readable, _, _ = select.select(list(channels), [], [], timeout_s)
+        for channel in readable:
+            index = channels[channel]
+            try:
+                data = channel.recv(64)
+            except OSError:
+                data = b""
+            if not data:
+                channel.close()
+                self.channels[index] = None
+            elif SERVING in data:
+                self.serving[index] = True
+                log.info("HTTP processes serving: %d of %d", sum(self.serving), len(self.channels))
+
     def hand_over(self, conn: socket.socket) -> bool:
         """Pass ``conn`` to the next HTTP process that takes it; whether one did."""
         count = len(self.channels)
@@ -105,7 +136,7 @@ class ConnectionDispatcher:
             index = self._next
             self._next = (index + 1) % count
             channel = self.channels[index]
-            if channel is None:
+            if channel is None or not self.serving[index]:
                 continue
             try:
                 socket.send_fds(channel, [b"c"], [conn.fileno()])

@@ -25,7 +25,7 @@ from service.codec import RawTensor, copy_into, split_rows, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
 from service.registry import BatchLimits, load_repository
-from service.supervisor import ConnectionDispatcher
+from service.supervisor import SERVING, ConnectionDispatcher
 from service.worker import Worker
 
 from .conftest import (
@@ -211,6 +211,8 @@ def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -
     listener = socket.create_server(("127.0.0.1", 0))
     pairs = [socket.socketpair() for _ in range(3)]
     dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
+    for _, theirs in pairs:
+        theirs.send(SERVING)
     dispatcher.start()
     clients: list[socket.socket] = []
     try:
@@ -242,6 +244,62 @@ def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -
         for mine, theirs in pairs:
             mine.close()
             theirs.close()
+        listener.close()
+
+
+def test_dispatcher_hands_connections_only_to_processes_that_serve() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    pairs = [socket.socketpair() for _ in range(2)]
+    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
+    dispatcher.start()
+    clients: list[socket.socket] = []
+    try:
+        # Nobody serves yet: the connections wait in the listen backlog, none is lost.
+        clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+        time.sleep(0.5)
+        assert dispatcher.handed_out == [0, 0]
+        assert dispatcher.refused == 0
+        pairs[1][1].send(SERVING)
+        served = _receive_connections(pairs[1][1], 3)
+        assert _handed_out(dispatcher, 3) == [0, 3]
+        assert sorted(c.getpeername() for c in served) == sorted(c.getsockname() for c in clients)
+        # Once the other one serves too, both get their turn; one that exits while starting is never used.
+        pairs[0][1].send(SERVING)
+        clients += [socket.create_connection(listener.getsockname()) for _ in range(4)]
+        more = [_receive_connections(theirs, 2) for _, theirs in pairs]
+        assert _handed_out(dispatcher, 7) == [2, 5]
+        for conn in served + more[0] + more[1]:
+            conn.close()
+    finally:
+        dispatcher.stop()
+        for c in clients:
+            c.close()
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()
+        listener.close()
+
+
+def test_dispatcher_forgets_a_process_that_exits_before_it_serves() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    pairs = [socket.socketpair() for _ in range(2)]
+    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
+    pairs[0][1].close()  # exited while starting
+    pairs[1][1].send(SERVING)
+    dispatcher.start()
+    try:
+        with socket.create_connection(listener.getsockname()):
+            assert len(_receive_connections(pairs[1][1], 1)) == 1
+        deadline = time.monotonic() + 10
+        while dispatcher.channels[0] is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dispatcher.channels[0] is None
+        assert dispatcher.serving == [False, True]
+    finally:
+        dispatcher.stop()
+        pairs[0][0].close()
+        pairs[1][0].close()
+        pairs[1][1].close()
         listener.close()
 
 
@@ -344,6 +402,10 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
     children = _children(proc.proc.pid)
     http = [p for p in children if b"service.frontend" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(http) == 3
+    deadline = time.monotonic() + 60  # ready is one process; the others may still be starting
+    while "HTTP processes serving: 3 of 3" not in proc.log():
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
     clients = [httpx.Client(base_url=proc.url, timeout=20) for _ in range(12)]
     try:
         for client in clients:  # each keeps its connection open
@@ -355,13 +417,43 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
             client.close()
 
 
+def test_an_http_process_stopped_while_it_waits_for_the_engine_stops_at_once(repo, tmp_path, monkeypatch) -> None:
+    import service.engine
+    from service.config import Settings
+    from service.frontend import FrontendService
+
+    monkeypatch.setattr(service.engine, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
+    root, _ = repo
+    gone = tmp_path / "engine.sock"
+    with socket.socket(socket.AF_UNIX) as dead:  # a socket file nobody listens on any more: connect is refused
+        dead.bind(str(gone))
+    service = FrontendService(Settings(layer_repository=root, devices="cpu"), str(gone))
+
+    async def main() -> float:
+        task = asyncio.create_task(service.start())
+        await asyncio.sleep(0.3)
+        assert not task.done()  # retrying: the engine may still be starting
+        service.begin_drain()
+        began = time.monotonic()
+        await asyncio.wait_for(task, 5)
+        return time.monotonic() - began
+
+    assert run(main()) < 1.0
+    assert service.client is None
+    assert service.batchers == {}
+
+
 def test_engine_death_stops_the_server(repo, server_factory):
     root, _ = repo
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2"})
     children = _children(proc.proc.pid)
     engine = next(p for p in children if b"service.engine" in Path(f"/proc/{p}/cmdline").read_bytes())
     os.kill(engine, signal.SIGKILL)
-    assert proc.proc.wait(30) == 1
+    try:
+        code = proc.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not stop within 30 s of its engine's death:\n{proc.log()}")
+    assert code == 1, proc.log()
     _wait_gone(children)
     log = proc.log()
     assert "the engine (pid" in log
