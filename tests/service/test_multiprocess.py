@@ -5,6 +5,7 @@ which runs every server test in both modes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,18 +209,50 @@ def _handed_out(dispatcher: ConnectionDispatcher, total: int) -> list[int]:
     return list(dispatcher.handed_out)
 
 
-def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    pairs = [socket.socketpair() for _ in range(3)]
-    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
-    for _, theirs in pairs:
-        theirs.send(SERVING)
-    dispatcher.start()
-    clients: list[socket.socket] = []
+class Rig:
+    """A dispatcher on a local listener with ``n`` channels (``pairs[i][1]``: process i's end), and clients."""
+
+    def __init__(self, n: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.pairs = [socket.socketpair() for _ in range(n)]
+        self.dispatcher = ConnectionDispatcher(self.listener, [mine for mine, _ in self.pairs])
+        self.clients: list[socket.socket] = []
+        self.received: list[socket.socket] = []
+
+    def connect(self, count: int) -> list[socket.socket]:
+        new = [socket.create_connection(self.listener.getsockname()) for _ in range(count)]
+        self.clients += new
+        return new
+
+    def receive(self, index: int, count: int) -> list[socket.socket]:
+        got = _receive_connections(self.pairs[index][1], count)
+        self.received += got
+        return got
+
+    def close(self) -> None:
+        self.dispatcher.stop()
+        for sock in [*self.clients, *self.received, *(s for pair in self.pairs for s in pair), self.listener]:
+            sock.close()
+
+
+@contextlib.contextmanager
+def _rig(n: int, serving: tuple[int, ...] = ()) -> Iterator[Rig]:
+    """A started ``Rig`` whose processes ``serving`` said they serve before it started; closed at the end."""
+    rig = Rig(n)
+    for i in serving:
+        rig.pairs[i][1].send(SERVING)
+    rig.dispatcher.start()
     try:
-        clients = [socket.create_connection(listener.getsockname()) for _ in range(9)]
-        served = [_receive_connections(theirs, 3) for _, theirs in pairs]
-        assert _handed_out(dispatcher, 9) == [3, 3, 3]
+        yield rig
+    finally:
+        rig.close()
+
+
+def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -> None:
+    with _rig(3, serving=(0, 1, 2)) as rig:
+        clients = rig.connect(9)
+        served = [rig.receive(i, 3) for i in range(3)]
+        assert _handed_out(rig.dispatcher, 9) == [3, 3, 3]
         # What arrives is the client's own connection: its peer is a client, each exactly once, and it carries data.
         peers = sorted(conn.getpeername() for conns in served for conn in conns)
         assert peers == sorted(c.getsockname() for c in clients)
@@ -227,80 +261,48 @@ def test_dispatcher_hands_connections_out_in_turn_and_skips_a_closed_channel() -
             by_peer[client.getsockname()].sendall(b"%d" % i)
             assert client.recv(8) == b"%d" % i
         # A process that exited (its end closed) is skipped from then on.
-        pairs[1][1].close()
-        clients += [socket.create_connection(listener.getsockname()) for _ in range(4)]
-        more = [_receive_connections(pairs[i][1], 2) for i in (0, 2)]
+        rig.pairs[1][1].close()
+        rig.connect(4)
+        more = [rig.receive(i, 2) for i in (0, 2)]
         assert [len(m) for m in more] == [2, 2]
-        assert dispatcher.channels[1] is None
-        assert _handed_out(dispatcher, 13) == [5, 3, 5]
-        assert dispatcher.refused == 0
-        for conns in served + more:
-            for conn in conns:
-                conn.close()
-    finally:
-        dispatcher.stop()
-        for c in clients:
-            c.close()
-        for mine, theirs in pairs:
-            mine.close()
-            theirs.close()
-        listener.close()
+        assert rig.dispatcher.channels[1] is None
+        assert _handed_out(rig.dispatcher, 13) == [5, 3, 5]
+        assert rig.dispatcher.refused == 0
 
 
 def test_dispatcher_hands_connections_only_to_processes_that_serve() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    pairs = [socket.socketpair() for _ in range(2)]
-    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
-    dispatcher.start()
-    clients: list[socket.socket] = []
-    try:
+    with _rig(2) as rig:
         # Nobody serves yet: the connections wait in the listen backlog, none is lost.
-        clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+        clients = rig.connect(3)
         time.sleep(0.5)
-        assert dispatcher.handed_out == [0, 0]
-        assert dispatcher.refused == 0
-        pairs[1][1].send(SERVING)
-        served = _receive_connections(pairs[1][1], 3)
-        assert _handed_out(dispatcher, 3) == [0, 3]
+        assert rig.dispatcher.handed_out == [0, 0]
+        assert rig.dispatcher.refused == 0
+        rig.pairs[1][1].send(SERVING)
+        served = rig.receive(1, 3)
+        assert _handed_out(rig.dispatcher, 3) == [0, 3]
         assert sorted(c.getpeername() for c in served) == sorted(c.getsockname() for c in clients)
-        # Once the other one serves too, both get their turn; one that exits while starting is never used.
-        pairs[0][1].send(SERVING)
-        clients += [socket.create_connection(listener.getsockname()) for _ in range(4)]
-        more = [_receive_connections(theirs, 2) for _, theirs in pairs]
-        assert _handed_out(dispatcher, 7) == [2, 5]
-        for conn in served + more[0] + more[1]:
-            conn.close()
-    finally:
-        dispatcher.stop()
-        for c in clients:
-            c.close()
-        for mine, theirs in pairs:
-            mine.close()
-            theirs.close()
-        listener.close()
+        # Once the other one serves too, both get their turn.
+        rig.pairs[0][1].send(SERVING)
+        rig.connect(4)
+        assert [len(rig.receive(i, 2)) for i in (0, 1)] == [2, 2]
+        assert _handed_out(rig.dispatcher, 7) == [2, 5]
 
 
 def test_dispatcher_forgets_a_process_that_exits_before_it_serves() -> None:
-    listener = socket.create_server(("127.0.0.1", 0))
-    pairs = [socket.socketpair() for _ in range(2)]
-    dispatcher = ConnectionDispatcher(listener, [mine for mine, _ in pairs])
-    pairs[0][1].close()  # exited while starting
-    pairs[1][1].send(SERVING)
-    dispatcher.start()
+    rig = Rig(2)
+    rig.pairs[0][1].close()  # exited while starting
+    rig.pairs[1][1].send(SERVING)
+    rig.dispatcher.start()
     try:
-        with socket.create_connection(listener.getsockname()):
-            assert len(_receive_connections(pairs[1][1], 1)) == 1
+        rig.connect(1)
+        assert len(rig.receive(1, 1)) == 1
         deadline = time.monotonic() + 10
-        while dispatcher.channels[0] is not None and time.monotonic() < deadline:
+        while rig.dispatcher.channels[0] is not None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert dispatcher.channels[0] is None
-        assert dispatcher.serving == [False, True]
+        assert rig.dispatcher.channels[0] is None
+        assert rig.dispatcher.serving == [False, True]
     finally:
-        dispatcher.stop()
-        pairs[0][0].close()
-        pairs[1][0].close()
-        pairs[1][1].close()
-        listener.close()
+        rig.close()
 
 
 def test_dispatcher_closes_a_connection_no_process_takes() -> None:
