@@ -5,7 +5,11 @@ each split factor forced (1, 2, 4, 8 blocks of a cluster per tile), checks every
 reference, and times each (CUDA events, L2 flush, median of ``--reps``) next to cuDNN in the same run. Layers that
 do not run the halo kernel (narrow, gather) ignore the forced split, so their columns agree within noise.
 
+With ``--config N`` every split column runs tensor-core tile configuration N instead (the "default" column stays
+the dispatcher's own choice), and ``--layers`` keeps only the named layers.
+
     python bench/splits.py --batches 1 8 64 --out splits.json
+    python bench/splits.py --config 13 --layers dcgan_up3 dcgan_rgb --batches 1 8
 """
 
 from __future__ import annotations
@@ -33,13 +37,18 @@ def main() -> None:
     ap.add_argument("--hw", type=int, default=32, help="input H = W (bench/kernelbench.py's bundled-layer table)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--config", type=int, help="tensor-core tile configuration of the split columns")
+    ap.add_argument("--layers", nargs="+", help="only these layers (default: all)")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = ap.parse_args()
     timer = Timer(reps=args.reps, warmup=5)
-    names = ["default" if s is None else f"split {s}" for s in SPLITS]
+    tile = "" if args.config is None else f"tc{args.config}/"
+    names = ["default" if s is None else f"{tile}split {s}" for s in SPLITS]
     print(f"{'layer':16s} {'batch':>5s} " + " ".join(f"{n:>8s}" for n in names) + f" {'cuDNN':>8s}  (us)  path")
     rows = []
     for cfg, w, b, kw, prec in bundled_layers():
+        if args.layers and cfg["name"] not in args.layers:
+            continue
         conv = normalize_args(kw["stride"], kw["padding"], kw["output_padding"], cfg["groups"], kw["dilation"])
         precision = resolve_precision(w.dtype, prec)
         tol = TOL[precision] if w.dtype == torch.float32 else TOL["bf16"]  # 16-bit inputs: bf16's 2e-2
@@ -50,7 +59,9 @@ def main() -> None:
                 ref = F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(),
                                          groups=cfg["groups"], **kw)
                 for name, split in zip(names, SPLITS, strict=True):
-                    fn = partial(_forward_cuda, x, w, b, conv, precision, force_split=split)
+                    forced = {} if split is None else {"force_split": split, "force_config": args.config,
+                                                        "force_path": None if args.config is None else "tensor_core"}
+                    fn = partial(_forward_cuda, x, w, b, conv, precision, **forced)
                     y, path = fn()
                     err = rel_err(y, ref)
                     if not err <= tol:
@@ -63,7 +74,8 @@ def main() -> None:
             print(f"{cfg['name']:16s} {n:5d} " + " ".join(f"{times[k]:8.1f}" for k in [*names, "cudnn"])
                   + f"  {path}", flush=True)
     if args.out:
-        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps, "rows": rows}
+        doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
+               "config": args.config, "rows": rows}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -1,7 +1,7 @@
 """Every tensor-core tile configuration on the KernelBench problems: the measurements behind the tile heuristic.
 
 For each problem and precision mode it runs the kernel with each configuration forced (0-3: gather kernel,
-4-12: halo kernel, 9-12 its warp-specialized wgmma tiles on sm_90), checks the output against a float64
+4-13: halo kernel, 9-12 its warp-specialized wgmma tiles on sm_90), checks the output against a float64
 reference, and times it (CUDA events, L2 flush, median), next to the configuration the heuristic picks and cuDNN
 in the same run.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernelbench import PROBLEMS, TOL, Timer, rel_err  # noqa: E402
 from kernels.functional import _forward_cuda, normalize_args  # noqa: E402
 
-NUM_CONFIGS = 13
+NUM_CONFIGS = 14
 
 
 def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:

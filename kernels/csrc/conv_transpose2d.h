@@ -81,7 +81,7 @@ cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_
 // tiles, the next kNumHaloConfigs the halo tiles (halo.cuh): mma.sync (conv_transpose2d_halo.cu) and, on sm_90,
 // warp-specialized wgmma (conv_transpose2d_wgmma.cu).
 constexpr int kNumGatherConfigs = 4;
-constexpr int kNumHaloConfigs = 9;
+constexpr int kNumHaloConfigs = 10;
 constexpr int kNumTensorCoreConfigs = kNumGatherConfigs + kNumHaloConfigs;
 int tensor_core_config(const ConvTranspose2dParams& p);  // chosen tile configuration, or -1 if not eligible
 size_t tensor_core_workspace_bytes(const ConvTranspose2dParams& p, int config);

@@ -553,6 +553,8 @@ cudaError_t launch_halo_kind(const ConvTranspose2dParams& p, int config, const u
       return launch_halo_shape<T, K, 16, 32, 32, 8, 1>(p, pl, wt, ciw_pad, co_pad, stream);
     case 4:
       return launch_halo_shape<T, K, 16, 32, 16, 8, 1>(p, pl, wt, ciw_pad, co_pad, stream);
+    case 9:
+      return launch_halo_shape<T, K, 2, 32, 16, 2, 1>(p, pl, wt, ciw_pad, co_pad, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -32,6 +32,7 @@ constexpr HaloShape kHaloShapes[kNumHaloConfigs] = {
     {8, 32, 128, 8, 1, true, 2},   // 6: warp-specialized wgmma, 256 x 128, 2 consumer warpgroups
     {16, 32, 32, 8, 1, true, 3},   // 7: warp-specialized wgmma, 512 x 32, 2 consumer warpgroups
     {16, 32, 64, 16, 1, true, 1},  // 8: warp-specialized wgmma, 512 x 64, 4 consumer warpgroups
+    {2, 32, 16, 2, 1, false, 9},   // 9: 64 pixels x 16 channels, 2 warps (warp tile 32 x 16): one-image layers
 };
 constexpr int kMaxStages = 3;    // halo kernel: 2 when three do not fit in shared memory
 constexpr int kMaxWsStages = 4;  // warp-specialized kernel

@@ -30,7 +30,7 @@ from kernels.tuning import (
     TuneResult,
 )
 
-NUM_CONFIGS = 13
+NUM_CONFIGS = 14
 NUM_GATHER = 4  # tile configurations below this are gather tiles, the rest halo tiles (split-K capable)
 
 

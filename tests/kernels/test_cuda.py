@@ -35,10 +35,11 @@ MODES = {
     "fp16": (torch.float16, None, 2e-2),
     "fp64": (torch.float64, None, 1e-12),
 }
-# Tensor-core tile configurations: 0-3 the gather kernel, 4-12 the halo kernel, of which 9-12 are the
-# warp-specialized wgmma tiles on sm_90 (their mma.sync fallbacks elsewhere and in exact fp32)
+# Tensor-core tile configurations: 0-3 the gather kernel, 4-13 the halo kernel, of which 9-12 are the
+# warp-specialized wgmma tiles on sm_90 (their mma.sync fallbacks elsewhere and in exact fp32) and 13 the small
+# tile for one-image layers
 # (kernels/csrc/halo.cuh).
-NUM_TC_CONFIGS = 13
+NUM_TC_CONFIGS = 14
 HALO_CONFIGS = range(4, NUM_TC_CONFIGS)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
 
@@ -160,7 +161,7 @@ FORCED = {
 @pytest.mark.parametrize("route", ["simt", *(f"tc{i}" for i in range(NUM_TC_CONFIGS))])
 @pytest.mark.parametrize("problem", list(FORCED))
 def test_forced_paths(problem: str, route: str, mode: str) -> None:
-    """Every kernel family and every tensor-core tile configuration (gather 0-3, halo 4-12) on awkward shapes."""
+    """Every kernel family and every tensor-core tile configuration (gather 0-3, halo 4-13) on awkward shapes."""
     kw = dict(force_path="simt") if route == "simt" else dict(force_path="tensor_core", force_config=int(route[2:]))
     err, tol, path = run_case(**FORCED[problem], mode=mode, seed=zlib.crc32(problem.encode()), **kw)
     assert path == ("simt" if route == "simt" else "tensor_core")
