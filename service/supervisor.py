@@ -234,17 +234,28 @@ def supervise(settings: Settings) -> int:
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
-    """SIGTERM every running child at once, wait up to ``timeout_s``, then SIGKILL; their exit statuses."""
+    """SIGTERM every running child at once, wait up to ``timeout_s``, then SIGKILL; their exit statuses.
+
+    A child that SIGTERM ended (status -SIGTERM) was still starting: the engine and the HTTP processes handle the
+    signal, and drain, from before they take any work, so one that had not got that far had nothing to drain and
+    counts as stopped cleanly (0).
+    """
+    signalled = set()
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
+            signalled.add(child.pid)
     deadline = time.monotonic() + timeout_s
     codes = []
     for child in children:
         try:
-            codes.append(child.wait(max(0.0, deadline - time.monotonic())))
+            code = child.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.error("pid %d did not stop within %.0f s: killed", child.pid, timeout_s)
             child.kill()
-            codes.append(child.wait())
+            code = child.wait()
+        if code == -signal.SIGTERM and child.pid in signalled:
+            log.info("pid %d stopped while starting: nothing to drain", child.pid)
+            code = 0
+        codes.append(code)
     return codes

@@ -27,7 +27,7 @@ from service.codec import RawTensor, copy_into, split_rows, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
 from service.registry import BatchLimits, load_repository
-from service.supervisor import SERVING, ConnectionDispatcher
+from service.supervisor import SERVING, ConnectionDispatcher, _stop_all
 from service.worker import Worker
 
 from .conftest import (
@@ -477,6 +477,23 @@ def test_children_stop_when_the_supervisor_is_killed(repo, tmp_path):
         assert "the supervisor is gone: shutting down" in proc.log()
     finally:
         proc.stop()
+
+
+def test_a_child_that_sigterm_ends_while_it_starts_stopped_cleanly() -> None:
+    """A child that SIGTERM kills had not installed its handler yet (it was importing), so it had nothing to drain:
+    0. One that handles the signal keeps its own status."""
+    ready = "import sys; sys.stdout.write('r'); sys.stdout.flush(); "
+    starting = subprocess.Popen([sys.executable, "-c", ready + "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    failing = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                "signal.signal(signal.SIGTERM, lambda *a: sys.exit(1)); " + ready + "time.sleep(60)"],
+                               stdout=subprocess.PIPE)
+    for child in (starting, failing):
+        assert child.stdout is not None
+        assert child.stdout.read(1) == b"r"  # running (and the second one's handler installed)
+    assert _stop_all([starting, failing], 20) == [0, 1]
+    for child in (starting, failing):
+        assert child.stdout is not None
+        child.stdout.close()
 
 
 def test_port_in_use_fails_at_start(repo, tmp_path):
