@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import PROBLEMS, TOL, Timer, rel_err  # noqa: E402
-from kernels.functional import _forward_cuda, normalize_args  # noqa: E402
-
-NUM_CONFIGS = 14
+from kernels.functional import _forward_cuda, _load_extension, normalize_args  # noqa: E402
 
 
 def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
@@ -47,7 +45,7 @@ def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
         _, path = _forward_cuda(x, w, b, args, precision)
         row["default_ms"] = round(timer(lambda: _forward_cuda(x, w, b, args, precision)), 4)
         row["default_path"] = path
-        for c in range(NUM_CONFIGS):
+        for c in range(num_configs()):
             try:
                 y, _ = _forward_cuda(x, w, b, args, precision, force_path="tensor_core", force_config=c)
             except RuntimeError as exc:  # shared memory does not fit this problem
@@ -64,6 +62,11 @@ def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
     return row
 
 
+def num_configs() -> int:
+    """Tensor-core tile configurations the built extension has."""
+    return int(_load_extension().num_tensor_core_configs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", nargs="+", default=["tf32", "fp32", "bf16"], choices=["tf32", "fp32", "bf16"])
@@ -75,13 +78,13 @@ def main() -> None:
     timer = Timer(args.reps, 2)
     rows = []
     print(f"{'id':>3} {'mode':>4} {'cuDNN':>8} {'default':>8}  " + " ".join(f"{'c' + str(c):>7}" for c in
-                                                                      range(NUM_CONFIGS)), flush=True)
+                                                                      range(num_configs())), flush=True)
     for mode in args.modes:
         for p in problems:
             r = sweep_problem(p, mode, timer)
             rows.append(r)
             cells = []
-            for c in range(NUM_CONFIGS):
+            for c in range(num_configs()):
                 e = r["configs"][c]
                 cells.append(f"{'-':>7}" if "ms" not in e else f"{e['ms']:7.3f}" + ("" if e["correct"] else "!"))
             print(f"{r['id']:>3} {mode:>4} {r['cudnn_ms']:8.3f} {r['default_ms']:8.3f}  " + " ".join(cells),
