@@ -369,11 +369,21 @@ def repo(tmp_path: Path) -> tuple[Path, Any]:
     return tmp_path, module
 
 
+def _wait_serving(proc: ServerProcess, count: int) -> None:
+    """Wait until ``count`` HTTP processes serve: ready is one of them; the others may still be starting (and
+    report not ready in the merged ``deconv_ready`` until then)."""
+    deadline = time.monotonic() + 60
+    while f"HTTP processes serving: {count} of {count}" not in proc.log():
+        assert time.monotonic() < deadline, proc.log()
+        time.sleep(0.05)
+
+
 def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo, server_factory):
     root, module = repo
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "3",
                            "DECONV_MAX_QUEUE_DELAY_MS": "300"})
     assert len(_children(proc.proc.pid)) == 4  # the engine and three HTTP processes
+    _wait_serving(proc, 3)
 
     async def main() -> None:
         xs = [np.random.default_rng(i).standard_normal((1, 4, 5, 5)).astype(np.float32) for i in range(24)]
@@ -404,10 +414,7 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
     children = _children(proc.proc.pid)
     http = [p for p in children if b"service.frontend" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(http) == 3
-    deadline = time.monotonic() + 60  # ready is one process; the others may still be starting
-    while "HTTP processes serving: 3 of 3" not in proc.log():
-        assert time.monotonic() < deadline, proc.log()
-        time.sleep(0.05)
+    _wait_serving(proc, 3)
     clients = [httpx.Client(base_url=proc.url, timeout=20) for _ in range(12)]
     try:
         for client in clients:  # each keeps its connection open
