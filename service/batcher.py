@@ -141,6 +141,8 @@ class Batcher:
         self._seq = itertools.count()
         self._changed: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        # The event loop, looked up once: on Python 3.11 every asyncio.get_running_loop() is a getpid system call.
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._executing = 0  # this layer's batches on a worker, outputs not back yet (late packing counts these)
         self._finished: asyncio.Event | None = None  # set whenever one of this layer's batches leaves its worker
@@ -157,6 +159,7 @@ class Batcher:
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
+        self._event_loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._finished = asyncio.Event()
         self._loop_task = asyncio.create_task(self._loop(), name=f"batcher-{self.layer.name}")
@@ -219,7 +222,7 @@ class Batcher:
             seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w)), samples=int(n),
             out_bytes=int(n) * self.layer.config.out_channels * h_out * w_out * x.element_size(),
             enqueued=time.monotonic() if received is None else received, deadline=deadline,
-            future=asyncio.get_running_loop().create_future(),
+            future=(self._event_loop or asyncio.get_running_loop()).create_future(),
         )
         self._queue[item.seq] = item
         totals = self._totals.setdefault(item.key, [0, 0])

@@ -127,7 +127,7 @@ class RemoteBatcher:
         client = self.client
         if client.transport is None or client.transport.is_closing():
             raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
-        item = RemotePending(next(client.ids), asyncio.get_running_loop().create_future())
+        item = RemotePending(next(client.ids), client.loop.create_future())
         client.pending[item.request_id] = (item, x.dtype, self._queue_time)
         client.send(ipc.submit_frame(item.request_id, self.index, x,
                                      time.monotonic() if received is None else received, deadline))

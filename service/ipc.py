@@ -219,8 +219,8 @@ class FrameProtocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
-        self._loop = asyncio.get_running_loop()
-        self._closed = self._loop.create_future()
+        self.loop = asyncio.get_running_loop()  # the connection's event loop
+        self._closed = self.loop.create_future()
         self._out: list[bytes | memoryview] = []  # frames queued in this loop iteration, written together
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -256,7 +256,7 @@ class FrameProtocol(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         if not self._out:
-            self._loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self._out.extend(parts)
 
     def _flush(self) -> None:

@@ -286,7 +286,7 @@ async def run_inference(
     item: Ticket = batcher.submit(x4, received=received, deadline=deadline)
     # Wait for whichever comes first: the result, the client leaving, the deadline or the request timeout. One
     # future woken by callbacks: asyncio.wait would build sets, a waiter and callbacks on every call.
-    loop = asyncio.get_running_loop()
+    loop = item.future.get_loop()  # the running loop, without asyncio.get_running_loop()'s getpid on Python 3.11
     wake = loop.create_future()
 
     def wake_up(_: object = None) -> None:
