@@ -208,6 +208,13 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
     assert rel_err(runs[0], whole.double()) <= tol
 
 
+def test_every_tile_configuration_is_forced_above() -> None:
+    """The forced-path tests cover every configuration the extension has (a new tile is not left out)."""
+    from kernels.functional import _load_extension
+
+    assert int(_load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
+
+
 def test_extension_checks_raise_with_their_numbers() -> None:
     """The binding's own checks (behind Python's) raise RuntimeError naming the values; they once ended the
     interpreter with SIGSEGV when a message streamed an integer."""

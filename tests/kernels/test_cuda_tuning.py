@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from kernels import tuning
-from kernels.functional import _forward_cuda, conv_transpose2d_gathered, normalize_args, output_size
+from kernels.functional import _forward_cuda, _load_extension, conv_transpose2d_gathered, normalize_args, output_size
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
 from tests.kernels.test_cuda import MODES, reference, rel_err
 
@@ -118,7 +118,7 @@ def test_weight_packs_give_what_per_call_packing_gives(mode: str) -> None:
     x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode=mode)
     packs = kernels.functional.WeightPacks(wt)
     choices = [DEFAULT, KernelChoice("narrow"), KernelChoice("simt"), KernelChoice("tensor_core", 5, 4),
-               *(KernelChoice("tensor_core", c) for c in range(13))]
+               *(KernelChoice("tensor_core", c) for c in range(int(_load_extension().num_tensor_core_configs)))]
     ref = reference(x, wt, b, stride=2, padding=1)
     for c in choices:
         kw = dict(force_path=c.path, force_config=c.config, force_split=c.split)
