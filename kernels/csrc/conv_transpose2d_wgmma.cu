@@ -9,10 +9,11 @@
 // The producer fills a ring of `stages` shared-memory buffers, each one stage of 8 K words (8 fp32 or 16 16-bit
 // input channels): the patch with 16-byte cp.async from its 128 threads (zero-filled outside x), and the
 // weights, packed K-major ([g][a][b][word / 4][co][4]), with one bulk copy per tap and K half (BN x 16 bytes)
-// that completes as transactions on the stage's `full` barrier. For TF32 it then rounds the landed patch to TF32
-// (round to nearest, as cvt.rna) in shared memory, one stage behind its copies (none with two buffers), so that
-// consumers feed the tensor cores without converting; 16-bit patches are published as they land (cp.async
-// arrivals on `full`).
+// that completes as transactions on the stage's `full` barrier. Patches are published as they land (cp.async
+// arrivals on `full`), so every buffer the consumers are not reading has its copies in flight, and fp32 inputs
+// are rounded to TF32 (round to nearest, cvt.rna) by the consumers as they load their fragments. The 32-channel
+// tile rounds in shared memory instead (kRoundSmem): there the producer rounds the landed patch once and publishes
+// it one stage behind its copies (none with two buffers), at most two stages of copies in flight.
 // Consumers wait for `full`, run the stage's taps (A: the patch window through registers in mma.sync's fragment
 // layout, three register sets in rotation; B: the weights by descriptor), wait for their wgmma and arrive on
 // `empty`, which the producer waits for before refilling the buffer. The epilogue stores straight from the
@@ -74,7 +75,13 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
   constexpr int kRS = patch_row_stride(TW, sizeof(T));
   constexpr int kCS = patch_channel_stride(TH, TW, sizeof(T));
   constexpr int kRing = 3;
-  constexpr bool kRound = K == tc::MmaKind::kTF32;
+  constexpr bool kTF32 = K == tc::MmaKind::kTF32;
+  // Where fp32 patches are rounded to TF32. In the consumers' registers a patch word is converted once for each tap
+  // that reads it (kMT x 4 cvt a thread against one m64 x BN x 8 wgmma), in shared memory once, by the producer,
+  // which then holds back a stage. H100 (bench/NOTES.md v14): registers are faster at BN = 64 (dcgan_up1 b64 178
+  // against 207 us, KernelBench 57 4.6-4.7 against 5.0-5.2 ms) and even at BN = 128 (69, within noise), but at
+  // BN = 32, where a wgmma is half as long, slower with 21 taps (78: 1.45-1.54 against 1.30 ms).
+  constexpr bool kRoundSmem = kTF32 && BN == 32;
   // Registers: a block starts with kLaunchRegs a thread (what __launch_bounds__ leaves ptxas: 168 for 384
   // threads, 96 for 640); the producer gives back down to kProdRegs and the consumers take what it freed
   // (setmaxnreg.inc waits for registers the block does not hold, forever). With four consumer warpgroups that is
@@ -156,7 +163,7 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
     // the end); -1: none.
     int pending = -1;
     auto publish_pending = [&]() {
-      if constexpr (kRound) {
+      if constexpr (kRoundSmem) {
         if (pending < 0) return;
         producer_sync();  // every producer thread's copies of the pending stage have landed (waited before)
         round_patch_tf32(smem + pending * geo.stage_words, geo.patch_words, ptid);
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
             }
           }
         }
-        if constexpr (kRound) {
+        if constexpr (kRoundSmem) {
           cp_async_commit();
           if (stages > 2) {
             cp_async_wait<1>();  // this thread's copies of the pending stage have landed
@@ -210,7 +217,7 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
         }
       }
     }
-    if constexpr (kRound) {
+    if constexpr (kRoundSmem) {
       cp_async_wait<0>();
       publish_pending();
     }
@@ -254,6 +261,12 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
                 af[b][i][1] = pa[o + 8];
                 af[b][i][2] = pa[4 * kCS + o];
                 af[b][i][3] = pa[4 * kCS + o + 8];
+              }
+              if constexpr (kTF32 && !kRoundSmem) {
+#pragma unroll
+                for (int i = 0; i < kMT; ++i)
+#pragma unroll
+                  for (int e = 0; e < 4; ++e) af[b][i][e] = tc::to_tf32(__uint_as_float(af[b][i][e]));
               }
             } else {
               const uint16_t* pa = reinterpret_cast<const uint16_t*>(st) + 2 * t4 * kCS + a_base + off;

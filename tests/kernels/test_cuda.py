@@ -50,14 +50,22 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y64 - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> TF32 as cvt.rna does it for finite values: add half a TF32 unit to the magnitude, drop 13 bits."""
+    return ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **kw: object) -> torch.Tensor:
     """float64 reference from the (already rounded) operands, on the GPU (cuDNN in double)."""
     return F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(), **kw)  # type: ignore[arg-type]
 
 
 def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_padding=0, dilation=1, groups=1,
-             bias=True, seed=0, force_path=None, force_config=None, force_split=None):
-    """Build a random problem, run the kernel into a poisoned output, return (rel_err, tol, path)."""
+             bias=True, seed=0, force_path=None, force_config=None, force_split=None, tf32_reference=False):
+    """Build a random problem, run the kernel into a poisoned output, return (rel_err, tol, path).
+
+    ``tf32_reference``: the reference takes x and w rounded to TF32 (round to nearest, ties away from zero), so that
+    what is left of the error is the accumulation's alone."""
     dtype, precision, tol = MODES[mode]
     g = torch.Generator(device="cuda").manual_seed(seed)
     kh, kw = (k, k) if isinstance(k, int) else k
@@ -72,6 +80,8 @@ def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_paddi
     y, path = _forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config,
                             force_split=force_split)
     assert y.data_ptr() == out.data_ptr()
+    if tf32_reference:
+        x, wt = round_tf32(x), round_tf32(wt)
     ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
                     groups=groups, dilation=args.dilation)
     assert y.shape == ref.shape
@@ -166,6 +176,19 @@ def test_forced_paths(problem: str, route: str, mode: str) -> None:
     err, tol, path = run_case(**FORCED[problem], mode=mode, seed=zlib.crc32(problem.encode()), **kw)
     assert path == ("simt" if route == "simt" else "tensor_core")
     assert err <= tol, f"{problem}/{route}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+# TF32 operands are rounded to nearest (cvt.rna), not truncated: against a reference from rounded operands only the
+# accumulation's error is left (about 7e-9 x K; K = 80 and 360 here), while truncated or unrounded operands leave
+# ~3e-4. On sm_90 tc11 rounds the patch in shared memory and tc9, tc10 and tc12 in the consumers' registers
+# (conv_transpose2d_wgmma.cu); odd_all's rows are not 16-byte aligned (their mma.sync fallbacks).
+@pytest.mark.parametrize("route", [f"tc{i}" for i in range(NUM_TC_CONFIGS)])
+@pytest.mark.parametrize("problem", ["aligned_rows", "aligned_strided", "odd_all"])
+def test_tf32_rounds_operands_to_nearest(problem: str, route: str) -> None:
+    err, _, path = run_case(**FORCED[problem], mode="tf32", seed=zlib.crc32(problem.encode()),
+                            force_path="tensor_core", force_config=int(route[2:]), tf32_reference=True)
+    assert path == "tensor_core"
+    assert err <= 3e-5, f"{problem}/{route}: rel err {err:.3e} against TF32-rounded operands"
 
 
 # Split-K over thread-block clusters (halo kernel, sm_90): `split` blocks share each tile, each over a range of
