@@ -79,8 +79,8 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
   // Where fp32 patches are rounded to TF32. In the consumers' registers a patch word is converted once for each tap
   // that reads it (kMT x 4 cvt a thread against one m64 x BN x 8 wgmma), in shared memory once, by the producer,
   // which then holds back a stage. H100 (bench/NOTES.md v14): registers are faster at BN = 64 (dcgan_up1 b64 178
-  // against 207 us, KernelBench 57 4.6-4.7 against 5.0-5.2 ms) and even at BN = 128 (69, within noise), but at
-  // BN = 32, where a wgmma is half as long, slower with 21 taps (78: 1.45-1.54 against 1.30 ms).
+  // against 207 us, KernelBench 57 4.6-4.7 against 5.0-5.2 ms) and level at BN = 128 (69), but at BN = 32, where a
+  // wgmma is half as long, slower with 21 taps (78: 1.45-1.54 against 1.30 ms).
   constexpr bool kRoundSmem = kTF32 && BN == 32;
   // Registers: a block starts with kLaunchRegs a thread (what __launch_bounds__ leaves ptxas: 168 for 384
   // threads, 96 for 640); the producer gives back down to kProdRegs and the consumers take what it freed
