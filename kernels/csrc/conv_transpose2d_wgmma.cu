@@ -159,8 +159,8 @@ __global__ void __launch_bounds__((kCons + 1) * 128, 1)
   if (producer) {
     wg::setmaxnreg_dec<kProdRegs>();
     const int ptid = threadIdx.x - kCons * 128;
-    // TF32: the stage whose copies were issued last, rounded and published once the next one is issued (or at
-    // the end); -1: none.
+    // kRoundSmem: the stage whose copies were issued last, rounded and published once the next one is issued (or
+    // at the end); -1: none.
     int pending = -1;
     auto publish_pending = [&]() {
       if constexpr (kRoundSmem) {
