@@ -625,7 +625,10 @@ def main() -> None:
                        "http_processes": args.http_processes,
                        "client": args.client, "client_loop": "uvloop" if event_loop_factory() else "asyncio",
                        "rounds": args.rounds,
-                       "max_queue_delay_ms": args.max_queue_delay_ms},
+                       "max_queue_delay_ms": args.max_queue_delay_ms,
+                       # settings the started servers inherit from this environment (the API key left out)
+                       "server_env": {k: v for k, v in sorted(os.environ.items())
+                                      if k.startswith("DECONV_") and k != "DECONV_API_KEY"}},
             "results": results,
             "ratio": ratio,
         }

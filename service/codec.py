@@ -122,6 +122,17 @@ class RawTensor:
         return RawTensor(self.data, self.dtype, shape)
 
 
+class SlotTensor(RawTensor):
+    """A request's input whose output is to be written into ``out`` (exactly the output's bytes): the request's
+    slot in an HTTP process's shared arena (``service.shm``), where the input is too."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: memoryview) -> None:
+        super().__init__(data, dtype, shape)
+        self.out = out
+
+
 AnyTensor = torch.Tensor | RawTensor
 """A request's input or output: a torch tensor, or a ``RawTensor`` (the HTTP path and the engine process keep
 requests as these: a torch tensor per request costs more CPU than the rest of its decoding)."""

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="Processes serving HTTP. 1: one process does everything. N > 1: N processes "
         "parse HTTP and decode tensors, feeding one engine process that batches and runs every layer, so that "
         "HTTP scales over N cores while requests from all of them still share batches.")
+    ipc_shm_bytes: int = Field(
+        64 * 2**20, ge=0, description="Multi-process server: bytes of shared memory per HTTP process through which "
+        "requests' tensors reach the engine and come back (service/shm.py); a request that does not fit travels "
+        "through the engine socket. 0: always the socket.")
     layer_repository: Path = Field(
         DEFAULT_LAYER_REPOSITORY, description="Directory with one <name>.json + <name>.safetensors per layer."
     )

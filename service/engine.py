@@ -20,14 +20,16 @@ import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 
-from service import ipc
+from service import ipc, shm
 from service.app import Service
 from service.batcher import Batcher, Pending, Result
+from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
 from service.registry import RepositoryError
@@ -35,14 +37,17 @@ from service.registry import RepositoryError
 log = logging.getLogger("deconv.service")
 
 GPU_SAMPLE_PERIOD_S = 1.0
+# Longest wait for a new connection's HELLO (service.shm) before it is closed.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class EngineConnection(ipc.FrameProtocol):
     """One HTTP process's connection: its requests in, their results out."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, arena: memoryview | None = None) -> None:
         super().__init__()
         self.engine = engine
+        self.arena = arena  # the HTTP process's shared memory (service.shm), mapped here; None: tensors inline
         self.pending: dict[int, tuple[Batcher, Pending]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -53,7 +58,7 @@ class EngineConnection(ipc.FrameProtocol):
 
     def frame_received(self, kind: int, body: bytearray) -> None:
         if kind == ipc.SUBMIT:
-            self._submit(ipc.parse_submit(body))
+            self._submit(ipc.parse_submit(body, self.arena))
         elif kind == ipc.DROP:
             self._drop(*ipc.parse_drop(body))
         else:
@@ -67,21 +72,39 @@ class EngineConnection(ipc.FrameProtocol):
                 raise UnknownLayerError(f"no layer with index {req.layer}")
             service.check_ready()
             batcher = service.batchers[names[req.layer]]
-            item = batcher.submit(req.x, received=req.received, deadline=req.deadline)
+            x = req.x if req.out_offset is None else self._slot(req, batcher)
+            item = batcher.submit(x, received=req.received, deadline=req.deadline)
         except ServiceError as exc:
             self.send(ipc.error_frame(req.request_id, exc))
             return
         self.pending[req.request_id] = (batcher, item)
         item.future.add_done_callback(functools.partial(self._answer, req.request_id))
 
+    def _slot(self, req: ipc.Submit, batcher: Batcher) -> SlotTensor:
+        """The input of a ``SUBMIT`` with a slot, with the place of its output in the arena."""
+        assert self.arena is not None  # parse_submit checked both
+        assert req.out_offset is not None
+        n, _, h, w = req.x.shape
+        h_out, w_out = batcher.layer.output_hw(h, w)
+        end = req.out_offset + n * batcher.layer.config.out_channels * h_out * w_out * req.x.dtype.itemsize
+        if end > self.arena.nbytes:
+            raise ipc.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
+                                    "arena")
+        return SlotTensor(req.x.data, req.x.dtype, req.x.shape, self.arena[req.out_offset:end])
+
     def _answer(self, request_id: int, future: asyncio.Future[Result]) -> None:
-        self.pending.pop(request_id, None)
+        entry = self.pending.pop(request_id, None)
+        x = entry[1].x if entry is not None else None
         if future.cancelled():  # dropped at its caller's request: nobody waits for it
+            if isinstance(x, SlotTensor):
+                self.send(ipc.done_frame(request_id))  # the slot is the HTTP process's again
             return
         exc = future.exception()
         if exc is None:
             r = future.result()
-            self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker))
+            shared = isinstance(x, SlotTensor) and isinstance(r.output, RawTensor) and r.output.data is x.out
+            self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
+                                       shared))
         else:
             error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
             self.send(ipc.error_frame(request_id, error))
@@ -145,13 +168,20 @@ class Engine:
         self.service.listeners.append(self._broadcast)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        server = await loop.create_unix_server(lambda: EngineConnection(self), path=self.socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        listener.listen(64)
+        listener.setblocking(False)
+        accepting = loop.create_task(self._accept(listener))
         log.info("engine: serving %d layer(s) to the HTTP processes on %s", len(self.layers), self.socket_path)
         sampler = loop.create_task(self._sample_gpus())
         await stop.wait()
         log.info("engine: stopping")
         await self.service.stop()  # every queued request runs and is answered (or fails past the timeout)
-        server.close()
+        accepting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await accepting
+        listener.close()
         # The HTTP processes hang up once they have sent their last answers; wait for them, bounded.
         deadline = time.monotonic() + self.service.settings.request_timeout_s + 5
         while self.connections and time.monotonic() < deadline:
@@ -162,6 +192,45 @@ class Engine:
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
         return 0 if self.service.drained else 1
+
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept the HTTP processes' connections (until cancelled), each after its HELLO."""
+        loop = asyncio.get_running_loop()
+        handshakes: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(listener)
+                task = loop.create_task(self._handshake(conn))
+                handshakes.add(task)
+                task.add_done_callback(handshakes.discard)
+        finally:
+            for task in handshakes:
+                task.cancel()
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        """Read a new connection's HELLO (mapping the arena it passes), then serve it as an ``EngineConnection``."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait_for(readable, HANDSHAKE_TIMEOUT_S)
+        except BaseException as exc:  # the timeout, or the engine stopping
+            loop.remove_reader(conn.fileno())
+            conn.close()
+            if not isinstance(exc, TimeoutError):
+                raise
+            log.error("engine: a connection sent no HELLO within %.0f s; closed", HANDSHAKE_TIMEOUT_S)
+            return
+        loop.remove_reader(conn.fileno())
+        try:
+            arena = shm.recv_hello(conn)
+        except OSError as exc:  # HandshakeError too
+            log.error("engine: refused a connection: %s", exc)
+            conn.close()
+            return
+        log.info("engine: an HTTP process connected (%s)",
+                 "tensors inline" if arena is None else f"{arena.nbytes >> 20} MiB shared arena")
+        await loop.connect_accepted_socket(lambda: EngineConnection(self, arena), conn)
 
     async def _sample_gpus(self) -> None:
         while True:  # /metrics is served by the HTTP processes, which cannot read this process's GPU memory

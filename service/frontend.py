@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from service import ipc
+from service import ipc, shm
 from service.app import Service, create_app, freeze_heap
 from service.batcher import Result
-from service.codec import AnyTensor
+from service.codec import AnyTensor, RawTensor, bytes_of
 from service.config import Settings, configure_logging, load_settings
 from service.errors import InternalError, NotReadyError
 from service.registry import Layer
@@ -59,29 +59,74 @@ class RemotePending:
 class EngineClient(ipc.FrameProtocol):
     """This process's connection to the engine: requests out, results and state in."""
 
-    def __init__(self, service: FrontendService) -> None:
+    def __init__(self, service: FrontendService, arena: shm.Arena | None = None) -> None:
         super().__init__()
         self.service = service
         self.pending: dict[int, tuple[RemotePending, torch.dtype, Any]] = {}  # id -> entry, dtype, queue histogram
         self.ids = itertools.count(1)
+        self.arena = arena  # this process's shared memory, mapped by the engine too (None: tensors inline)
+        # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
+        # output bytes). A request given up on keeps its slot here until then (service.shm).
+        self.slots: dict[int, tuple[int, int, int]] = {}
+        paths = service.metrics.ipc_requests
+        self.sent_shared, self.sent_inline = paths.labels("shared"), paths.labels("inline")
 
     def frame_received(self, kind: int, body: bytearray) -> None:
         if kind == ipc.RESULT:
-            entry = self.pending.pop(ipc.result_id(body), None)
-            if entry is not None and not entry[0].future.done():
-                out = ipc.parse_result(body, entry[1])
-                entry[2].observe(out.queue_s)  # the engine leaves the queue-time histogram to this process
-                entry[0].future.set_result(Result(out.y, out.batch_samples, out.batch_requests, out.queue_s,
-                                                  out.worker))
+            request_id = ipc.result_id(body)
+            entry = self.pending.pop(request_id, None)
+            slot = self.slots.pop(request_id, None)
+            try:
+                if entry is not None and not entry[0].future.done():
+                    out = ipc.parse_result(body, entry[1], None if slot is None else self._output_view(slot))
+                    y = out.y
+                    if out.shared:  # a copy: the slot serves the next request at once
+                        y = RawTensor(memoryview(bytearray(y.data)), y.dtype, y.shape)
+                    entry[2].observe(out.queue_s)  # the engine leaves the queue-time histogram to this process
+                    entry[0].future.set_result(Result(y, out.batch_samples, out.batch_requests, out.queue_s,
+                                                      out.worker))
+            finally:
+                self._release(slot)
         elif kind == ipc.ERROR:
             request_id, error = ipc.parse_error(body)
+            self._release(self.slots.pop(request_id, None))
             entry = self.pending.pop(request_id, None)
             if entry is not None and not entry[0].future.done():
                 entry[0].future.set_exception(error)
+        elif kind == ipc.DONE:
+            self._release(self.slots.pop(ipc.result_id(body), None))
         elif kind == ipc.STATE:
             self.service.engine_state(ipc.parse_state(body))
         else:
             raise ipc.ProtocolError(f"unexpected frame kind {kind} from the engine")
+
+    def _output_view(self, slot: tuple[int, int, int]) -> memoryview:
+        assert self.arena is not None
+        return self.arena.view[slot[1]:slot[1] + slot[2]]
+
+    def _release(self, slot: tuple[int, int, int] | None) -> None:
+        if slot is not None and self.arena is not None:
+            self.arena.free(slot[0])
+
+    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor, received: float,
+                   deadline: float | None) -> None:
+        """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes."""
+        arena = self.arena
+        if arena is not None:
+            data = bytes_of(x)
+            n, _, h, w = x.shape
+            h_out, w_out = layer.output_hw(int(h), int(w))
+            out_bytes = int(n) * layer.config.out_channels * h_out * w_out * x.dtype.itemsize
+            in_bytes = shm.aligned(data.nbytes)
+            start = arena.alloc(in_bytes + out_bytes)
+            if start is not None:
+                arena.view[start:start + data.nbytes] = data
+                self.slots[request_id] = (start, start + in_bytes, out_bytes)
+                self.send(ipc.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
+                self.sent_shared.inc()
+                return
+        self.send(ipc.submit_frame(request_id, index, x, received, deadline))
+        self.sent_inline.inc()
 
     def protocol_error(self, exc: ipc.ProtocolError) -> None:
         log.error("engine connection: %s", exc)
@@ -93,6 +138,8 @@ class EngineClient(ipc.FrameProtocol):
             if not item.future.done():
                 item.future.set_exception(error)
         self.pending.clear()
+        self.slots.clear()
+        self.arena = None  # the engine is gone: nothing more goes through it
         self.service.engine_lost(exc)
 
 
@@ -129,8 +176,8 @@ class RemoteBatcher:
             raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
         item = RemotePending(next(client.ids), client.loop.create_future())
         client.pending[item.request_id] = (item, x.dtype, self._queue_time)
-        client.send(ipc.submit_frame(item.request_id, self.index, x,
-                                     time.monotonic() if received is None else received, deadline))
+        client.send_input(item.request_id, self.layer, self.index, x,
+                          time.monotonic() if received is None else received, deadline)
         return item
 
     def drop(self, item: RemotePending, reason: str) -> bool:
@@ -190,10 +237,12 @@ class FrontendService(Service):
 
         watch_parent(lambda: loop.call_soon_threadsafe(on_parent_gone))
         self.registry = self.load_registry(weights=False)  # the engine holds the weights; shapes suffice here
+        arena = self._arena()
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while True:
             try:
-                _, client = await loop.create_unix_connection(lambda: EngineClient(self), self.engine_socket)
+                sock = _connect(self.engine_socket, arena)
+                _, client = await loop.create_unix_connection(lambda: EngineClient(self, arena), sock=sock)
                 break
             except OSError as exc:
                 if self.state == "draining":  # stopped while starting (the engine died, or a SIGTERM): no work
@@ -206,6 +255,18 @@ class FrontendService(Service):
         self.client = client
         for index, layer in enumerate(self.registry):
             self.batchers[layer.name] = RemoteBatcher(layer, index, client)
+
+    def _arena(self) -> shm.Arena | None:
+        """This process's shared memory for the engine link (``Settings.ipc_shm_bytes``), or None."""
+        size = self.settings.ipc_shm_bytes // shm.ALIGN * shm.ALIGN
+        if size == 0:
+            log.info("engine link: tensors travel through the engine socket (DECONV_IPC_SHM_BYTES=0)")
+            return None
+        try:
+            return shm.Arena(size)
+        except OSError as exc:
+            log.warning("engine link: no shared memory (%s); tensors travel through the engine socket", exc)
+            return None
 
     def engine_state(self, state: dict[str, Any]) -> None:
         """Take over the engine's readiness (unless this process is draining)."""
@@ -241,6 +302,24 @@ class FrontendService(Service):
             self.client.close()
         self.drained = drained
         log.info("stopped" if drained else "stopped; the drain was incomplete")
+
+
+def _connect(path: str, arena: shm.Arena | None) -> socket.socket:
+    """A connected, non-blocking socket to the engine at ``path`` that has sent its ``HELLO`` (with the arena).
+
+    Raises:
+        OSError: no engine listens there (yet), or it hung up.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        shm.send_hello(sock, arena)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _terminate() -> None:

@@ -6,9 +6,11 @@ metadata that is not a tensor (state, errors) is JSON. Nothing is pickled.
 
 HTTP process -> engine:
 
-* ``SUBMIT``: ``u64 id | u16 layer | u8 dtype | u8 0 | u32 N, C, H, W | f64 received | f64 deadline`` + input bytes.
-  ``received`` and ``deadline`` are ``time.monotonic()`` values (one clock for every process on the machine);
-  deadline NaN means none. ``layer`` indexes the layer names of the engine's ``STATE`` frame.
+* ``SUBMIT``: ``u64 id | u16 layer | u8 dtype | u8 flags | u32 N, C, H, W | f64 received | f64 deadline`` + the
+  input bytes, or, with flag ``SHARED``, ``u64 input offset | u64 output offset`` in the HTTP process's shared
+  arena (``service.shm``): the input is there and the output is to be written there. ``received`` and
+  ``deadline`` are ``time.monotonic()`` values (one clock for every process on the machine); deadline NaN means
+  none. ``layer`` indexes the layer names of the engine's ``STATE`` frame.
 * ``DROP``: ``u64 id | u8 reason``: the caller gave up on a queued request (reason: ``DROP_REASONS``). The
   engine answers ``ERROR`` (deadline_exceeded) only for reason ``deadline`` and only when the request was still
   queued; otherwise a batch already holds it and its ``RESULT`` or ``ERROR`` follows as usual.
@@ -16,9 +18,15 @@ HTTP process -> engine:
 Engine -> HTTP process:
 
 * ``STATE``: JSON ``{"state", "reason", "backend", "layers": [names]}``, on connect and at every change.
-* ``RESULT``: ``u64 id | u32 batch_samples | u32 batch_requests | f64 queue_s | u32 N, C, H, W | u8 len`` +
-  worker name + output bytes (the request's dtype).
+* ``RESULT``: ``u64 id | u32 batch_samples | u32 batch_requests | f64 queue_s | u32 N, C, H, W | u8 len | u8 flags``
+  + worker name + output bytes (the request's dtype); with flag ``SHARED`` no bytes: the output is in the
+  request's slot.
 * ``ERROR``: ``u64 id`` + JSON ``{"type", "message", "headers"}`` (a ``ServiceError`` of that type).
+* ``DONE``: ``u64 id``: a request with a slot that the engine took out of its queue after a ``DROP``; it holds
+  nothing of it any more (the HTTP process may reuse the slot).
+
+A request with a slot gets exactly one of ``RESULT``, ``ERROR`` or ``DONE``, after which the engine never touches
+the slot again.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ import torch
 from service import errors
 from service.codec import AnyTensor, RawTensor, bytes_of
 
-SUBMIT, DROP, STATE, RESULT, ERROR = 1, 2, 3, 4, 5
+SUBMIT, DROP, STATE, RESULT, ERROR, DONE = 1, 2, 3, 4, 5, 6
+SHARED = 1  # flag of SUBMIT and RESULT: the tensor is in the HTTP process's arena, not in the frame
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DROP_REASONS: tuple[str, ...] = ("disconnected", "timeout", "deadline", "cancelled")
@@ -44,7 +53,8 @@ DROP_REASONS: tuple[str, ...] = ("disconnected", "timeout", "deadline", "cancell
 _PREFIX = struct.Struct("<IB")  # length (kind + body), kind
 _SUBMIT = struct.Struct("<QHBB4Idd")
 _DROP = struct.Struct("<QB")
-_RESULT = struct.Struct("<QIId4IB")
+_SLOT = struct.Struct("<QQ")  # input offset, output offset
+_RESULT = struct.Struct("<QIId4IBB")
 _ID = struct.Struct("<Q")
 
 # The length field is 32 bits: a larger frame cannot be sent (the sender raises ProtocolError).
@@ -78,12 +88,15 @@ def _frame(kind: int, *parts: bytes | memoryview) -> list[bytes | memoryview]:
 
 
 def submit_frame(request_id: int, layer: int, x: AnyTensor, received: float,
-                 deadline: float | None) -> list[bytes | memoryview]:
-    """``SUBMIT`` for input ``x`` ``[N, C, H, W]`` of layer index ``layer``."""
+                 deadline: float | None, slot: tuple[int, int] | None = None) -> list[bytes | memoryview]:
+    """``SUBMIT`` for input ``x`` ``[N, C, H, W]`` of layer index ``layer``: its bytes, or with ``slot`` (input
+    offset, output offset in the sender's arena, where ``x``'s bytes already are) only the slot."""
     n, c, h, w = (int(d) for d in x.shape)
-    head = _SUBMIT.pack(request_id, layer, DTYPES.index(x.dtype), 0, n, c, h, w, received,
-                        math.nan if deadline is None else deadline)
-    return _frame(SUBMIT, head, bytes_of(x))
+    head = _SUBMIT.pack(request_id, layer, DTYPES.index(x.dtype), 0 if slot is None else SHARED, n, c, h, w,
+                        received, math.nan if deadline is None else deadline)
+    if slot is None:
+        return _frame(SUBMIT, head, bytes_of(x))
+    return _frame(SUBMIT, head, _SLOT.pack(*slot))
 
 
 def drop_frame(request_id: int, reason: str) -> list[bytes | memoryview]:
@@ -98,12 +111,20 @@ def state_frame(state: str, reason: str, backend: str, layers: list[str]) -> lis
 
 
 def result_frame(request_id: int, y: AnyTensor, batch_samples: int, batch_requests: int,
-                 queue_s: float, worker: str) -> list[bytes | memoryview]:
-    """``RESULT`` carrying output ``y`` ``[N, C, H, W]``."""
+                 queue_s: float, worker: str, shared: bool = False) -> list[bytes | memoryview]:
+    """``RESULT`` carrying output ``y`` ``[N, C, H, W]``, or with ``shared`` saying it is in the request's slot."""
     name = worker.encode()[:255]
     n, c, h, w = y.shape
-    head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name))
+    head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name),
+                        SHARED if shared else 0)
+    if shared:
+        return _frame(RESULT, head, name)
     return _frame(RESULT, head, name, bytes_of(y))
+
+
+def done_frame(request_id: int) -> list[bytes | memoryview]:
+    """``DONE``: the engine holds nothing of a request with a slot that it took out of its queue."""
+    return _frame(DONE, _ID.pack(request_id))
 
 
 def error_frame(request_id: int, error: errors.ServiceError) -> list[bytes | memoryview]:
@@ -120,9 +141,10 @@ class Submit(NamedTuple):
 
     request_id: int
     layer: int
-    x: RawTensor  # a view of the frame's body
+    x: RawTensor  # a view of the frame's body, or of the sender's arena
     received: float
     deadline: float | None
+    out_offset: int | None  # where in the sender's arena the output goes (None: it travels in a RESULT frame)
 
 
 @dataclass(frozen=True)
@@ -130,11 +152,12 @@ class Output:
     """A decoded ``RESULT``."""
 
     request_id: int
-    y: RawTensor  # a view of the frame's body
+    y: RawTensor  # a view of the frame's body, or of the request's slot (``shared``)
     batch_samples: int
     batch_requests: int
     queue_s: float
     worker: str
+    shared: bool  # the output is in the request's slot
 
 
 def _check_tensor_bytes(body: bytearray, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
@@ -143,17 +166,31 @@ def _check_tensor_bytes(body: bytearray, offset: int, dtype: torch.dtype, shape:
         raise ProtocolError(f"tensor {list(shape)} {dtype} needs {need} bytes, the frame holds {len(body) - offset}")
 
 
-def parse_submit(body: bytearray) -> Submit:
-    """Decode a ``SUBMIT`` body; the input is a ``RawTensor`` over ``body`` (no torch tensor: see ``RawTensor``)."""
+def parse_submit(body: bytearray, arena: memoryview | None = None) -> Submit:
+    """Decode a ``SUBMIT`` body; the input is a ``RawTensor`` (no torch tensor: see ``RawTensor``) over ``body``,
+    or with flag ``SHARED`` over the sender's ``arena`` (the engine's mapping of it)."""
     try:
-        rid, layer, code, _, n, c, h, w, received, deadline = _SUBMIT.unpack_from(body)
+        rid, layer, code, flags, n, c, h, w, received, deadline = _SUBMIT.unpack_from(body)
         dtype = DTYPES[code]
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"bad SUBMIT frame: {exc}") from exc
     shape = (n, c, h, w)
-    _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
-    x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
-    return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline)
+    out_offset = None
+    if flags & SHARED:
+        if arena is None:
+            raise ProtocolError("a SUBMIT names a slot, but the connection has no arena")
+        if len(body) != _SUBMIT.size + _SLOT.size:
+            raise ProtocolError(f"a SUBMIT with a slot is {_SUBMIT.size + _SLOT.size} bytes, got {len(body)}")
+        in_offset, out_offset = _SLOT.unpack_from(body, _SUBMIT.size)
+        end = in_offset + math.prod(shape) * dtype.itemsize
+        if end > arena.nbytes or out_offset > arena.nbytes:
+            raise ProtocolError(f"slot [{in_offset}, {end}) / output at {out_offset} is outside the "
+                                f"{arena.nbytes}-byte arena")
+        x = RawTensor(arena[in_offset:end], dtype, shape)
+    else:
+        _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
+        x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
+    return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline, out_offset)
 
 
 def parse_drop(body: bytearray) -> tuple[int, str]:
@@ -176,22 +213,29 @@ def parse_state(body: bytearray) -> dict[str, Any]:
     return state
 
 
-def parse_result(body: bytearray, dtype: torch.dtype) -> Output:
-    """Decode a ``RESULT`` body whose output has ``dtype``; the output is a ``RawTensor`` over ``body``."""
+def parse_result(body: bytearray, dtype: torch.dtype, slot: memoryview | None = None) -> Output:
+    """Decode a ``RESULT`` body whose output has ``dtype``; the output is a ``RawTensor`` over ``body``, or with
+    flag ``SHARED`` over the request's ``slot`` (its output's place in the arena, at least the output's size)."""
     try:
-        rid, samples, requests, queue_s, n, c, h, w, name_len = _RESULT.unpack_from(body)
+        rid, samples, requests, queue_s, n, c, h, w, name_len, flags = _RESULT.unpack_from(body)
     except struct.error as exc:
         raise ProtocolError(f"bad RESULT frame: {exc}") from exc
     start = _RESULT.size
     worker = bytes(body[start:start + name_len]).decode(errors="replace")
     shape = (n, c, h, w)
+    need = math.prod(shape) * dtype.itemsize
+    if flags & SHARED:
+        if slot is None or slot.nbytes < need or len(body) != start + name_len:
+            raise ProtocolError(f"a RESULT in a slot for request {rid}, which has "
+                                f"{'no slot' if slot is None else f'a {slot.nbytes}-byte slot'} for {need} bytes")
+        return Output(rid, RawTensor(slot[:need], dtype, shape), samples, requests, queue_s, worker, True)
     _check_tensor_bytes(body, start + name_len, dtype, shape)
     y = RawTensor(memoryview(body)[start + name_len:], dtype, shape)
-    return Output(rid, y, samples, requests, queue_s, worker)
+    return Output(rid, y, samples, requests, queue_s, worker, False)
 
 
 def result_id(body: bytearray) -> int:
-    """The request id of a ``RESULT`` or ``ERROR`` body."""
+    """The request id of a ``RESULT``, ``ERROR`` or ``DONE`` body."""
     if len(body) < _ID.size:
         raise ProtocolError("frame too short for a request id")
     return int(_ID.unpack_from(body)[0])

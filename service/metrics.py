@@ -101,6 +101,10 @@ class Metrics:
         self.http_processes = Gauge(
             "deconv_http_processes", "Processes serving HTTP: 1 in a single-process server; in a multi-process "
             "server, the HTTP processes connected to the engine.", registry=r, multiprocess_mode="livesum")
+        self.ipc_requests = Counter(
+            "deconv_ipc_requests", "Multi-process server: requests an HTTP process sent to the engine, by the way "
+            "their tensors went: 'shared' (the HTTP process's shared memory) or 'inline' (the engine socket).",
+            ["path"], registry=r)
         # Multi-process: 1 only while every process (the engine and each HTTP process) says 1.
         self.ready = Gauge("deconv_ready", "1 once every layer passed its self-test and while not draining.",
                            registry=r, multiprocess_mode="livemin")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from kernels import conv_transpose2d
 from kernels.functional import WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged, resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
-from service.codec import AnyTensor, RawTensor, copy_into, split_rows
+from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, split_rows
 from service.errors import InternalError
 from service.faults import Faults
 from service.metrics import Metrics
@@ -143,6 +143,7 @@ class Worker:
         self.restarts = 0
         self.busy_since: float | None = None  # time.monotonic() when the current batch started executing
         self._lock = threading.Lock()
+        self._slot_lock = threading.Lock()  # see _deliver
         self._stopping = False
         self._generation = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -178,7 +179,7 @@ class Worker:
                     continue  # already failed by a restart
                 self.busy_since = time.monotonic()
                 try:
-                    outputs = self.run_batch(layer, inputs)
+                    outputs = self._deliver(inputs, self.run_batch(layer, inputs), generation)
                 except Exception as exc:
                     _settle(future, error=exc)
                 else:
@@ -194,6 +195,26 @@ class Worker:
                 return
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
+
+    def _deliver(self, inputs: list[AnyTensor], outputs: list[AnyTensor], generation: int) -> list[AnyTensor]:
+        """Write the outputs of inputs that have a slot (``SlotTensor``) into their slots, each returned as a
+        ``RawTensor`` over its slot; the others as they are.
+
+        Only the current thread writes: a replaced thread's batches were answered with an error when it was
+        replaced, their slots may already serve other requests, and its late outputs are dropped. ``_slot_lock``
+        makes the check and the writes one step with respect to a replacement (``_replace``).
+        """
+        if not any(isinstance(x, SlotTensor) for x in inputs):
+            return outputs
+        with self._slot_lock:
+            if generation != self._generation:
+                return outputs
+            delivered = list(outputs)
+            for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
+                if isinstance(x, SlotTensor) and isinstance(y, RawTensor) and y.data.nbytes == x.out.nbytes:
+                    x.out[:] = y.data
+                    delivered[i] = RawTensor(x.out, y.dtype, y.shape)
+            return delivered
 
     def submit(self, layer: Layer, inputs: list[AnyTensor]) -> Future[list[AnyTensor]]:
         """Hand a batch to the thread; the future resolves with one output per input (or ``InternalError``)."""
@@ -218,7 +239,8 @@ class Worker:
             old_jobs, held = self._jobs, self._held
             self.restarts += 1
             self._abandoned.append(self._thread)
-            self._thread = self._start_thread()
+            with self._slot_lock:  # the old thread's outputs are in their slots now, or never will be
+                self._thread = self._start_thread()
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
         error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
         for future in list(held):

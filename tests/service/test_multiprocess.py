@@ -378,6 +378,21 @@ def _wait_serving(proc: ServerProcess, count: int) -> None:
         time.sleep(0.05)
 
 
+async def _post_all_checked(url: str, module: Any, xs: list[np.ndarray]) -> list[httpx.Response]:
+    """Post every input of layer ``fast`` at once, each on its own connection (any HTTP process may accept it), and
+    check every answer against the float64 reference."""
+
+    async def one(x: np.ndarray) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+            return await client.post("/deconv?layer=fast", content=npy_bytes(x), headers={"content-type": NPY})
+
+    responses = await asyncio.gather(*(one(x) for x in xs))
+    for x, r in zip(xs, responses, strict=True):
+        assert r.status_code == 200, r.text[:300]
+        assert rel_err(load_npy(r.content), reference(module, torch.from_numpy(x))) < 1e-5
+    return list(responses)
+
+
 def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo, server_factory):
     root, module = repo
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "3",
@@ -388,14 +403,7 @@ def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo,
     async def main() -> None:
         xs = [np.random.default_rng(i).standard_normal((1, 4, 5, 5)).astype(np.float32) for i in range(24)]
 
-        async def one(x: np.ndarray) -> httpx.Response:  # its own connection: any HTTP process may accept it
-            async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
-                return await client.post("/deconv?layer=fast", content=npy_bytes(x), headers={"content-type": NPY})
-
-        responses = await asyncio.gather(*(one(x) for x in xs))
-        for x, r in zip(xs, responses, strict=True):
-            assert r.status_code == 200, r.text[:300]
-            assert rel_err(load_npy(r.content), reference(module, torch.from_numpy(x))) < 1e-5
+        responses = await _post_all_checked(proc.url, module, xs)
         assert max(int(r.headers["x-deconv-batch-size"]) for r in responses) > 1
         async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
             texts = [(await client.get("/metrics")).text for _ in range(6)]
@@ -404,6 +412,34 @@ def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo,
             assert metric_value(text, "deconv_batch_size_sum", layer="fast") == 24
             assert metric_value(text, "deconv_queue_time_seconds_count", layer="fast") == 24  # once each
             assert metric_value(text, "deconv_ready") == 1
+            assert metric_value(text, "deconv_ipc_requests_total", path="shared") == 24  # through shared memory
+
+    run(main())
+
+
+@pytest.mark.parametrize("arena_bytes", ["0", "8192"], ids=["socket", "small-arena"])
+def test_requests_that_do_not_fit_the_shared_memory_travel_through_the_engine_socket(repo, server_factory,
+                                                                                    arena_bytes):
+    root, module = repo
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2",
+                           "DECONV_IPC_SHM_BYTES": arena_bytes, "DECONV_MAX_QUEUE_DELAY_MS": "100"})
+    _wait_serving(proc, 2)
+
+    async def main() -> None:
+        # [1, 4, 5, 5] needs 448 + 2400 bytes of a slot (two fit in 8 KiB); [2, 4, 12, 12] 4608 + 27648 (never).
+        rng = np.random.default_rng(0)
+        xs = [rng.standard_normal((1, 4, 5, 5) if i % 3 else (2, 4, 12, 12)).astype(np.float32) for i in range(30)]
+        await _post_all_checked(proc.url, module, xs)
+        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+            text = (await client.get("/metrics")).text
+        shared = metric_value(text, "deconv_ipc_requests_total", path="shared")
+        inline = metric_value(text, "deconv_ipc_requests_total", path="inline")
+        assert shared + inline == 30
+        if arena_bytes == "0":
+            assert shared == 0
+        else:
+            assert 0 < shared <= 20
+            assert inline >= 10
 
     run(main())
 

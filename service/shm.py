@@ -1,0 +1,156 @@
+"""Shared memory between an HTTP process and the engine (``DECONV_HTTP_PROCESSES`` > 1): tensors without sockets.
+
+Each HTTP process owns one arena, an anonymous memory file (``memfd_create``) of ``DECONV_IPC_SHM_BYTES`` bytes,
+and passes its file descriptor to the engine over the engine socket when it connects (``SCM_RIGHTS``, in the
+``HELLO`` message). Both map it. For a request, the HTTP process takes one slot (``Arena.alloc``) for the input
+followed by room for the output, copies the input there and sends a ``SUBMIT`` frame that names the slot instead
+of carrying the bytes (``service.ipc``); the engine's worker reads the input from the slot and writes the output
+into it, and the ``RESULT`` frame says so. The tensor bytes then cross no socket: the engine's event loop, the one
+serial stage of the server, neither reads nor writes them.
+
+Slot lifetime, decided by the HTTP process alone: a slot is taken before ``SUBMIT`` and given back when the
+engine's last word on that request arrives (``RESULT``, ``ERROR`` or ``DONE``), never earlier, so that the engine
+never writes into memory that serves another request. A request the HTTP process gives up on keeps its slot until
+then. If the engine connection is lost, the arena is dropped with it. A request that does not fit (the arena is
+full, or the request is larger than the arena) travels inline in its frames, as without an arena.
+
+The pages are the kernel's anonymous shared memory: they are not in ``/dev/shm`` (whose size containers limit) and
+only the pages touched count; ``Arena.alloc`` takes the lowest free slot, so under a steady load the same few
+pages are reused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import socket
+import struct
+
+# Slots start on cache-line boundaries.
+ALIGN = 64
+
+# The first message on an engine connection: magic, version, arena bytes (0: no arena, no file descriptor).
+_HELLO = struct.Struct("<4sHQ")
+_MAGIC = b"DCNV"
+_VERSION = 1
+HELLO_BYTES = _HELLO.size
+
+
+class HandshakeError(ConnectionError):
+    """The first message on an engine connection was not a valid ``HELLO``."""
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN``."""
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Arena:
+    """An HTTP process's shared memory and its slots: the lowest free range that fits (first fit), and ranges
+    merged with their free neighbours when given back. Event-loop only (not thread-safe)."""
+
+    def __init__(self, size: int) -> None:
+        """Create a memory file of ``size`` bytes (a multiple of ``ALIGN``) and map it.
+
+        Raises:
+            OSError: the system refused the memory file or the mapping.
+            ValueError: ``size`` is not a positive multiple of ``ALIGN``.
+        """
+        if size <= 0 or size % ALIGN:
+            raise ValueError(f"an arena's size must be a positive multiple of {ALIGN}, got {size}")
+        self.size = size
+        self.fd = os.memfd_create("deconv-ipc", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._map)  # format "B"
+        self._free: list[tuple[int, int]] = [(0, size)]  # disjoint [start, end) ranges, sorted, never adjacent
+        self._used: dict[int, int] = {}  # start -> end of each slot handed out
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in slots handed out and not given back."""
+        return sum(end - start for start, end in self._used.items())
+
+    @property
+    def slots(self) -> int:
+        """Slots handed out and not given back."""
+        return len(self._used)
+
+    def alloc(self, nbytes: int) -> int | None:
+        """The offset of a free slot of at least ``nbytes`` bytes, or None when no free range is that large."""
+        need = aligned(max(nbytes, 1))
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= need:
+                if end - start == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + need, end)
+                self._used[start] = start + need
+                return start
+        return None
+
+    def free(self, start: int) -> None:
+        """Give back the slot at ``start`` (from ``alloc``).
+
+        Raises:
+            KeyError: no slot starts there (given back twice, or never handed out).
+        """
+        end = self._used.pop(start)
+        free = self._free
+        i = bisect.bisect_left(free, (start, end))
+        if i < len(free) and free[i][0] == end:  # merge with the range after
+            end = free.pop(i)[1]
+        if i > 0 and free[i - 1][1] == start:  # and with the range before
+            start = free[i - 1][0]
+            free[i - 1] = (start, end)
+        else:
+            free.insert(i, (start, end))
+
+    def close(self) -> None:
+        """Close the file descriptor (the engine holds its own copy); the mapping stays while views of it live."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def send_hello(sock: socket.socket, arena: Arena | None) -> None:
+    """Send the ``HELLO`` on a freshly connected (blocking) engine socket, with the arena's file descriptor."""
+    msg = _HELLO.pack(_MAGIC, _VERSION, 0 if arena is None else arena.size)
+    if arena is None:
+        sock.sendall(msg)
+    else:
+        socket.send_fds(sock, [msg], [arena.fd])
+
+
+def recv_hello(sock: socket.socket) -> memoryview | None:
+    """Read the ``HELLO`` of an accepted engine connection (readable, so the call does not block) and map the
+    arena it passes: a writable view of it, or None when the HTTP process has none.
+
+    Raises:
+        HandshakeError: not a ``HELLO``, a version this engine does not speak, or a missing file descriptor.
+        OSError: the mapping failed.
+    """
+    msg, fds, _, _ = socket.recv_fds(sock, HELLO_BYTES, 1)
+    try:
+        if len(msg) != HELLO_BYTES:
+            raise HandshakeError(f"a HELLO is {HELLO_BYTES} bytes, got {len(msg)}")
+        magic, version, size = _HELLO.unpack(msg)
+        if magic != _MAGIC or version != _VERSION:
+            raise HandshakeError(f"not a deconv HELLO (magic {magic!r}, version {version})")
+        if size == 0:
+            if fds:
+                raise HandshakeError("a HELLO without an arena passed a file descriptor")
+            return None
+        if len(fds) != 1:
+            raise HandshakeError(f"a HELLO of a {size}-byte arena passed {len(fds)} file descriptors")
+        if os.fstat(fds[0]).st_size < size:
+            raise HandshakeError(f"the arena's file holds {os.fstat(fds[0]).st_size} bytes, the HELLO says {size}")
+        return memoryview(mmap.mmap(fds[0], size))
+    finally:
+        for fd in fds:
+            os.close(fd)
