@@ -252,6 +252,8 @@ class FrontendService(Service):
                     raise ConnectionError(f"no engine at {self.engine_socket}: {exc}") from exc
                 await asyncio.sleep(0.05)
         assert isinstance(client, EngineClient)
+        if arena is not None:
+            arena.close()  # the engine got its own descriptor with the HELLO; mappings outlive descriptors
         self.client = client
         for index, layer in enumerate(self.registry):
             self.batchers[layer.name] = RemoteBatcher(layer, index, client)

@@ -109,7 +109,8 @@ def test_kserve_on_gpu():
 
 
 def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
-    """Two HTTP processes feeding the GPU engine: every bundled layer, concurrent requests, GPU metrics."""
+    """Two HTTP processes feeding the GPU engine: every bundled layer, concurrent requests, GPU metrics; the tensors
+    go through the HTTP processes' shared memory (the worker reads inputs from and writes outputs into slots)."""
     from service.registry import BatchLimits, load_repository
 
     proc = ServerProcess({"DECONV_DEVICES": "all", "DECONV_HTTP_PROCESSES": "2", "DECONV_MAX_QUEUE_DELAY_MS": "20"},
@@ -142,6 +143,7 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         assert metric_value(text, "deconv_http_processes") == 2
         assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
         assert metric_value(text, "deconv_requests_total", layer="demo", api="native", status="200") == 4
+        assert metric_value(text, "deconv_ipc_requests_total", path="shared") == len(jobs)  # shared memory
 
     try:
         proc.wait_ready(COMPILE_TIMEOUT_S)
