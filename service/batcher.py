@@ -217,10 +217,9 @@ class Batcher:
             raise OverloadedError(f"layer {self.layer.name!r} has {len(self._queue)} requests queued "
                              f"(max_queue_size {limits.max_queue_size}); retry later", retry_after_s=retry)
         n, _, h, w = x.shape
-        h_out, w_out = self.layer.output_hw(h, w)
         item = Pending(
             seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w)), samples=int(n),
-            out_bytes=int(n) * self.layer.config.out_channels * h_out * w_out * x.element_size(),
+            out_bytes=self.layer.output_bytes(int(n), int(h), int(w)),
             enqueued=time.monotonic() if received is None else received, deadline=deadline,
             future=(self._event_loop or asyncio.get_running_loop()).create_future(),
         )

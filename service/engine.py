@@ -33,6 +33,7 @@ from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
 from service.registry import RepositoryError
+from service.worker import WorkerReplacedError
 
 log = logging.getLogger("deconv.service")
 
@@ -85,8 +86,7 @@ class EngineConnection(ipc.FrameProtocol):
         assert self.arena is not None  # parse_submit checked both
         assert req.out_offset is not None
         n, _, h, w = req.x.shape
-        h_out, w_out = batcher.layer.output_hw(h, w)
-        end = req.out_offset + n * batcher.layer.config.out_channels * h_out * w_out * req.x.dtype.itemsize
+        end = req.out_offset + batcher.layer.output_bytes(n, h, w)
         if end > self.arena.nbytes:
             raise ipc.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
                                     "arena")
@@ -106,6 +106,8 @@ class EngineConnection(ipc.FrameProtocol):
             self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
                                        shared))
         else:
+            if isinstance(exc, WorkerReplacedError) and isinstance(x, SlotTensor):
+                self.send(ipc.abandon_frame(request_id))  # the replaced thread may still write into the slot
             error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
             self.send(ipc.error_frame(request_id, error))
 

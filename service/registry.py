@@ -221,6 +221,23 @@ class Layer:
         c = self.config
         return normalize_args(c.stride, c.padding, c.output_padding, c.groups, c.dilation)
 
+    @functools.cached_property
+    def _sample_bytes(self) -> dict[tuple[int, int], int]:
+        return {}  # (H, W) -> output bytes of one sample; filled by output_bytes
+
+    def output_bytes(self, n: int, h: int, w: int) -> int:
+        """Bytes of the output of ``n`` samples of ``h`` x ``w`` in the layer's dtype (per-request hot path: the
+        size of one sample is computed once per input size)."""
+        cache = self._sample_bytes
+        per = cache.get((h, w))
+        if per is None:
+            h_out, w_out = self.output_hw(h, w)
+            per = self.config.out_channels * h_out * w_out * self.dtype.itemsize
+            if len(cache) >= 4096:  # bounded: clients choose the sizes
+                cache.clear()
+            cache[(h, w)] = per
+        return n * per
+
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
         """Output height and width for an ``h`` x ``w`` input."""
         c = self.config

@@ -55,6 +55,16 @@ def test_describe_has_the_protocol_fields():
     assert layer.output_hw(5, 7) == tuple(y.shape[2:]) == (10, 11)
 
 
+def test_output_bytes_match_the_output_tensor_for_every_bundled_layer():
+    for layer in load_repository(DEFAULT_LAYER_REPOSITORY, DEFAULTS):
+        c = layer.config
+        for n, h, w in ((1, 5, 7), (3, 5, 7), (2, 9, 4), (1, 5, 7)):  # the repeat comes from the cache
+            x = torch.zeros(n, c.in_channels, h, w, dtype=layer.dtype)
+            y = torch.nn.functional.conv_transpose2d(x.float(), layer.weight.float(), None, c.stride, c.padding,
+                                                     c.output_padding, c.groups, c.dilation).to(layer.dtype)
+            assert layer.output_bytes(n, h, w) == y.numel() * y.element_size(), (c.name, n, h, w)
+
+
 def test_limits_come_from_the_config_else_the_defaults(tmp_path):
     write_layer(tmp_path, "own", limits={"max_batch_size": 3, "max_queue_delay_ms": 9.0})
     write_layer(tmp_path, "inherits")
