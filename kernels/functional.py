@@ -377,7 +377,6 @@ def conv_transpose2d_gathered(
     precision: str | None,
     choice: KernelChoice = DEFAULT,
     packs: WeightPacks | None = None,
-    out_parts: Sequence[memoryview | bytearray | None] | None = None,
 ) -> torch.Tensor:
     """``conv_transpose2d`` of an input given as host memory in parts, into a new pinned host tensor.
 
@@ -387,8 +386,7 @@ def conv_transpose2d_gathered(
     current stream, downloaded into a new pinned ``[N, C_out, H_out, W_out]`` tensor, and the stream is waited for.
     No autograd; every check runs here, before the call, without tensor operations. ``choice`` asks for a kernel
     (kernels.tuning); the default lets the dispatcher choose. ``packs``: ``weight``'s packed copies
-    (``WeightPacks``). ``out_parts``: one entry per part, None or a writable C-contiguous buffer of exactly that
-    part's output bytes, which also receives that part's output (copied in the same call, the GIL still released).
+    (``WeightPacks``).
 
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, or parts that do not add up to
@@ -422,17 +420,10 @@ def conv_transpose2d_gathered(
     if total != want:
         raise ConvTranspose2dArgumentError(
             f"the parts hold {total} bytes; a {list(dims)} {weight.dtype} input is {want}")
-    if out_parts is not None:
-        if len(out_parts) != len(parts):
-            raise ConvTranspose2dArgumentError(f"out_parts has {len(out_parts)} entries for {len(parts)} parts")
-        for i, out in enumerate(out_parts):
-            if out is not None and (memoryview(out).readonly or not memoryview(out).c_contiguous):
-                raise ConvTranspose2dArgumentError(f"out_parts[{i}] is not a writable C-contiguous buffer")
     mode = resolve_precision(weight.dtype, precision)
     return _load_extension().forward_gathered(  # type: ignore[no-any-return]
         list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight),
-        None if out_parts is None else list(out_parts))
+        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
 
 
 def _rows_aligned(x: torch.Tensor) -> bool:

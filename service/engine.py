@@ -33,7 +33,6 @@ from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
 from service.registry import RepositoryError
-from service.worker import WorkerReplacedError
 
 log = logging.getLogger("deconv.service")
 
@@ -106,8 +105,6 @@ class EngineConnection(ipc.FrameProtocol):
             self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
                                        shared))
         else:
-            if isinstance(exc, WorkerReplacedError) and isinstance(x, SlotTensor):
-                self.send(ipc.abandon_frame(request_id))  # the replaced thread may still write into the slot
             error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
             self.send(ipc.error_frame(request_id, error))
 

@@ -68,7 +68,6 @@ class EngineClient(ipc.FrameProtocol):
         # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
         # output bytes). A request given up on keeps its slot here until then (service.shm).
         self.slots: dict[int, tuple[int, int, int]] = {}
-        self.abandoned_bytes = 0  # in slots never given back (ABANDON)
         paths = service.metrics.ipc_requests
         self.sent_shared, self.sent_inline = paths.labels("shared"), paths.labels("inline")
 
@@ -96,12 +95,6 @@ class EngineClient(ipc.FrameProtocol):
                 entry[0].future.set_exception(error)
         elif kind == ipc.DONE:
             self._release(self.slots.pop(ipc.result_id(body), None))
-        elif kind == ipc.ABANDON:
-            slot = self.slots.pop(ipc.result_id(body), None)
-            if slot is not None and self.arena is not None:
-                self.abandoned_bytes += slot[1] - slot[0] + slot[2]
-                log.warning("engine link: a request's slot stays reserved (a replaced worker thread may still "
-                            "write into it); %d bytes of shared memory reserved so far", self.abandoned_bytes)
         elif kind == ipc.STATE:
             self.service.engine_state(ipc.parse_state(body))
         else:

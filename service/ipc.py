@@ -24,11 +24,9 @@ Engine -> HTTP process:
 * ``ERROR``: ``u64 id`` + JSON ``{"type", "message", "headers"}`` (a ``ServiceError`` of that type).
 * ``DONE``: ``u64 id``: a request with a slot that the engine took out of its queue after a ``DROP``; it holds
   nothing of it any more (the HTTP process may reuse the slot).
-* ``ABANDON``: ``u64 id``: the request's batch failed because its worker thread was replaced, and that thread may
-  still write into the slot: the HTTP process must never reuse it. An ``ERROR`` follows.
 
 A request with a slot gets exactly one of ``RESULT``, ``ERROR`` or ``DONE``, after which the engine never touches
-the slot again, unless an ``ABANDON`` came first.
+the slot again.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ import torch
 from service import errors
 from service.codec import AnyTensor, RawTensor, bytes_of
 
-SUBMIT, DROP, STATE, RESULT, ERROR, DONE, ABANDON = 1, 2, 3, 4, 5, 6, 7
+SUBMIT, DROP, STATE, RESULT, ERROR, DONE = 1, 2, 3, 4, 5, 6
 SHARED = 1  # flag of SUBMIT and RESULT: the tensor is in the HTTP process's arena, not in the frame
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -127,11 +125,6 @@ def result_frame(request_id: int, y: AnyTensor, batch_samples: int, batch_reques
 def done_frame(request_id: int) -> list[bytes | memoryview]:
     """``DONE``: the engine holds nothing of a request with a slot that it took out of its queue."""
     return _frame(DONE, _ID.pack(request_id))
-
-
-def abandon_frame(request_id: int) -> list[bytes | memoryview]:
-    """``ABANDON``: a replaced worker thread may still write into this request's slot."""
-    return _frame(ABANDON, _ID.pack(request_id))
 
 
 def error_frame(request_id: int, error: errors.ServiceError) -> list[bytes | memoryview]:
@@ -242,7 +235,7 @@ def parse_result(body: bytearray, dtype: torch.dtype, slot: memoryview | None = 
 
 
 def result_id(body: bytearray) -> int:
-    """The request id of a ``RESULT``, ``ERROR``, ``DONE`` or ``ABANDON`` body."""
+    """The request id of a ``RESULT``, ``ERROR`` or ``DONE`` body."""
     if len(body) < _ID.size:
         raise ProtocolError("frame too short for a request id")
     return int(_ID.unpack_from(body)[0])

@@ -11,10 +11,8 @@ serial stage of the server, neither reads nor writes them.
 Slot lifetime, decided by the HTTP process alone: a slot is taken before ``SUBMIT`` and given back when the
 engine's last word on that request arrives (``RESULT``, ``ERROR`` or ``DONE``), never earlier, so that the engine
 never writes into memory that serves another request. A request the HTTP process gives up on keeps its slot until
-then. The slots of a batch whose worker thread was replaced (stalled) are never given back (``ABANDON``): that
-thread may still write into them. If the engine connection is lost, the arena is dropped with it. A request that
-does not fit (the arena is full, or the request is larger than the arena) travels inline in its frames, as
-without an arena.
+then. If the engine connection is lost, the arena is dropped with it. A request that does not fit (the arena is
+full, or the request is larger than the arena) travels inline in its frames, as without an arena.
 
 The pages are the kernel's anonymous shared memory: they are not in ``/dev/shm`` (whose size containers limit) and
 only the pages touched count; ``Arena.alloc`` takes the lowest free slot, so under a steady load the same few

@@ -52,8 +52,7 @@ WORKER_TIMEOUT_S = 120.0
 # (input [N, C_in, H, W], weight, bias, layer) -> output [N, C_out, H_out, W_out]; replaceable in tests.
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], torch.Tensor]
 # (requests' inputs [n_i, C_in, H, W] on the host, CUDA weight, bias, layer, the weight's packs) -> pinned host output
-# [N, C_out, H_out, W_out]: the GPU worker's step, which returns once the output is there, and in the slots of the
-# inputs that have one (SlotTensor).
+# [N, C_out, H_out, W_out]: the GPU worker's step, which returns once the output is there.
 GatheredFn = Callable[[list[AnyTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], torch.Tensor]
 # A batch handed to the worker thread: its future, its layer and its inputs.
 _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
@@ -87,14 +86,11 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias: torch.Tensor | None,
                             layer: Layer, packs: WeightPacks | None = None) -> torch.Tensor:
     """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream
-    (``packs``: the weight's packed copies, kept with the worker's weights); the outputs of inputs with a slot
-    (``SlotTensor``) are also written into their slots, in the same call."""
+    (``packs``: the weight's packed copies, kept with the worker's weights)."""
     parts = [x.data if isinstance(x, RawTensor) else x.contiguous() for x in inputs]
-    slots = [x.out if isinstance(x, SlotTensor) else None for x in inputs]
     shape = (sum(int(x.shape[0]) for x in inputs), *(int(d) for d in inputs[0].shape[1:]))
     return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision,
-                                     serving_choice(shape, weight, bias, layer, packs), packs,
-                                     slots if any(s is not None for s in slots) else None)
+                                     serving_choice(shape, weight, bias, layer, packs), packs)
 
 
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
@@ -124,12 +120,6 @@ def _settle(future: Future[list[AnyTensor]], result: list[AnyTensor] | None = No
         pass
 
 
-class WorkerReplacedError(InternalError):
-    """A batch failed because its worker thread died or stalled and was replaced. A stalled thread may still come
-    back and write the batch's outputs, so the slots of its requests (``SlotTensor``) must never serve another
-    request (the engine tells their HTTP process: ``service.ipc`` ``ABANDON``)."""
-
-
 class Worker:
     """One device, one thread. ``run_batch`` runs on that thread; everything else on the event loop.
 
@@ -153,6 +143,7 @@ class Worker:
         self.restarts = 0
         self.busy_since: float | None = None  # time.monotonic() when the current batch started executing
         self._lock = threading.Lock()
+        self._slot_lock = threading.Lock()  # see _deliver
         self._stopping = False
         self._generation = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -188,7 +179,7 @@ class Worker:
                     continue  # already failed by a restart
                 self.busy_since = time.monotonic()
                 try:
-                    outputs = self.run_batch(layer, inputs)
+                    outputs = self._deliver(inputs, self.run_batch(layer, inputs), generation)
                 except Exception as exc:
                     _settle(future, error=exc)
                 else:
@@ -204,6 +195,26 @@ class Worker:
                 return
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
+
+    def _deliver(self, inputs: list[AnyTensor], outputs: list[AnyTensor], generation: int) -> list[AnyTensor]:
+        """Write the outputs of inputs that have a slot (``SlotTensor``) into their slots, each returned as a
+        ``RawTensor`` over its slot; the others as they are.
+
+        Only the current thread writes: a replaced thread's batches were answered with an error when it was
+        replaced, their slots may already serve other requests, and its late outputs are dropped. ``_slot_lock``
+        makes the check and the writes one step with respect to a replacement (``_replace``).
+        """
+        if not any(isinstance(x, SlotTensor) for x in inputs):
+            return outputs
+        with self._slot_lock:
+            if generation != self._generation:
+                return outputs
+            delivered = list(outputs)
+            for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
+                if isinstance(x, SlotTensor) and isinstance(y, RawTensor) and y.data.nbytes == x.out.nbytes:
+                    x.out[:] = y.data
+                    delivered[i] = RawTensor(x.out, y.dtype, y.shape)
+            return delivered
 
     def submit(self, layer: Layer, inputs: list[AnyTensor]) -> Future[list[AnyTensor]]:
         """Hand a batch to the thread; the future resolves with one output per input (or ``InternalError``)."""
@@ -228,9 +239,10 @@ class Worker:
             old_jobs, held = self._jobs, self._held
             self.restarts += 1
             self._abandoned.append(self._thread)
-            self._thread = self._start_thread()
+            with self._slot_lock:  # the old thread's outputs are in their slots now, or never will be
+                self._thread = self._start_thread()
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
-        error = WorkerReplacedError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
+        error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
         for future in list(held):
             _settle(future, error=error)
         if self.metrics is not None:
@@ -278,11 +290,11 @@ class Worker:
             if self.faults is not None:
                 self.faults.before_batch(layer.name, sum(sizes))
             if self.is_cuda:
-                y, in_slots = self._run_cuda(layer, inputs, weight, bias, packs)
+                y = self._run_cuda(layer, inputs, weight, bias, packs)
             else:
-                y, in_slots = self._forward_span(layer, _gather(inputs), weight, bias, None), False
+                y = self._forward_span(layer, _gather(inputs), weight, bias, None)
             if isinstance(inputs[0], RawTensor):
-                return _slot_outputs(inputs, split_rows(y, sizes), copy=not in_slots)
+                return split_rows(y, sizes)
             return list(y.split(sizes))
         except InternalError:
             raise
@@ -302,16 +314,14 @@ class Worker:
                 self.metrics.worker_batches.labels(self.name).inc()
 
     def _run_cuda(self, layer: Layer, inputs: list[AnyTensor], weight: torch.Tensor,
-                  bias: torch.Tensor | None, packs: WeightPacks | None) -> tuple[torch.Tensor, bool]:
-        """The batch's output [N, C_out, H_out, W_out] in pinned memory, and whether the inputs' slots
-        (``SlotTensor``) hold their outputs already."""
+                  bias: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:
         assert self._stream is not None
         n = sum(int(x.shape[0]) for x in inputs)
         try:
             if self.faults is not None:
                 self.faults.before_forward(layer.name, n)
             with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                return self._gathered(inputs, weight, bias, layer, packs), True
+                return self._gathered(inputs, weight, bias, layer, packs)  # [N, C_out, H_out, W_out], pinned
         except torch.cuda.OutOfMemoryError:
             if n <= 1:
                 raise
@@ -324,7 +334,7 @@ class Worker:
             _gather(inputs, out=host_in)
             host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
                                    pin_memory=True)  # [N, C_out, H_out, W_out]
-            return self._halves(layer, host_in, weight, bias, host_out, packs), False
+            return self._halves(layer, host_in, weight, bias, host_out, packs)
 
     def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
@@ -382,18 +392,6 @@ class Worker:
             if t.is_alive():
                 log.error("worker %s: thread %s still busy %.0f s after shutdown; leaving it", self.name, t.name,
                           timeout_s)
-
-
-def _slot_outputs(inputs: list[AnyTensor], outputs: list[RawTensor], copy: bool) -> list[AnyTensor]:
-    """``outputs`` with those of inputs that have a slot (``SlotTensor``) as ``RawTensor`` over the slot, copied
-    there first when ``copy`` (they are not there yet)."""
-    result: list[AnyTensor] = list(outputs)
-    for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
-        if isinstance(x, SlotTensor) and y.data.nbytes == x.out.nbytes:
-            if copy:
-                x.out[:] = y.data
-            result[i] = RawTensor(x.out, y.dtype, y.shape)
-    return result
 
 
 def _gather(inputs: list[AnyTensor], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -324,12 +324,10 @@ class HeldBuffers {
   ~HeldBuffers() {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
-  // The object's memory as one C-contiguous block (writable when asked); throws the Python error when it has none.
-  const Py_buffer& get(PyObject* obj, bool writable = false) {
+  // The object's memory as one C-contiguous block; throws the Python error when it has none.
+  const Py_buffer& get(PyObject* obj) {
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) {
-      throw py::error_already_set();
-    }
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
     views_.push_back(view);
     return views_.back();
   }
@@ -342,16 +340,14 @@ class HeldBuffers {
 // the GIL held only to find the parts' memory, the parts are copied into pinned staging memory, uploaded, run,
 // downloaded into a new pinned tensor that is returned, and the current stream is waited for. A serving thread
 // then takes the GIL back once per batch. Python (kernels/functional.py, conv_transpose2d_gathered) checks the
-// parts' types, dtypes and sizes first. out_parts (None, or one entry per part: None or a writable buffer of
-// exactly that part's output bytes) also receive their parts' outputs, copied while the GIL is still released:
-// a server's per-request output slots, filled without holding up its event loop.
+// parts' types, dtypes and sizes first.
 torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
                                const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
                                const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
                                std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                                std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                                int64_t force_path, int64_t force_config, int64_t force_split,
-                               WeightPacks* packs, const py::object& out_parts) {
+                               WeightPacks* packs) {
   const Forced forced = check_forced(force_path, force_config, force_split);
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
   check_packs(packs, weight);
@@ -365,7 +361,7 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
   };
   std::vector<Part> host;
   std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
-  HeldBuffers buffers(2 * parts.size());  // the parts and their out_parts: no reallocation
+  HeldBuffers buffers(parts.size());
   size_t total = 0;
   for (const py::handle obj : parts) {
     if (THPVariable_Check(obj.ptr())) {
@@ -382,34 +378,6 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
   }
   TORCH_CHECK(total == static_cast<size_t>(x_meta.nbytes()), "conv_transpose2d_gathered: the parts hold ",
               num(total), " bytes, the input ", num(x_meta.nbytes()), ".");
-  struct Scatter {
-    void* dst;
-    size_t offset;  // in the output
-    size_t bytes;
-  };
-  std::vector<Scatter> scatter;
-  if (!out_parts.is_none()) {
-    const py::list outs = out_parts.cast<py::list>();
-    TORCH_CHECK(outs.size() == host.size(), "conv_transpose2d_gathered: out_parts has ", num(outs.size()),
-                " entries for ", num(host.size()), " parts.");
-    const size_t item = static_cast<size_t>(weight.element_size());
-    const size_t in_sample = static_cast<size_t>(pr.C_in * pr.H_in * pr.W_in) * item;
-    const size_t out_sample = static_cast<size_t>(pr.C_out * pr.H_out * pr.W_out) * item;
-    size_t in_offset = 0;
-    for (size_t i = 0; i < host.size(); ++i) {
-      const size_t bytes = host[i].bytes;
-      TORCH_CHECK(bytes % in_sample == 0, "conv_transpose2d_gathered: part ", num(i), " holds ", num(bytes),
-                  " bytes, not whole samples of ", num(in_sample), ".");
-      const size_t out_offset = in_offset / in_sample * out_sample;
-      in_offset += bytes;
-      if (outs[i].is_none()) continue;
-      const Py_buffer& view = buffers.get(outs[i].ptr(), /*writable=*/true);
-      const size_t want = bytes / in_sample * out_sample;
-      TORCH_CHECK(static_cast<size_t>(view.len) == want, "conv_transpose2d_gathered: out_parts[", num(i),
-                  "] holds ", num(view.len), " bytes; its part's output is ", num(want), ".");
-      scatter.push_back({view.buf, out_offset, want});
-    }
-  }
   torch::Tensor y_host;
   {
     const py::gil_scoped_release no_gil;
@@ -424,8 +392,6 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
     y_host = at::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, pinned);
     run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced,
                      packs);
-    const char* src = static_cast<const char*>(y_host.data_ptr());
-    for (const Scatter& part : scatter) std::memcpy(part.dst, src + part.offset, part.bytes);
   }
   return y_host;
 }
@@ -453,12 +419,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packs") = nullptr);
   m.def("forward_gathered", &forward_gathered,
         "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
-        "pinned host tensor, on the current stream, waiting for the result, with the GIL released once; out_parts "
-        "(one entry per part: None or a writable buffer) also receive their parts' outputs.",
+        "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
         py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
-        py::arg("packs") = nullptr, py::arg("out_parts") = py::none());
+        py::arg("packs") = nullptr);
   py::class_<WeightPacks>(m, "WeightPacks",
                           "Packed copies of one CUDA weight tensor for the tensor-core kernels, one per layout, made "
                           "on first use and kept (for weights that do not change while it lives).")

@@ -637,28 +637,6 @@ def test_gathered_parts_host_to_host(family: str, mode: str) -> None:
     assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_gathered_writes_out_parts(mode: str) -> None:
-    """Per-request output slots: each part with an out_part gets exactly its rows of the output; the others none."""
-    dtype, precision, tol = MODES[mode]
-    x, wt, b, args, ref = _host_problem("stride2", mode, n=6)
-    parts = [x[0:2].clone(), _host_bytes(x[2:3]), bytes(_host_bytes(x[3:6]))]
-    row = ref[0].numel() * dtype.itemsize
-    outs = [bytearray(b"\x55" * 2 * row), None, memoryview(bytearray(b"\x55" * 3 * row))]
-    y = conv_transpose2d_gathered(parts, x.shape, wt, b, args, precision, out_parts=outs)
-    assert rel_err(y.cuda(), ref) <= tol
-    got = [torch.frombuffer(outs[0], dtype=dtype).view(2, *ref.shape[1:]),
-           torch.frombuffer(outs[2], dtype=dtype).view(3, *ref.shape[1:])]
-    assert torch.equal(got[0], y[0:2])  # the very bytes of the output
-    assert torch.equal(got[1], y[3:6])
-    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="2 entries for 3 parts"):
-        conv_transpose2d_gathered(parts, x.shape, wt, b, args, precision, out_parts=outs[:2])
-    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="writable"):
-        conv_transpose2d_gathered(parts, x.shape, wt, b, args, precision, out_parts=[bytes(2 * row), None, None])
-    with pytest.raises(RuntimeError, match=r"out_parts\[2\] holds"):
-        conv_transpose2d_gathered(parts, x.shape, wt, b, args, precision, out_parts=[None, None, bytearray(row)])
-
-
 def test_gathered_rejects_parts_that_do_not_make_the_input() -> None:
     args = normalize_args(2, 1, 0, 1, 1)
     x = torch.randn(3, 8, 5, 5)

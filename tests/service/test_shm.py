@@ -8,8 +8,6 @@ import asyncio
 import math
 import socket
 import struct
-import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,7 +22,7 @@ from service.errors import OverloadedError
 from service.frontend import EngineClient, RemoteBatcher
 from service.metrics import Metrics
 from service.registry import BatchLimits, Layer, load_repository
-from service.worker import Worker, WorkerReplacedError
+from service.worker import Worker
 
 from .conftest import run
 
@@ -231,24 +229,23 @@ def test_worker_writes_slot_outputs_into_their_slots(demo: Layer) -> None:
         worker.shutdown()
 
 
-def test_batches_of_a_replaced_worker_thread_fail_with_worker_replaced(demo: Layer) -> None:
-    release = threading.Event()
-
-    def stuck(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
-        release.wait(30)  # a kernel that hangs
-        return _expected(layer, x)
-
-    worker = Worker(torch.device("cpu"), forward=stuck)
+def test_a_replaced_worker_thread_never_writes_into_slots(demo: Layer) -> None:
+    worker = Worker(torch.device("cpu"))
     try:
         worker.load(demo)
-        a, _ = _slot_input(demo, torch.randn(1, 16, 4, 4))
-        future = worker.submit(demo, [a])
-        while worker.busy_since is None:
-            time.sleep(0.001)
-        assert worker.restart("stalled")
-        assert isinstance(future.exception(timeout=5), WorkerReplacedError)
+        x = torch.randn(1, 16, 4, 4)
+        a, a_out = _slot_input(demo, x)
+        stale = worker._generation
+        y = worker.run_batch(demo, [a])
+        assert worker.restart("stalled")  # the batch's requests were answered 500; their slots may serve others
+        a_out[:] = b"\x07" * a_out.nbytes
+        late = worker._deliver([a], y, stale)
+        assert late is y
+        assert bytes(a_out) == b"\x07" * a_out.nbytes
+        fresh = worker._deliver([a], y, worker._generation)
+        assert fresh[0].data is a_out
+        torch.testing.assert_close(fresh[0].tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
     finally:
-        release.set()  # the replaced thread comes back and writes into the slot: the slot must be abandoned
         worker.shutdown()
 
 
@@ -457,41 +454,5 @@ def test_engine_refuses_an_output_slot_past_the_arena(demo: Layer) -> None:
         req = ipc.parse_submit(bytearray(frame[5:]), arena)
         with pytest.raises(ipc.ProtocolError, match=r"output slot \[3072, 5120\) is outside"):
             conn._slot(req, SimpleNamespace(layer=demo))
-
-    run(main())
-
-
-def test_engine_abandons_the_slots_of_a_replaced_worker_s_batch_and_the_http_process_never_reuses_them(
-        demo: Layer) -> None:
-    async def main() -> None:
-        arena = shm.Arena(1 << 16)
-        client, transport, _ = _client(arena)
-        item = RemoteBatcher(demo, 0, client).submit(torch.randn(1, 16, 4, 4))
-        ((_, body),) = _sent(client, transport)
-        engine_view = memoryview(arena._map)
-        req = ipc.parse_submit(body, engine_view)
-        conn, engine_transport = _engine_connection(engine_view)
-        slot = conn._slot(req, SimpleNamespace(layer=demo))
-        future = asyncio.get_running_loop().create_future()
-        future.set_exception(WorkerReplacedError("worker cpu stalled while holding this batch and was restarted"))
-        conn.pending[req.request_id] = (None, SimpleNamespace(x=slot))
-        conn._answer(req.request_id, future)
-        conn._flush()
-        data = engine_transport.frames[0]
-        kinds = []
-        while data:
-            size, kind = struct.unpack_from("<IB", data)
-            kinds.append(kind)
-            client.frame_received(kind, bytearray(data[5:4 + size]))
-            data = data[4 + size:]
-        assert kinds == [ipc.ABANDON, ipc.ERROR]
-        assert item.future.exception().type == "internal"  # a 500 for the client, as any failed batch
-        assert client.slots == {}
-        assert arena.slots == 1  # never given back: the old thread may still write there
-        assert client.abandoned_bytes == shm.aligned(16 * 4 * 4 * 4) + 8 * 8 * 8 * 4
-        nxt = RemoteBatcher(demo, 0, client).submit(torch.randn(1, 16, 4, 4))
-        ((_, body),) = _sent(client, transport)
-        assert ipc.parse_submit(body, engine_view).x.data.obj is engine_view.obj
-        assert client.slots[nxt.request_id][0] >= client.abandoned_bytes  # a new slot, past the abandoned one
 
     run(main())
