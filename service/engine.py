@@ -212,21 +212,19 @@ class Engine:
         readable = loop.create_future()
         loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
         try:
-            await asyncio.wait_for(readable, HANDSHAKE_TIMEOUT_S)
-        except BaseException as exc:  # the timeout, or the engine stopping
-            loop.remove_reader(conn.fileno())
-            conn.close()
-            if not isinstance(exc, TimeoutError):
-                raise
-            log.error("engine: a connection sent no HELLO within %.0f s; closed", HANDSHAKE_TIMEOUT_S)
-            return
-        loop.remove_reader(conn.fileno())
-        try:
+            try:
+                await asyncio.wait_for(readable, HANDSHAKE_TIMEOUT_S)
+            finally:
+                loop.remove_reader(conn.fileno())
             arena = shm.recv_hello(conn)
-        except OSError as exc:  # HandshakeError too
-            log.error("engine: refused a connection: %s", exc)
+        except OSError as exc:  # no HELLO in time (TimeoutError), a bad one (HandshakeError), a failed mapping
+            log.error("engine: refused a connection: %s",
+                      f"no HELLO within {HANDSHAKE_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc)
             conn.close()
             return
+        except BaseException:  # the engine stopping
+            conn.close()
+            raise
         log.info("engine: an HTTP process connected (%s)",
                  "tensors inline" if arena is None else f"{arena.nbytes >> 20} MiB shared arena")
         await loop.connect_accepted_socket(lambda: EngineConnection(self, arena), conn)
