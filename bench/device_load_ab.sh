@@ -2,7 +2,8 @@
 # One call on the GPU machine comparing server settings under the same load, one after the other on one machine:
 # each variant of LOAD_VARIANTS ("name=VAR=value,VAR=value ...", space-separated; default: the shared-memory
 # engine link, the socket, shared memory again) runs bench/service_load.py with those environment variables.
-# Env: REQUESTS (default 40000), ROUNDS (default 3), HTTP_PROCS (default 8), LOAD_PROCS (default 4). Needs the
+# Env: REQUESTS (default 40000), ROUNDS (default 3), HTTP_PROCS (default 8), LOAD_PROCS (default 4), SCENARIOS
+# (default batching,no-batching; a variant that only changes batching can skip no-batching). Needs the
 # wheels of ../shared/device/fetch-wheels in .whl (carried). Logs and JSON go to $OUT; a table of the medians last.
 set -uo pipefail
 source bench/device_env.sh
@@ -16,7 +17,7 @@ for v in $variants; do
   echo "== $name ($settings)"
   env ${settings//,/ } timeout 280 python3 bench/service_load.py --client raw --clients 64 \
     --procs "${LOAD_PROCS:-4}" --requests "${REQUESTS:-40000}" --rounds "${ROUNDS:-3}" \
-    --http-processes "${HTTP_PROCS:-8}" --scenarios batching,no-batching \
+    --http-processes "${HTTP_PROCS:-8}" --scenarios "${SCENARIOS:-batching,no-batching}" \
     --out "$OUT/service_load-$name.json" > "$OUT/service_load-$name.log" 2>&1
   tail -6 "$OUT/service_load-$name.log"
 done
