@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="Default most samples in one kernel call.")
     max_batch_bytes: int = Field(256 * 2**20, ge=1, description="Default most output bytes in one kernel call.")
     max_queue_delay_ms: float = Field(
-        0.5, ge=0.0, description="Default longest wait for more requests before a batch is executed."
+        0.0, ge=0.0, description="Default longest wait for more requests before a batch is executed (0: none; "
+        "requests still batch while the workers are busy)."
     )
     max_queue_size: int = Field(256, ge=1, description="Default most requests waiting per layer; then 429.")
     max_body_bytes: int = Field(64 * 2**20, ge=1, description="Largest accepted request body; larger is 413.")

@@ -16,7 +16,7 @@ def test_defaults(monkeypatch):
     assert (s.host, s.port, s.devices) == ("127.0.0.1", 8000, "auto")
     assert s.layer_repository == DEFAULT_LAYER_REPOSITORY
     assert (DEFAULT_LAYER_REPOSITORY / "demo.json").is_file()
-    assert (s.max_batch_size, s.max_queue_delay_ms, s.max_queue_size) == (64, 0.5, 256)
+    assert (s.max_batch_size, s.max_queue_delay_ms, s.max_queue_size) == (64, 0.0, 256)
     assert s.api_key is None
     assert s.access_log is True
     assert s.http_processes == 1
