@@ -110,7 +110,9 @@ class Metrics:
                            registry=r, multiprocess_mode="livemin")
         self._exposed = r
         if multiprocess():
-            self._exposed = CollectorRegistry(auto_describe=True)
+            # auto_describe off: registering would otherwise collect at once, reading every process's file, and
+            # a process starting beside one that has just created its (still empty) file would fail on it.
+            self._exposed = CollectorRegistry(auto_describe=False)
             MultiProcessCollector(self._exposed)
         self._gpus: list[int] = []
         # Series of answered requests by (layer, api, status): labels() costs more than the update itself.

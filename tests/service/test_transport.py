@@ -147,3 +147,15 @@ print(os.getpid(), pid, os.waitstatus_to_exitcode(status))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert f"counter_{parent}.db" in names, names
     assert f"counter_{child}.db" in names, names
+
+
+def test_a_process_starts_while_another_process_has_just_created_its_metrics_file(tmp_path) -> None:
+    # prometheus-client creates a process's file empty and writes its header afterwards; a process starting at
+    # that moment (the HTTP processes start together) must not read the directory and fail on it.
+    (tmp_path / "counter_999999.db").write_bytes(b"")
+    script = "from service.metrics import Metrics; m = Metrics(); m.worker_batches.labels('w').inc(); print('ok')"
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["ok"]
