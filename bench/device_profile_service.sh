@@ -23,7 +23,8 @@ for scenario in ${SCENARIOS:-batching no-batching}; do
     sleep 0.2
   done
   sleep 1  # every HTTP process connected
-  timeout 120 python3 bench/service_load.py --url "http://127.0.0.1:$port" --client raw --procs 4 --clients 64 \
+  # its own process group, so that stopping it stops its load-generator processes too
+  setsid timeout 120 python3 bench/service_load.py --url "http://127.0.0.1:$port" --client raw --procs 4 --clients 64 \
     --requests "${REQUESTS:-200000}" --out "$OUT/load-$scenario.json" > "$OUT/load-$scenario.log" 2>&1 &
   load=$!
   sleep 4  # warm-up and steady state
@@ -37,7 +38,7 @@ for scenario in ${SCENARIOS:-batching no-batching}; do
     -o "$OUT/front-$scenario.txt" > "$OUT/pyspy-front-$scenario.log" 2>&1 &
   p2=$!
   wait $p1 $p2
-  kill $load 2> /dev/null; wait $load 2> /dev/null
+  kill -- -$load 2> /dev/null; wait $load 2> /dev/null
   kill -TERM $server; wait $server
   echo "== $scenario: engine $engine, HTTP process $front"
   tail -3 "$OUT/pyspy-engine-$scenario.log"
