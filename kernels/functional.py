@@ -405,7 +405,9 @@ def conv_transpose2d_gathered(
     itemsize = weight.dtype.itemsize
     total = 0
     for i, part in enumerate(parts):
-        if isinstance(part, torch.Tensor):
+        if type(part) is memoryview and part.c_contiguous:  # a request's bytes as served: the common case, first
+            total += part.nbytes
+        elif isinstance(part, torch.Tensor):
             if part.device.type != "cpu" or part.dtype != weight.dtype or not part.is_contiguous():
                 raise ConvTranspose2dArgumentError(
                     f"part {i}: a tensor part must be a contiguous CPU tensor of dtype {weight.dtype}, got "

@@ -31,9 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
-from kernels.functional import WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged, resolve_precision
+from kernels.functional import (
+    HostPart,
+    WeightPacks,
+    conv_transpose2d_gathered,
+    conv_transpose2d_staged,
+    resolve_precision,
+)
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
-from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, split_rows
+from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, split_rows, tensor_bytes
 from service.errors import InternalError
 from service.faults import Faults
 from service.metrics import Metrics
@@ -87,8 +93,12 @@ def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias:
                             layer: Layer, packs: WeightPacks | None = None) -> torch.Tensor:
     """``kernel_forward`` of the requests' host inputs together, into pinned host memory, on the current stream
     (``packs``: the weight's packed copies, kept with the worker's weights)."""
-    parts = [x.data if isinstance(x, RawTensor) else x.contiguous() for x in inputs]
-    shape = (sum(int(x.shape[0]) for x in inputs), *(int(d) for d in inputs[0].shape[1:]))
+    parts: list[HostPart] = []
+    n = 0
+    for x in inputs:  # one pass: a batch's cost per request is what batching does not amortize
+        parts.append(x.data if isinstance(x, RawTensor) else x.contiguous())
+        n += int(x.shape[0])
+    shape = (n, *(int(d) for d in inputs[0].shape[1:]))
     return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision,
                                      serving_choice(shape, weight, bias, layer, packs), packs)
 
@@ -179,7 +189,7 @@ class Worker:
                     continue  # already failed by a restart
                 self.busy_since = time.monotonic()
                 try:
-                    outputs = self._deliver(inputs, self.run_batch(layer, inputs), generation)
+                    outputs = self._deliver(inputs, self._batch_output(layer, inputs), generation)
                 except Exception as exc:
                     _settle(future, error=exc)
                 else:
@@ -196,25 +206,36 @@ class Worker:
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
 
-    def _deliver(self, inputs: list[AnyTensor], outputs: list[AnyTensor], generation: int) -> list[AnyTensor]:
-        """Write the outputs of inputs that have a slot (``SlotTensor``) into their slots, each returned as a
-        ``RawTensor`` over its slot; the others as they are.
+    def _deliver(self, inputs: list[AnyTensor], y: torch.Tensor, generation: int) -> list[AnyTensor]:
+        """The batch's output ``y`` split per request: for an input with a slot (``SlotTensor``) its rows are
+        written into the slot and returned as a ``RawTensor`` over it; other ``RawTensor`` inputs get views of
+        ``y``, torch tensors get slices of it.
 
-        Only the current thread writes: a replaced thread's batches were answered with an error when it was
-        replaced, their slots may already serve other requests, and its late outputs are dropped. ``_slot_lock``
-        makes the check and the writes one step with respect to a replacement (``_replace``).
+        Only the current thread writes into slots: a replaced thread's batches were answered with an error when it
+        was replaced, their slots may already serve other requests, and its late outputs stay in ``y``.
+        ``_slot_lock`` makes the check and the writes one step with respect to a replacement (``_replace``).
+        One pass over the requests (a batch's cost per request is what batching does not amortize).
         """
-        if not any(isinstance(x, SlotTensor) for x in inputs):
-            return outputs
+        sizes = [int(x.shape[0]) for x in inputs]
+        if not isinstance(inputs[0], RawTensor):
+            return list(y.split(sizes))
+        data = tensor_bytes(y)
+        dtype = y.dtype
+        row_shape = tuple(int(d) for d in y.shape[1:])
+        row_bytes = data.nbytes // int(y.shape[0])
+        outputs: list[AnyTensor] = []
+        offset = 0
         with self._slot_lock:
-            if generation != self._generation:
-                return outputs
-            delivered = list(outputs)
-            for i, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
-                if isinstance(x, SlotTensor) and isinstance(y, RawTensor) and y.data.nbytes == x.out.nbytes:
-                    x.out[:] = y.data
-                    delivered[i] = RawTensor(x.out, y.dtype, y.shape)
-            return delivered
+            current = generation == self._generation
+            for x, n in zip(inputs, sizes, strict=True):
+                end = offset + n * row_bytes
+                rows = data[offset:end]
+                if current and isinstance(x, SlotTensor) and x.out.nbytes == end - offset:
+                    x.out[:] = rows
+                    rows = x.out
+                outputs.append(RawTensor(rows, dtype, (n, *row_shape)))
+                offset = end
+        return outputs
 
     def submit(self, layer: Layer, inputs: list[AnyTensor]) -> Future[list[AnyTensor]]:
         """Hand a batch to the thread; the future resolves with one output per input (or ``InternalError``)."""
@@ -277,25 +298,29 @@ class Worker:
         """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
 
         Inputs that are ``RawTensor`` (requests as they arrived) get ``RawTensor`` outputs: views of the batch's
-        output, so that the event loop handles no torch tensor per request.
+        output, so that the event loop handles no torch tensor per request. (The worker thread itself writes the
+        outputs of inputs with a slot into their slots instead: ``_deliver``.)
 
         Raises:
             InternalError: the kernel failed, or even one sample does not fit in GPU memory.
         """
-        weight, bias, packs = self._weights[layer.name]
+        y = self._batch_output(layer, inputs)
         sizes = [int(x.shape[0]) for x in inputs]
+        if isinstance(inputs[0], RawTensor):
+            return split_rows(y, sizes)
+        return list(y.split(sizes))
+
+    def _batch_output(self, layer: Layer, inputs: list[AnyTensor]) -> torch.Tensor:
+        """The whole batch's output ``[N, C_out, H_out, W_out]`` on the host (``run_batch`` before the split)."""
+        weight, bias, packs = self._weights[layer.name]
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
         try:
             if self.faults is not None:
-                self.faults.before_batch(layer.name, sum(sizes))
+                self.faults.before_batch(layer.name, sum(int(x.shape[0]) for x in inputs))
             if self.is_cuda:
-                y = self._run_cuda(layer, inputs, weight, bias, packs)
-            else:
-                y = self._forward_span(layer, _gather(inputs), weight, bias, None)
-            if isinstance(inputs[0], RawTensor):
-                return split_rows(y, sizes)
-            return list(y.split(sizes))
+                return self._run_cuda(layer, inputs, weight, bias, packs)
+            return self._forward_span(layer, _gather(inputs), weight, bias, None)
         except InternalError:
             raise
         except torch.cuda.OutOfMemoryError as exc:
