@@ -8,9 +8,10 @@ Scenarios (each server started here as a subprocess on 127.0.0.1, then stopped):
 - ``naive``: ``bench/naive_server.py``, a FastAPI endpoint calling ``nn.ConvTranspose2d`` per request.
 
 Each scenario runs a bounded number of requests from ``--clients`` concurrent clients (httpx.AsyncClient, one
-connection each; ``--client raw``: a minimal asyncio protocol, ~20x cheaper per request) spread over ``--procs``
-load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than the server; they
-run uvloop's event loop when it is installed), after a warm-up, and checks one response against PyTorch in float64.
+connection each; ``--client raw``: a minimal asyncio protocol in a closed loop, ~20x cheaper per request) spread
+over ``--procs`` load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than
+the server; they run uvloop's event loop when it is installed), after a warm-up, and checks one response against
+PyTorch in float64.
 ``--url`` drives an already running server instead (scenario ``external``). ``--rounds N`` starts every server
 first and measures the scenarios N times in turn (batching, no-batching, batching, ...); the figures are the
 medians over the rounds, and the ratio of batching to batching off is given for each round too. Machines drift
@@ -160,89 +161,201 @@ def check_output(args: argparse.Namespace, x: np.ndarray, body: bytes) -> float:
     return float((y - ref).norm() / ref.norm())
 
 
-class RawConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection that speaks just enough HTTP for this benchmark (``--client raw``).
+class RawClient(asyncio.Protocol):
+    """One client of ``--client raw``: a keep-alive HTTP/1.1 connection in a closed loop, speaking just enough HTTP
+    for this benchmark.
 
     httpx costs about 1 ms of client CPU per request, several times what the server spends on one: above a few
-    thousand requests/s the load generators, not the server, become the limit. This client is an
-    ``asyncio.Protocol`` (no stream reader, no task per request): the response is parsed in ``data_received`` and
-    handed to the waiting request through one future, with one timer for the timeout.
+    thousand requests/s the load generators, not the server, become the limit. Here a response is parsed in
+    ``data_received`` and the next request leaves from there (``RawLoad.send_next``): no task, coroutine, future or
+    timer per request. The load generator's CPU per request is part of every round trip with batching, where a
+    batch's responses reach a load-generator process together and are handled one after another.
     """
 
-    def __init__(self, url: str, timeout: float) -> None:
-        u = httpx.URL(url)
-        self.host, self.port, self.timeout = u.host, u.port or 80, timeout
+    def __init__(self, load: RawLoad) -> None:
+        self.load = load
         self.transport: asyncio.Transport | None = None
+        self.sent_at = 0.0  # perf_counter() when the request in flight left; 0.0: none in flight
+        self.finished = False  # no more requests for this client
         self._buf = bytearray()
-        self._head: tuple[int, dict[str, str]] | None = None
-        self._need = 0
-        self._waiter: asyncio.Future[tuple[int, dict[str, str], bytes]] | None = None
+        self._head: bytes | None = None  # the response's head, lower-cased, once complete
+        self._need = 0  # the response body's length
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (asyncio's or uvloop's)
+        self.load.send(self)  # the request this connection was opened for (RawLoad._connect)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
-        if self._head is None:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
+        while True:
+            if self._head is None:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = bytes(buf[:end + 2]).lower()  # each header line ends with \r\n
+                del buf[:end + 4]
+                length = header(head, b"content-length")
+                if not head.startswith(b"http/1.1 ") or not length or not length.isdigit():
+                    self.fail(ValueError(f"bad response head {head[:80]!r}"))
+                    return
+                self._head, self._need = head, int(length)
+            if len(buf) < self._need:
                 return
-            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-            del buf[:end + 4]
-            try:
-                status = int(lines[0].split(" ", 2)[1])
-                headers = {k.strip().lower(): v.strip()
-                           for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-                self._need = int(headers.get("content-length", "0"))
-            except (IndexError, ValueError) as exc:
-                self._fail(ValueError(f"bad response head: {exc}"))
-                return
-            self._head = (status, headers)
-        if len(buf) >= self._need:
-            status, headers = self._head
-            body = bytes(buf[:self._need])
+            head, body = self._head, bytes(buf[:self._need]) if self.load.want_sample else b""
             del buf[:self._need]
             self._head = None
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result((status, headers, body))
+            self.load.answered(self, head, body)
+            if not buf or self.transport is None:
+                return
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self._fail(exc or asyncio.IncompleteReadError(bytes(self._buf), None))
+        self.load.lost(self, exc)
 
-    def _fail(self, exc: BaseException) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(exc)
+    def fail(self, exc: BaseException) -> None:
+        """Count the request in flight as failed with ``exc`` and drop the connection."""
+        self.load.count_error(self, exc)
         self.close()
-
-    async def post(self, path: str, payload: bytes, content_type: str) -> tuple[int, dict[str, str], bytes]:
-        loop = asyncio.get_running_loop()
-        if self.transport is None:
-            await loop.create_connection(lambda: self, self.host, self.port)
-        assert self.transport is not None
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_later(self.timeout, lambda: waiter.done() or waiter.set_exception(asyncio.TimeoutError()))
-        self.transport.writelines([f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n"
-                                   f"content-length: {len(payload)}\r\n\r\n".encode(), payload])
-        try:
-            status, headers, body = await waiter
-        except BaseException:
-            self.close()  # the connection's state is unknown: the next request opens a new one
-            raise
-        finally:
-            timer.cancel()
-            self._waiter = None
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return status, headers, body
 
     def close(self) -> None:
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()  # connection_lost follows
             self.transport = None
-        self._buf.clear()
-        self._head = None
+
+
+def header(head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower case) in a lower-cased response head whose lines end with CRLF."""
+    start = head.find(b"\r\n" + name + b":")
+    if start < 0:
+        return None
+    start += len(name) + 3
+    return head[start:head.index(b"\r\n", start)].strip()
+
+
+class RawLoad:
+    """``count`` requests from ``clients`` ``RawClient`` connections; every failure is counted under its exception's
+    name (a timeout, a refused or lost connection, a malformed response) and the client goes on with a new
+    connection, as long as requests remain."""
+
+    def __init__(self, url: str, path: str, payload: bytes, content_type: str, count: int, timeout: float) -> None:
+        u = httpx.URL(url)
+        self.host, self.port, self.timeout = u.host, u.port or 80, timeout
+        self.request = (f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n"
+                        f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+        self.remaining = count
+        self.latencies: list[float] = []
+        self.batch_sizes: list[int] = []
+        self.statuses: dict[str, int] = {}
+        self.sample = b""
+        self.want_sample = True
+        self.clients: set[RawClient] = set()
+        self._running = 0  # clients not finished
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._finished: asyncio.Future[None] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    async def run(self, clients: int) -> None:
+        """Until every request was answered or failed."""
+        loop = asyncio.get_running_loop()
+        self._finished = loop.create_future()
+        self._running = clients
+        for _ in range(clients):
+            self._connect(loop)
+        self._watchdog = loop.call_later(min(1.0, self.timeout / 4), self._watch, loop)
+        try:
+            await self._finished
+        finally:
+            self._watchdog.cancel()
+            for client in list(self.clients):
+                client.close()
+
+    def send_next(self, client: RawClient) -> None:
+        """Send ``client``'s next request, or finish it when none remain."""
+        if self.remaining <= 0:
+            self._finish(client)
+            return
+        self.remaining -= 1
+        self.send(client)
+
+    def send(self, client: RawClient) -> None:
+        """Send a request (already counted off ``remaining``) on ``client``'s connection."""
+        assert client.transport is not None
+        client.sent_at = time.perf_counter()
+        client.transport.write(self.request)
+
+    def answered(self, client: RawClient, head: bytes, body: bytes) -> None:
+        """A complete response to ``client``'s request."""
+        dt = time.perf_counter() - client.sent_at
+        client.sent_at = 0.0
+        status = head[9:12].decode("latin-1")
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        if status == "200":
+            self.latencies.append(dt)
+            batch = header(head, b"x-deconv-batch-size")
+            self.batch_sizes.append(int(batch) if batch else 1)
+            if self.want_sample:
+                self.sample, self.want_sample = body, False
+        if header(head, b"connection") == b"close":
+            client.close()  # the next request goes out on a new connection (lost())
+        else:
+            self.send_next(client)
+
+    def count_error(self, client: RawClient, exc: BaseException) -> None:
+        """Count ``client``'s request in flight, if any, as failed with ``exc``."""
+        if client.sent_at:
+            client.sent_at = 0.0
+            name = type(exc).__name__
+            self.statuses[name] = self.statuses.get(name, 0) + 1
+
+    def lost(self, client: RawClient, exc: Exception | None) -> None:
+        """``client``'s connection is gone: its request in flight failed; it goes on with a new connection."""
+        self.count_error(client, exc or asyncio.IncompleteReadError(b"", None))
+        self.clients.discard(client)
+        if not client.finished:
+            client.finished = True  # this connection's client lives on in the new one
+            self._connect(asyncio.get_running_loop())
+
+    def _finish(self, client: RawClient) -> None:
+        if not client.finished:
+            client.finished = True
+            client.close()
+            self._client_done()
+
+    def _client_done(self) -> None:
+        self._running -= 1
+        if self._running == 0 and self._finished is not None and not self._finished.done():
+            self._finished.set_result(None)
+
+    def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open a connection for a client's next request (counted off ``remaining`` now), or finish the client."""
+        if self.remaining <= 0:
+            self._client_done()
+            return
+        self.remaining -= 1
+        task = loop.create_task(self._open(loop))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            _, client = await asyncio.wait_for(
+                loop.create_connection(lambda: RawClient(self), self.host, self.port), self.timeout)
+        except (OSError, asyncio.TimeoutError) as exc:  # the request it was for fails; the client tries again
+            name = type(exc).__name__
+            self.statuses[name] = self.statuses.get(name, 0) + 1
+            self._connect(loop)
+            return
+        if not client.finished:
+            self.clients.add(client)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = time.perf_counter()
+        for client in list(self.clients):
+            if client.sent_at and now - client.sent_at > self.timeout:
+                client.fail(asyncio.TimeoutError())
+        if self._finished is not None and not self._finished.done():
+            self._watchdog = loop.call_later(min(1.0, self.timeout / 4), self._watch, loop)
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -256,52 +369,18 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 async def drive(url: str, args: argparse.Namespace, payload: bytes, count: int) -> dict[str, Any]:
     """Send ``count`` requests from ``args.clients`` concurrent clients; collect latencies and batch sizes."""
-    latencies: list[float] = []
-    batch_sizes: list[int] = []
-    statuses: dict[str, int] = {}
-    next_index = 0
-    headers = {"content-type": "application/x-npy"}
     path = f"/deconv?layer={args.layer}"
-    sample: bytes = b""
-
-    async def client_loop(post: Any) -> None:
-        nonlocal next_index, sample
-        while next_index < count:
-            next_index += 1
-            t0 = time.perf_counter()
-            try:
-                status, r_headers, content = await post()
-            except (httpx.HTTPError, OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
-                statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
-                continue
-            dt = time.perf_counter() - t0
-            statuses[str(status)] = statuses.get(str(status), 0) + 1
-            if status == 200:
-                latencies.append(dt)
-                batch_sizes.append(int(r_headers.get("x-deconv-batch-size", "1")))
-                if not sample:
-                    sample = content
-
-    def httpx_post(client: httpx.AsyncClient) -> Any:
-        async def post() -> tuple[int, Any, bytes]:
-            r = await client.post(path, content=payload, headers=headers)
-            return r.status_code, r.headers, r.content
-        return post
-
-    def raw_post(conn: RawConnection) -> Any:
-        return lambda: conn.post(path, payload, headers["content-type"])
-
-    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
-    conns = [RawConnection(url, args.timeout) for _ in range(args.clients)] if args.client == "raw" else []
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
-        posts = [raw_post(c) for c in conns] if conns else [httpx_post(client) for _ in range(args.clients)]
-        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(post) for post in posts))
-        wall = time.perf_counter() - t0
-        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    for c in conns:
-        c.close()
+    content_type = "application/x-npy"
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    if args.client == "raw":
+        load = RawLoad(url, path, payload, content_type, count, args.timeout)
+        await load.run(args.clients)
+        latencies, batch_sizes, statuses, sample = load.latencies, load.batch_sizes, load.statuses, load.sample
+    else:
+        latencies, batch_sizes, statuses, sample = await drive_httpx(url, args, path, payload, content_type, count)
+    wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "latencies_ms": [v * 1e3 for v in latencies],
         "batch_sizes": batch_sizes,
@@ -310,6 +389,40 @@ async def drive(url: str, args: argparse.Namespace, payload: bytes, count: int) 
         "client_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "_sample": sample,
     }
+
+
+async def drive_httpx(url: str, args: argparse.Namespace, path: str, payload: bytes, content_type: str,
+                      count: int) -> tuple[list[float], list[int], dict[str, int], bytes]:
+    """``drive`` with one ``httpx.AsyncClient`` connection a client: latencies (s), batch sizes, statuses (an
+    exception's name for a failed request) and the first 200 response's body."""
+    latencies: list[float] = []
+    batch_sizes: list[int] = []
+    statuses: dict[str, int] = {}
+    next_index = 0
+    sample = b""
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal next_index, sample
+        while next_index < count:
+            next_index += 1
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(path, content=payload, headers={"content-type": content_type})
+            except (httpx.HTTPError, OSError) as exc:
+                statuses[type(exc).__name__] = statuses.get(type(exc).__name__, 0) + 1
+                continue
+            dt = time.perf_counter() - t0
+            statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+            if r.status_code == 200:
+                latencies.append(dt)
+                batch_sizes.append(int(r.headers.get("x-deconv-batch-size", "1")))
+                if not sample:
+                    sample = r.content
+
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+    return latencies, batch_sizes, statuses, sample
 
 
 def summarize(count: int, parts: list[dict[str, Any]], wall: float) -> dict[str, Any]:

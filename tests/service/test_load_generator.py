@@ -1,0 +1,143 @@
+"""bench/service_load.py's ``--client raw`` load generator (``RawLoad``) against small local HTTP servers: every
+request is counted once, as a status or as the exception that failed it, and the clients go on after failures."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BODY = b"y" * 40000  # larger than one read, so that responses arrive in pieces
+
+Behaviour = Callable[[int, asyncio.StreamWriter], Awaitable[bool]]  # request number, writer -> keep the connection
+
+
+@pytest.fixture(scope="module")
+def load_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_service_load", ROOT / "bench" / "service_load.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def answer(writer: asyncio.StreamWriter, extra: bytes = b"", status: bytes = b"200 OK") -> None:
+    writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/x-npy\r\nX-Deconv-Batch-Size: 3\r\n"
+                 + extra + b"content-length: " + str(len(BODY)).encode() + b"\r\n\r\n")
+    for i in range(0, len(BODY), 7000):  # in pieces, so that the client parses across reads
+        writer.write(BODY[i:i + 7000])
+        await writer.drain()
+
+
+async def serve(behaviour: Behaviour) -> tuple[asyncio.Server, str, list[bytes]]:
+    """A server that reads whole requests and lets ``behaviour`` answer each; returns it, its URL and the bodies."""
+    received: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n")
+                                  if line.startswith(b"content-length:")))
+                received.append(await reader.readexactly(length))
+                if not await behaviour(len(received), writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}", received
+
+
+async def run_load(module: ModuleType, url: str, count: int, clients: int, timeout: float = 5.0) -> object:
+    load = module.RawLoad(url, "/deconv?layer=demo", b"x" * 1000, "application/x-npy", count, timeout)
+    await asyncio.wait_for(load.run(clients), 30)
+    return load
+
+
+def test_every_request_answered_in_a_closed_loop(load_module: ModuleType) -> None:
+    async def main() -> None:
+        async def ok(_: int, writer: asyncio.StreamWriter) -> bool:
+            await answer(writer)
+            return True
+
+        server, url, received = await serve(ok)
+        async with server:
+            load = await run_load(load_module, url, count=100, clients=7)
+        assert load.statuses == {"200": 100}
+        assert len(received) == 100
+        assert all(body == b"x" * 1000 for body in received)
+        assert len(load.latencies) == 100
+        assert all(0 < v < 5 for v in load.latencies)
+        assert load.batch_sizes == [3] * 100
+        assert load.sample == BODY
+
+    asyncio.run(main())
+
+
+def test_connection_close_and_errors_are_counted_and_clients_go_on(load_module: ModuleType) -> None:
+    async def main() -> None:
+        async def mixed(n: int, writer: asyncio.StreamWriter) -> bool:
+            if n % 10 == 3:  # the server closes after answering
+                await answer(writer, b"connection: close\r\n")
+                return False
+            if n % 10 == 5:  # an error status
+                await answer(writer, status=b"503 Service Unavailable")
+                return True
+            if n % 10 == 7:  # dropped without an answer
+                return False
+            if n % 10 == 9:  # not HTTP
+                writer.write(b"garbage\r\n\r\n")
+                return True
+            await answer(writer)
+            return True
+
+        server, url, received = await serve(mixed)
+        async with server:
+            load = await run_load(load_module, url, count=60, clients=4)
+        assert len(received) == 60  # every request was sent once, through the failures
+        assert load.statuses == {"200": 42, "503": 6, "IncompleteReadError": 6, "ValueError": 6}
+        assert len(load.latencies) == len(load.batch_sizes) == 42
+
+    asyncio.run(main())
+
+
+def test_a_request_without_an_answer_times_out(load_module: ModuleType) -> None:
+    async def main() -> None:
+        async def one_silent(n: int, writer: asyncio.StreamWriter) -> bool:
+            if n == 2:
+                await asyncio.sleep(3)  # longer than the client's timeout
+                return False
+            await answer(writer)
+            return True
+
+        server, url, received = await serve(one_silent)
+        async with server:
+            load = await run_load(load_module, url, count=10, clients=2, timeout=0.5)
+        assert load.statuses == {"200": 9, "TimeoutError": 1}
+        assert len(received) == 10
+
+    asyncio.run(main())
+
+
+def test_a_refused_connection_fails_its_request(load_module: ModuleType) -> None:
+    async def main() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()  # nothing listens there now
+        load = await run_load(load_module, f"http://127.0.0.1:{port}", count=5, clients=2)
+        assert load.statuses == {"ConnectionRefusedError": 5}
+        assert load.latencies == []
+
+    asyncio.run(main())
