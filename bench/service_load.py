@@ -286,6 +286,9 @@ class RawLoad:
 
     def answered(self, client: RawClient, head: bytes, body: bytes) -> None:
         """A complete response to ``client``'s request."""
+        if not client.sent_at:  # nothing was asked on this connection
+            client.fail(ValueError("a response without a request"))
+            return
         dt = time.perf_counter() - client.sent_at
         client.sent_at = 0.0
         status = head[9:12].decode("latin-1")

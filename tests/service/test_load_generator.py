@@ -141,3 +141,19 @@ def test_a_refused_connection_fails_its_request(load_module: ModuleType) -> None
         assert load.latencies == []
 
     asyncio.run(main())
+
+
+def test_a_response_without_a_request_drops_the_connection(load_module: ModuleType) -> None:
+    class Transport:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    load = load_module.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
+    client = load_module.RawClient(load)
+    client.transport = transport = Transport()
+    client.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # nothing was sent
+    assert transport.aborted
+    assert load.statuses == {}
+    assert load.latencies == []
