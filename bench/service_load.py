@@ -168,8 +168,8 @@ class RawClient(asyncio.Protocol):
     httpx costs about 1 ms of client CPU per request, several times what the server spends on one: above a few
     thousand requests/s the load generators, not the server, become the limit. Here a response is parsed in
     ``data_received`` and the next request leaves from there (``RawLoad.send_next``): no task, coroutine, future or
-    timer per request. The load generator's CPU per request is part of every round trip with batching, where a
-    batch's responses reach a load-generator process together and are handled one after another.
+    timer per request (a quarter to a third less CPU a request than a coroutine per request; docs/operations.md,
+    "The load generator in a closed loop").
     """
 
     def __init__(self, load: RawLoad) -> None:
