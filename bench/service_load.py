@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,7 +247,7 @@ class RawLoad:
         self.remaining = count
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
-        self.statuses: dict[str, int] = {}
+        self.statuses: Counter[str] = Counter()  # status code, or the name of the exception that failed a request
         self.sample = b""
         self.want_sample = True
         self.clients: set[RawClient] = set()
@@ -292,7 +293,7 @@ class RawLoad:
         dt = time.perf_counter() - client.sent_at
         client.sent_at = 0.0
         status = head[9:12].decode("latin-1")
-        self.statuses[status] = self.statuses.get(status, 0) + 1
+        self.statuses[status] += 1
         if status == "200":
             self.latencies.append(dt)
             batch = header(head, b"x-deconv-batch-size")
@@ -308,8 +309,7 @@ class RawLoad:
         """Count ``client``'s request in flight, if any, as failed with ``exc``."""
         if client.sent_at:
             client.sent_at = 0.0
-            name = type(exc).__name__
-            self.statuses[name] = self.statuses.get(name, 0) + 1
+            self.statuses[type(exc).__name__] += 1
 
     def lost(self, client: RawClient, exc: Exception | None) -> None:
         """``client``'s connection is gone: its request in flight failed; it goes on with a new connection."""
@@ -345,8 +345,7 @@ class RawLoad:
             _, client = await asyncio.wait_for(
                 loop.create_connection(lambda: RawClient(self), self.host, self.port), self.timeout)
         except (OSError, asyncio.TimeoutError) as exc:  # the request it was for fails; the client tries again
-            name = type(exc).__name__
-            self.statuses[name] = self.statuses.get(name, 0) + 1
+            self.statuses[type(exc).__name__] += 1
             self._connect(loop)
             return
         if not client.finished:
