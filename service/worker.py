@@ -264,13 +264,14 @@ class Worker:
                 self._thread = self._start_thread()
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
         error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
-        for future in list(held):
+        failed = list(held)  # settling one takes it out of held
+        for future in failed:
             _settle(future, error=error)
         if self.metrics is not None:
             self.metrics.worker_restarts.labels(self.name, reason).inc()
             self.metrics.worker_busy.labels(self.name).set(0)
         log.error("worker %s: thread %s; %d batch(es) it held failed; started a new thread", self.name, reason,
-                  len(held))
+                  len(failed))
         return True
 
     def stalled(self, timeout_s: float) -> bool:

@@ -186,7 +186,7 @@ def test_select_devices_without_a_gpu():
             select_devices(spec)
 
 
-def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers):
+def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
     from service.faults import WorkerCrash
 
     layer = layers["demo"]
@@ -217,6 +217,7 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers):
             assert y.shape == (2, 8, 8, 8)
             assert worker.restarts == 1
             assert metric_value(m.render().decode(), "deconv_worker_restarts_total", worker="cpu", reason="died") == 1
+            assert "thread died; 2 batch(es) it held failed" in caplog.text
             assert worker.inflight_batches == 0
         finally:
             pool.shutdown()
