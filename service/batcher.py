@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -107,9 +108,64 @@ class Result(NamedTuple):
     worker: str
 
 
+class Answer:
+    """What a request submitted with ``on_done`` has instead of an asyncio future (``Batcher.submit``): the same
+    methods the batcher resolves a future with, which hand the outcome to ``on_done(key, outcome)`` at once, where an
+    asyncio future would schedule its callbacks for the next event-loop iteration. ``outcome`` is the ``Result``, the
+    exception, or None for a cancellation; a cancellation is still handed over one iteration later, so that whatever
+    its caller does after ``Batcher.drop`` comes first. The engine process answers each request this way: a future,
+    a callback and a scheduled call per request showed in its profile."""
+
+    __slots__ = ("_cancelled", "_done", "_key", "_loop", "_on_done")
+
+    def __init__(self, on_done: Callable[[Any, Result | BaseException | None], None], key: Any,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._on_done = on_done
+        self._key = key
+        self._loop = loop
+        self._done = False
+        self._cancelled = False
+
+    def done(self) -> bool:
+        """Whether the outcome was handed over (or a cancellation scheduled)."""
+        return self._done
+
+    def cancelled(self) -> bool:
+        """Whether the request was cancelled."""
+        return self._cancelled
+
+    def set_result(self, result: Result) -> None:
+        """Hand over the request's result."""
+        self._settle(result)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Hand over the request's failure."""
+        self._settle(exc)
+
+    def cancel(self) -> bool:
+        """Cancel: ``on_done(key, None)`` in the next event-loop iteration. False when already done."""
+        if self._done:
+            return False
+        self._done = self._cancelled = True
+        self._loop.call_soon(self._call, None)
+        return True
+
+    def _settle(self, outcome: Result | BaseException) -> None:
+        if self._done:
+            raise asyncio.InvalidStateError("the request was answered already")
+        self._done = True
+        self._call(outcome)
+
+    def _call(self, outcome: Result | BaseException | None) -> None:
+        try:
+            self._on_done(self._key, outcome)
+        except Exception:  # one request's answer must not stop its batch's others, as with a future's callback
+            log.exception("answering request %r failed", self._key)
+
+
 @dataclass(eq=False)
 class Pending:
-    """A queued request: its input, its limits and its future."""
+    """A queued request: its input, its limits and its future (or ``Answer``)."""
 
     seq: int
     x: AnyTensor  # [n, C_in, H, W]
@@ -118,7 +174,7 @@ class Pending:
     out_bytes: int
     enqueued: float  # time.monotonic()
     deadline: float | None  # time.monotonic() by which execution must start
-    future: asyncio.Future[Result]
+    future: asyncio.Future[Result] | Answer
     state: str = "queued"  # queued -> running | dropped
 
     @property
@@ -147,6 +203,7 @@ class Batcher:
         self._executing = 0  # this layer's batches on a worker, outputs not back yet (late packing counts these)
         self._finished: asyncio.Event | None = None  # set whenever one of this layer's batches leaves its worker
         self._draining = False
+        self._depth_due = False  # a queue-depth update is scheduled (submit)
         if metrics is not None:  # this layer's series, looked up once (labels() per request shows in profiles)
             name = layer.name
             self._depth = metrics.queue_depth.labels(name)
@@ -197,13 +254,18 @@ class Batcher:
 
     # --- the door -----------------------------------------------------------------------------------------
 
-    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None) -> Pending:
+    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None,
+               on_done: Callable[[Any, Result | BaseException | None], None] | None = None,
+               key: Any = None) -> Pending:
         """Queue ``x`` ([n, C_in, H, W], already validated against the layer) and return its pending entry.
 
         Args:
             x: the request's input.
             received: ``time.monotonic()`` at receipt (default: now).
             deadline: ``time.monotonic()`` by which its batch must start, or None.
+            on_done: instead of an asyncio future, the entry gets an ``Answer`` that calls ``on_done(key,
+                outcome)`` with the ``Result``, the exception, or None when cancelled.
+            key: passed to ``on_done``.
 
         Raises:
             NotReadyError: draining (503).
@@ -217,17 +279,20 @@ class Batcher:
             raise OverloadedError(f"layer {self.layer.name!r} has {len(self._queue)} requests queued "
                              f"(max_queue_size {limits.max_queue_size}); retry later", retry_after_s=retry)
         n, _, h, w = x.shape
+        loop = self._event_loop or asyncio.get_running_loop()
         item = Pending(
             seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w)), samples=int(n),
             out_bytes=self.layer.output_bytes(int(n), int(h), int(w)),
             enqueued=time.monotonic() if received is None else received, deadline=deadline,
-            future=(self._event_loop or asyncio.get_running_loop()).create_future(),
+            future=loop.create_future() if on_done is None else Answer(on_done, key, loop),
         )
         self._queue[item.seq] = item
         totals = self._totals.setdefault(item.key, [0, 0])
         totals[0] += item.samples
         totals[1] += item.out_bytes
-        self._report_depth()
+        if not self._depth_due and self.metrics is not None:  # the gauge follows within one loop iteration:
+            self._depth_due = True  # once for a burst of requests, not once per request
+            loop.call_soon(self._report_depth)
         self._wake()
         return item
 
@@ -361,6 +426,7 @@ class Batcher:
         item.state = state
 
     def _report_depth(self) -> None:
+        self._depth_due = False
         if self.metrics is not None:
             self._depth.set(len(self._queue))
 

@@ -132,6 +132,13 @@ class SlotTensor(RawTensor):
         super().__init__(data, dtype, shape)
         self.out = out
 
+    @classmethod
+    def of(cls, x: RawTensor, out: memoryview) -> SlotTensor:
+        """``x`` (checked when it was made) with its output's place ``out``: the engine makes one per request."""
+        t = cls.__new__(cls)
+        t.data, t.dtype, t.shape, t.out = x.data, x.dtype, x.shape, out
+        return t
+
 
 AnyTensor = torch.Tensor | RawTensor
 """A request's input or output: a torch tensor, or a ``RawTensor`` (the HTTP path and the engine process keep

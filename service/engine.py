@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -73,12 +72,12 @@ class EngineConnection(ipc.FrameProtocol):
             service.check_ready()
             batcher = service.batchers[names[req.layer]]
             x = req.x if req.out_offset is None else self._slot(req, batcher)
-            item = batcher.submit(x, received=req.received, deadline=req.deadline)
+            item = batcher.submit(x, received=req.received, deadline=req.deadline, on_done=self._answer,
+                                  key=req.request_id)
         except ServiceError as exc:
             self.send(ipc.error_frame(req.request_id, exc))
             return
         self.pending[req.request_id] = (batcher, item)
-        item.future.add_done_callback(functools.partial(self._answer, req.request_id))
 
     def _slot(self, req: ipc.Submit, batcher: Batcher) -> SlotTensor:
         """The input of a ``SUBMIT`` with a slot, with the place of its output in the arena."""
@@ -89,24 +88,24 @@ class EngineConnection(ipc.FrameProtocol):
         if end > self.arena.nbytes:
             raise ipc.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
                                     "arena")
-        return SlotTensor(req.x.data, req.x.dtype, req.x.shape, self.arena[req.out_offset:end])
+        return SlotTensor.of(req.x, self.arena[req.out_offset:end])
 
-    def _answer(self, request_id: int, future: asyncio.Future[Result]) -> None:
+    def _answer(self, request_id: int, outcome: Result | BaseException | None) -> None:
+        """The batcher's answer to a request (its ``Answer``): a result, an exception, or None when dropped."""
         entry = self.pending.pop(request_id, None)
         x = entry[1].x if entry is not None else None
-        if future.cancelled():  # dropped at its caller's request: nobody waits for it
+        if outcome is None:  # dropped at its caller's request: nobody waits for it
             if isinstance(x, SlotTensor):
                 self.send(ipc.done_frame(request_id))  # the slot is the HTTP process's again
             return
-        exc = future.exception()
-        if exc is None:
-            r = future.result()
-            shared = isinstance(x, SlotTensor) and isinstance(r.output, RawTensor) and r.output.data is x.out
-            self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
-                                       shared))
-        else:
-            error = exc if isinstance(exc, ServiceError) else InternalError("batch execution failed")
+        if isinstance(outcome, BaseException):
+            error = outcome if isinstance(outcome, ServiceError) else InternalError("batch execution failed")
             self.send(ipc.error_frame(request_id, error))
+            return
+        r = outcome
+        shared = isinstance(x, SlotTensor) and isinstance(r.output, RawTensor) and r.output.data is x.out
+        self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
+                                   shared))
 
     def _drop(self, request_id: int, reason: str) -> None:
         entry = self.pending.get(request_id)

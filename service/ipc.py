@@ -55,6 +55,7 @@ _SUBMIT = struct.Struct("<QHBB4Idd")
 _DROP = struct.Struct("<QB")
 _SLOT = struct.Struct("<QQ")  # input offset, output offset
 _RESULT = struct.Struct("<QIId4IBB")
+_SHARED_RESULT = struct.Struct("<IB" + _RESULT.format[1:])  # a RESULT's prefix and head in one pack (see result_frame)
 _ID = struct.Struct("<Q")
 
 # The length field is 32 bits: a larger frame cannot be sent (the sender raises ProtocolError).
@@ -115,10 +116,11 @@ def result_frame(request_id: int, y: AnyTensor, batch_samples: int, batch_reques
     """``RESULT`` carrying output ``y`` ``[N, C, H, W]``, or with ``shared`` saying it is in the request's slot."""
     name = worker.encode()[:255]
     n, c, h, w = y.shape
-    head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name),
-                        SHARED if shared else 0)
-    if shared:
-        return _frame(RESULT, head, name)
+    if shared:  # every request of a batch with slots gets one: one pack and one bytes object for the frame
+        size = 1 + _RESULT.size + len(name)
+        return [_SHARED_RESULT.pack(size, RESULT, request_id, batch_samples, batch_requests, queue_s, n, c, h, w,
+                                    len(name), SHARED) + name]
+    head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name), 0)
     return _frame(RESULT, head, name, bytes_of(y))
 
 

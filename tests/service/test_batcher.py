@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from service.batcher import Batcher
+from service.batcher import Batcher, Result
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics
 from service.registry import BatchLimits, Layer, LayerConfig
@@ -207,6 +207,7 @@ def test_full_queue_is_refused_at_once():
         b.start()
         b.submit(x())
         b.submit(x())
+        await asyncio.sleep(0)  # the gauge follows within one event-loop iteration
         assert metric_value(m.render().decode(), "deconv_queue_depth", layer="t") == 2
         t0 = time.monotonic()
         with pytest.raises(OverloadedError) as info:
@@ -268,6 +269,51 @@ def test_a_failed_batch_fails_only_its_requests():
                 await item.future
         later = b.submit(x())
         assert (await later.future).output.shape == (1, 3, 4, 4)
+        await b.drain()
+
+    run(main(), 10)
+
+
+def test_requests_with_on_done_are_answered_through_it_once_each():
+    """The engine's way (``on_done`` instead of a future): results and errors at once, in the batch's order; a
+    cancellation one loop iteration after the drop; an exception in one answer stops none of the others."""
+
+    async def main() -> None:
+        ex = FakeExecutor(fail=1)
+        b = Batcher(make_layer(delay_ms=20), ex)
+        b.start()
+        got: list[tuple[str, object]] = []
+
+        def on_done(key: str, outcome: object) -> None:
+            got.append((key, outcome))
+            if key == "boom":
+                raise RuntimeError("a broken answer")
+
+        failed = [b.submit(x(), on_done=on_done, key=k) for k in ("f1", "f2")]
+        while len(got) < 2:
+            await asyncio.sleep(0.001)
+        assert [k for k, _ in got] == ["f1", "f2"]
+        assert all(isinstance(o, InternalError) for _, o in got)
+        assert all(i.future.done() and not i.future.cancelled() for i in failed)
+        got.clear()
+        items = [b.submit(x(value=v), on_done=on_done, key=k) for v, k in ((1, "a"), (2, "boom"), (3, "c"))]
+        gone = b.submit(x(), on_done=on_done, key="gone")
+        assert b.drop(gone, "disconnected")
+        assert gone.future.cancelled()
+        assert got == []  # the cancellation comes one iteration later
+        await asyncio.sleep(0)
+        assert got == [("gone", None)]
+        assert not gone.future.cancel()  # once
+        while len(got) < 4:
+            await asyncio.sleep(0.001)
+        assert [k for k, _ in got] == ["gone", "a", "boom", "c"]  # "boom" raised; "c" was still answered
+        for (_, outcome), v in zip(got[1:], (1, 2, 3), strict=True):
+            assert isinstance(outcome, Result)
+            assert outcome.batch_requests == 3
+            assert torch.equal(outcome.output, torch.full((1, 3, 4, 4), 2.0 * v))
+        with pytest.raises(asyncio.InvalidStateError):
+            items[0].future.set_result(got[1][1])  # type: ignore[arg-type]
+        assert len(got) == 4
         await b.drain()
 
     run(main(), 10)
