@@ -10,8 +10,10 @@ CONSTRAINTS ?= constraints.txt
 PIP_ARGS ?=
 # Optional extras of the deconv package for `make install`, e.g. EXTRAS=ray (the image's EXTRAS build argument).
 EXTRAS ?=
-HOST ?= 127.0.0.1
-PORT ?= 8000
+# `make serve` address: HOST=/PORT= on make's command line win, then DECONV_HOST/DECONV_PORT from the environment,
+# then PORT from the environment (as platforms that assign a port set it), then the server's 127.0.0.1:8000.
+SERVE_HOST := $(if $(filter command line,$(origin HOST)),$(HOST))
+SERVE_PORT := $(if $(filter command line,$(origin PORT)),$(PORT),$(if $(DECONV_PORT),,$(PORT)))
 # Architectures for `make nvcc-check` (CI compiles every kernel source for these).
 NVCC_ARCHS ?= 80 90a
 
@@ -41,7 +43,7 @@ format: install-dev
 	$(PY) -m ruff format .
 
 serve: install
-	$(PY) -m service --host $(HOST) --port $(PORT)
+	$(PY) -m service$(if $(SERVE_HOST), --host $(SERVE_HOST))$(if $(SERVE_PORT), --port $(SERVE_PORT))
 
 # Compile every kernel source with nvcc alone (no torch headers), keeping ptxas' register/spill report.
 nvcc-check:
