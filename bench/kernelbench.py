@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -37,12 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
 from kernels.functional import (  # noqa: E402
+    ConvArgs,
     WeightPacks,
     _forward_cuda,
     normalize_args,
     output_size,
     resolve_precision,
 )
+from kernels.tuning import KernelChoice  # noqa: E402
 
 PROBLEMS = ROOT / "bench" / "kernelbench_conv_transpose2d.json"
 TOL = {"tf32": 2e-3, "fp32": 1e-5, "bf16": 2e-2}
@@ -121,16 +124,22 @@ class Timer:
         return statistics.median(times)
 
 
-def measure_ceilings(timer: Timer) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) and matrix rates, measured on this GPU now."""
+# The matrix products measure_ceilings can time: name -> (dtype, TF32 allowed).
+MATMULS = {"tf32": (torch.float32, True), "fp32": (torch.float32, False), "bf16": (torch.bfloat16, False),
+           "fp16": (torch.float16, False)}
+
+
+def measure_ceilings(timer: Timer, matmuls: Sequence[str] = ("tf32", "fp32", "bf16")) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and the matrix rates of ``matmuls`` (keys of MATMULS), measured on
+    this GPU now."""
     bufs = [torch.randn(1 << 28, device="cuda"), torch.empty(1 << 28, device="cuda")]  # 1 GiB each
     copy_ms = timer(lambda: bufs[1].copy_(bufs[0]))
     bufs.clear()
     n = 8192
     out = {"copy_TBps": 2 * (1 << 28) * 4 / copy_ms / 1e9}
     old = torch.backends.cuda.matmul.allow_tf32
-    for name, dtype, tf32 in (("tf32", torch.float32, True), ("fp32", torch.float32, False),
-                              ("bf16", torch.bfloat16, False)):
+    for name in matmuls:
+        dtype, tf32 = MATMULS[name]
         a = torch.randn(n, n, device="cuda").to(dtype)
         b = torch.randn(n, n, device="cuda").to(dtype)
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -138,6 +147,18 @@ def measure_ceilings(timer: Timer) -> dict[str, float]:
         out[f"{name}_matmul_TFLOPs"] = 2 * n**3 / ms / 1e9
     torch.backends.cuda.matmul.allow_tf32 = old
     return out
+
+
+def floor_ms(flops: int, nbytes: int, mode: str, ceilings: dict[str, float]) -> float:
+    """The roofline floor in ms: max(FLOPs / the mode's matrix rate, bytes / copy bandwidth). Exact fp32 is bounded
+    by the fastest exact method we know, 3 TF32 products per multiply (3xTF32): the TF32 rate / 3."""
+    rate = ceilings["tf32_matmul_TFLOPs"] / 3 if mode == "fp32" else ceilings[f"{mode}_matmul_TFLOPs"]
+    return max(flops / rate / 1e9, nbytes / ceilings["copy_TBps"] / 1e9)
+
+
+def device_slug(device: str) -> str:
+    """A device name as a file-name part: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -158,12 +179,35 @@ def cudnn_benchmark(timer: Timer, fn: Callable[[], object]) -> float:
         torch.backends.cudnn.benchmark = old
 
 
+def tuned_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
+                 mode: str) -> KernelChoice:
+    """The kernel that measured choice keeps for ``kernels.conv_transpose2d`` on input ``x`` (tuning on; tunes
+    the problem first if it is new), asked with the key the call uses: whether the rows the kernels read start
+    16-byte aligned and, where the tuner keys on it, whether the input is channels_last."""
+    choose = kernels.tuning.TUNER.choose
+    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    if "channels_last" in inspect.signature(choose).parameters:  # channels_last inputs read as they are
+        return choose(x.shape, weight, bias, args, mode, aligned=not (x.is_contiguous() or cl)
+                      or x.data_ptr() % 16 == 0, channels_last=cl)
+    return choose(x.shape, weight, bias, args, mode, aligned=not x.is_contiguous() or x.data_ptr() % 16 == 0)
+
+
 def tuned_label(x: torch.Tensor, conv: nn.ConvTranspose2d) -> str:
     """The kernel that measured choice keeps for ``conv`` on input ``x`` (tuning on, already tuned)."""
     args = normalize_args(conv.stride, conv.padding, conv.output_padding, conv.groups, conv.dilation)
     mode = resolve_precision(x.dtype, getattr(conv, "precision", None))
-    aligned = x.data_ptr() % 16 == 0
-    return kernels.tuning.TUNER.choose(x.shape, conv.weight, conv.bias, args, mode, aligned=aligned).label
+    return tuned_choice(x, conv.weight, conv.bias, args, mode).label
+
+
+def served_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
+                mode: str) -> tuple[Callable[..., tuple[torch.Tensor, str]], KernelChoice]:
+    """A layer's call as the service runs it on the GPU (service/worker.py): the weights packed once and kept
+    (``WeightPacks``), the kernel measured with them (tuning on; tunes the problem first if it is new). Returns
+    the call (``out=`` may be passed to it) and the kernel choice."""
+    packs = WeightPacks(weight)
+    c = kernels.tuning.TUNER.choose(x.shape, weight, bias, args, mode, packs=packs)
+    return partial(_forward_cuda, x, weight, bias, args, mode, force_path=c.path, force_config=c.config,
+                   force_split=c.split, packs=packs), c
 
 
 def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], use_compile: bool,
@@ -206,10 +250,7 @@ def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], us
 
     flops = useful_flops(p)
     nbytes = min_bytes(p, 2 if dtype == torch.bfloat16 else 4)
-    # Exact fp32 is bounded by the fastest exact method we know: 3 TF32 products per multiply (3xTF32).
-    rate = {"tf32": ceilings["tf32_matmul_TFLOPs"], "fp32": ceilings["tf32_matmul_TFLOPs"] / 3,
-            "bf16": ceilings["bf16_matmul_TFLOPs"]}[mode]
-    floor = max(flops / rate / 1e9, nbytes / ceilings["copy_TBps"] / 1e9)
+    floor = floor_ms(flops, nbytes, mode, ceilings)
     row = {
         "id": p["id"], "precision": mode, "ours_ms": round(ours, 4), "ours_default_ms": round(ours_default, 4),
         "choice": choice, "cudnn_ms": round(cudnn, 4), "cudnn_benchmark_ms": round(cudnn_bench, 4),
@@ -269,12 +310,9 @@ def run_layers(timer: Timer, hw: int, tune: bool) -> list[dict]:
                     err = max(err, rel_err(ours_fn(), ref))  # tunes, then checks the kept kernel
                     ours_call = timer(ours_fn)
                     # As the service runs it: the weights packed once and kept, the kernel measured with them.
-                    packs = WeightPacks(w)
-                    c = kernels.tuning.TUNER.choose(x.shape, w, b, args, mode, packs=packs)
+                    served, c = served_call(x, w, b, args, mode)
                     kernels.tuning.enable(False)
                     choice = c.label
-                    served = partial(_forward_cuda, x, w, b, args, mode, force_path=c.path, force_config=c.config,
-                                     force_split=c.split, packs=packs)
                     err = max(err, rel_err(served()[0], ref))
                     ours = timer(served)
                 else:
@@ -328,7 +366,7 @@ def main() -> None:
 
     layer_rows = run_layers(timer, args.layers_hw, args.tune) if args.layers_hw else []
 
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    slug = device_slug(device)
     out = args.out or ROOT / "docs" / "benchmarks" / f"kernelbench-{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
