@@ -42,8 +42,9 @@ lint: install-dev
 format: install-dev
 	$(PY) -m ruff format .
 
+# Runs in the caller's directory (also under make -C), so that relative DECONV_* paths resolve from there.
 serve: install
-	$(PY) -m service$(if $(SERVE_HOST), --host $(SERVE_HOST))$(if $(SERVE_PORT), --port $(SERVE_PORT))
+	cd "$(or $(PWD),$(CURDIR))" && $(abspath $(VENV))/bin/deconv-serve$(if $(SERVE_HOST), --host $(SERVE_HOST))$(if $(SERVE_PORT), --port $(SERVE_PORT))
 
 # Compile every kernel source with nvcc alone (no torch headers), keeping ptxas' register/spill report.
 nvcc-check:

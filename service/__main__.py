@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from service.config import configure_logging, load_settings
+from service.config import Settings, configure_logging, load_settings
 
 log = logging.getLogger("deconv.service")
 
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = load_settings(**overrides)
+    problem = check_repository(settings)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(3)
     if settings.http_processes > 1:
         from service.supervisor import supervise
 
@@ -42,6 +47,28 @@ def main(argv: list[str] | None = None) -> None:
     status = serve(app, settings)
     if status:
         sys.exit(status)
+
+
+def check_repository(settings: Settings) -> str | None:
+    """Why the layer repository cannot be served (one line per problem), or None when it can.
+
+    Run before anything starts, so that a wrong path or an invalid layer is a short message and exit status 3
+    rather than a failed application start-up. Reads the configs and the weights files' headers only.
+    """
+    from service.registry import BatchLimits, RepositoryError, load_repository
+
+    root = settings.layer_repository
+    if not root.is_dir():
+        given = os.environ.get("DECONV_LAYER_REPOSITORY")
+        source = f" (DECONV_LAYER_REPOSITORY={given}, from {os.getcwd()})" if given else ""
+        return f"layer repository {root} is not a directory{source}"
+    limits = BatchLimits(settings.max_batch_size, settings.max_batch_bytes, settings.max_queue_delay_ms,
+                         settings.max_queue_size)
+    try:
+        load_repository(root, limits, weights=False)
+    except RepositoryError as exc:
+        return str(exc)
+    return None
 
 
 if __name__ == "__main__":

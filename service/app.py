@@ -258,7 +258,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 DESCRIPTION = """\
-Transposed-convolution (ConvTranspose2d) layers on the deconv CUDA kernels, with dynamic batching.
+Transposed-convolution (ConvTranspose2d) layers with dynamic batching: on NVIDIA GPUs they run on the deconv
+CUDA kernels; a server without a GPU runs PyTorch's reference implementation on the CPU (the start-up log
+says which).
 
 * `POST /deconv?layer=NAME`: the body is one tensor `[N, C, H, W]` or `[C, H, W]` as `.npy`
   (`application/x-npy`) or safetensors (`application/vnd.safetensors`, also for bfloat16); the output comes back

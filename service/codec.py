@@ -325,6 +325,8 @@ def decode_safetensors_raw(body: BufferLike, max_bytes: int | None = None) -> Ra
     if len(buf) < 8:
         raise MalformedBodyError("body is not safetensors (shorter than its 8-byte header length)")
     (hlen,) = struct.unpack_from("<Q", buf, 0)
+    if len(buf) > 8 and buf[8] != ord("{"):
+        raise MalformedBodyError("body is not safetensors (its JSON header does not follow the 8-byte length)")
     if hlen > MAX_HEADER_BYTES or 8 + hlen > len(buf):
         raise MalformedBodyError(f"safetensors header length {hlen} is invalid for a body of {len(buf)} bytes")
     try:
@@ -417,7 +419,14 @@ def decode(body: BufferLike, media_type: str, max_bytes: int | None = None) -> t
 
 def decode_raw(body: BufferLike, media_type: str, max_bytes: int | None = None) -> AnyTensor:
     """``decode`` without making a torch tensor: a ``RawTensor`` over ``body``'s bytes (a Fortran-order .npy of
-    rank 2 or more: a torch view)."""
+    rank 2 or more: a torch view).
+
+    Raises:
+        MalformedBodyError: the body is empty, or not a valid file of ``media_type``.
+    """
+    if not len(memoryview(body)):
+        kind = ".npy" if media_type == NPY else "safetensors"
+        raise MalformedBodyError(f"the request body is empty: send one tensor as {kind}")
     return decode_npy_raw(body, max_bytes) if media_type == NPY else decode_safetensors_raw(body, max_bytes)
 
 

@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     def _lower_log_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("layer_repository")
+    @classmethod
+    def _absolute_repository(cls, value: Path) -> Path:
+        # Relative to the directory the server was started from, fixed now (the log and errors show where).
+        return value.expanduser().absolute()
+
     @field_validator("devices")
     @classmethod
     def _check_devices(cls, value: str) -> str:

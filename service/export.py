@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="input size the server runs at startup, for every layer (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     args = p.parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the model's module may live in the current directory, as with python -m
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         kwargs = json.loads(args.kwargs)

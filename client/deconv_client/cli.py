@@ -168,9 +168,19 @@ def _cmd_layers(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _tensor_file_bytes(path: Path) -> bytes:
+    """The bytes of a file that starts like a .npy or safetensors file; else a ``CodecError`` that says what it is."""
+    data = path.read_bytes()
+    if not data:
+        raise CodecError(f"{path} is empty: expected a tensor file (.npy or safetensors)")
+    if data.startswith(b"\x93NUMPY") or (len(data) > 8 and data[8:9] == b"{"):
+        return data
+    raise CodecError(f"{path} is not a tensor file: expected .npy or safetensors, it starts with {data[:8]!r}")
+
+
 def _read_tensor_file(path: Path) -> tuple[Payload, str, tuple[int, ...]]:
     """A tensor file as a request payload (re-encoded only if it is Fortran-ordered), its dtype and shape."""
-    data = path.read_bytes()
+    data = _tensor_file_bytes(path)
     if media_type_of(None, data) == NPY_MEDIA_TYPE:
         array = decode_npy(data)
         return encode_npy(array), str(array.dtype), tuple(array.shape)
@@ -220,7 +230,7 @@ def _cmd_ready(client: Client, args: argparse.Namespace, out: TextIO) -> int:
 
 def _bench_input(layer: LayerInfo, args: argparse.Namespace) -> Any:
     if args.input is not None:
-        data = args.input.read_bytes()
+        data = _tensor_file_bytes(args.input)
         if media_type_of(None, data) == NPY_MEDIA_TYPE:
             return decode_npy(data)
         tensor = decode_safetensors(data)

@@ -109,7 +109,23 @@ def test_errors_exit_1_with_the_message(tmp_path: Path, capsys: pytest.CaptureFi
     assert "missing.npy" in capsys.readouterr().err
     (tmp_path / "junk.npy").write_bytes(b"junk")
     assert main(["infer", "--layer", "zz", str(tmp_path / "junk.npy"), "-o", "o.npy"], transport=transport) == 1
-    assert "neither .npy nor" in capsys.readouterr().err
+    assert "junk.npy is not a tensor file: expected .npy or safetensors" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_tensor_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A PNG's first 8 bytes read as a safetensors header length would claim ~7e17 bytes; that is not the message.
+    requests: list[httpx.Request] = []
+    transport = httpx.MockTransport(lambda request: requests.append(request) or httpx.Response(500))
+    png = tmp_path / "cat.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(64))
+    empty = tmp_path / "empty.npy"
+    empty.write_bytes(b"")
+    for path, message in ((png, "cat.png is not a tensor file"), (empty, "empty.npy is empty")):
+        assert main(["infer", "--layer", "demo", str(path), "-o", str(tmp_path / "o.npy")], transport=transport) == 1
+        err = capsys.readouterr().err
+        assert message in err
+        assert "header of" not in err
+    assert not any(r.method == "POST" for r in requests)
 
 
 def test_connection_refused_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
