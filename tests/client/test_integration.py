@@ -60,7 +60,7 @@ TIGHT_DELAY_MS = 400.0
 READY_TIMEOUT_S = 120.0
 
 BUNDLED_NAMES = sorted(p.stem for p in BUNDLED.glob("*.json"))
-# Norm-wise relative error against float64 (ARCHITECTURE.md): exact fp32, tf32, and half precision.
+# Norm-wise relative error against float64 (docs/architecture.md): exact fp32, tf32, and half precision.
 TOLERANCE = {"fp32": 1e-5, "tf32": 2e-3, "bfloat16": 2e-2, "float16": 2e-2}
 
 
