@@ -14,6 +14,12 @@ drives it from this process, checks what it promises, and stops it:
 - ``sigterm``: SIGTERM while requests are queued and executing: every accepted request is answered 200, requests
   after the signal get 503 (or find the port closed), and the process exits 0 within the drain timeout.
 - ``fuzz``: runs the hypothesis and schemathesis suites of tests/reliability with ``--fuzz-examples`` cases each.
+- ``limits``: raw connections against the limits: slow request heads (slowloris), a huge header, bodies declared
+  64 MiB that never arrive, many large bodies against a small bytes-in-flight budget, KServe JSON answers too large
+  to encode; statuses counted and the server's RSS before, at its peak and after.
+- ``drain``: SIGTERM with 128 kept-alive connections and one request arriving, ``drain_runs`` times with one
+  process and with ``DECONV_HTTP_PROCESSES=2``: every connection closed, the arriving request answered 503, exit 0,
+  and the time from the signal to the exit.
 
     python bench/reliability.py                      # bounded sizes (about a minute)
     python bench/reliability.py --full --out docs/benchmarks/reliability-cpu.json
@@ -37,6 +43,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,10 +54,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 NPY = "application/x-npy"
-SCENARIOS = ("overload", "cancellation", "faults", "sigterm", "fuzz")
+SCENARIOS = ("overload", "cancellation", "faults", "sigterm", "fuzz", "limits", "drain")
 # Full-size runs (issue 7) and the bounded defaults.
-FULL = {"overload_requests": 10_000, "cancellation_requests": 1_000, "sigterm_requests": 1_000, "fuzz_examples": 10_000}
-BOUNDED = {"overload_requests": 1_000, "cancellation_requests": 200, "sigterm_requests": 200, "fuzz_examples": 300}
+FULL = {"overload_requests": 10_000, "cancellation_requests": 1_000, "sigterm_requests": 1_000, "fuzz_examples": 10_000,
+        "slow_connections": 200, "stalled_bodies": 20, "header_bytes": 16 * 2**20, "drain_runs": 10}
+BOUNDED = {"overload_requests": 1_000, "cancellation_requests": 200, "sigterm_requests": 200, "fuzz_examples": 300,
+           "slow_connections": 20, "stalled_bodies": 4, "header_bytes": 2**20, "drain_runs": 2}
 
 
 # --- the server ------------------------------------------------------------------------------------------------
@@ -585,6 +594,12 @@ async def fault_run(url: str, kind: str, *, layer: str = "demo", shape: tuple[in
 # --- 4. SIGTERM under load -----------------------------------------------------------------------------------------
 
 
+# The sigterm scenario's server: batches of 8, and every batch after the probe's three held until the drain begins
+# (test-mode fault), so that the signal finds every accepted request still queued or executing.
+SIGTERM_ENV = {"DECONV_MAX_BATCH_SIZE": "8", "DECONV_LOG_LEVEL": "info", "DECONV_TEST_MODE": "1",
+               "DECONV_FAULTS": "hold:after=3"}
+
+
 async def sigterm(server: Server, *, requests: int, after: int = 50, layer: str = "demo",
                   shape: tuple[int, ...] = (1, 16, 64, 64), drain_timeout_s: float = 35.0) -> dict[str, Any]:
     """SIGTERM once ``requests`` requests are accepted (queued or executing); then ``after`` more requests.
@@ -676,6 +691,313 @@ async def sigterm(server: Server, *, requests: int, after: int = 50, layer: str 
     }
 
 
+# --- 6. attacks on the limits: raw connections ---------------------------------------------------------------------
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout_s: float) -> tuple[int | str, dict[str, str], bytes]:
+    """One HTTP answer from ``reader`` within ``timeout_s``: its status (or what happened instead: ``"closed"``,
+    ``"reset"``, ``"no answer"``), its headers (lower-case names) and its body."""
+    async def read() -> tuple[int | str, dict[str, str], bytes]:
+        line = await reader.readuntil(b"\r\n")
+        status = int(line.split(b" ", 2)[1])
+        headers = {}
+        while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers, await reader.readexactly(int(headers.get("content-length", "0")))
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.IncompleteReadError as exc:
+        return ("closed" if not exc.partial else "cut"), {}, b""
+    except ConnectionResetError:
+        return "reset", {}, b""
+    except asyncio.TimeoutError:
+        return "no answer", {}, b""
+
+
+async def closed_by_server(reader: asyncio.StreamReader, timeout_s: float) -> bool:
+    """Whether the server closes the connection (end of file or reset) within ``timeout_s``."""
+    try:
+        return await asyncio.wait_for(reader.read(1 << 16), timeout_s) == b""
+    except ConnectionResetError:
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def head(path: str, length: int | None = None, extra: str = "", content_type: str = NPY) -> bytes:
+    """A POST request's head."""
+    size = "" if length is None else f"Content-Length: {length}\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: deconv\r\nContent-Type: {content_type}\r\n{size}{extra}"
+            "\r\n").encode()
+
+
+class RssSampler:
+    """The server's RSS before, at its peak (sampled every 50 ms in a thread) and after."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.pid = pid
+        self.before = rss_bytes(pid)
+        self.peak = self.before
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            with contextlib.suppress(Exception):
+                self.peak = max(self.peak, rss_bytes(self.pid))
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; before, peak and after in MiB."""
+        self._stop.set()
+        self._thread.join()
+        after = rss_bytes(self.pid)
+        self.peak = max(self.peak, after)
+        return {"rss_before_mib": round(self.before / 2**20, 1), "rss_peak_mib": round(self.peak / 2**20, 1),
+                "rss_after_mib": round(after / 2**20, 1)}
+
+
+async def wait_metric(url: str, name: str, at_least: float, timeout_s: float = 60.0) -> float:
+    """Poll /metrics until ``name`` (summed) reaches ``at_least``; its last value."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        while True:
+            value = metric_sum(await scrape(client), name)
+            if value >= at_least or time.monotonic() > deadline:
+                return value
+            await asyncio.sleep(0.02)
+
+
+async def slow_heads(server: Server, *, connections: int, header_timeout_s: float) -> dict[str, Any]:
+    """Slowloris: ``connections`` connections that send part of a request head (half of them nothing at all) and
+    then wait. Each must get a 408 (or, having sent nothing, at least be closed) within twice the header timeout
+    plus a margin for a busy machine."""
+    host, port = _host_port(server.url)
+    rss = RssSampler(server.pid)
+    streams = [await asyncio.open_connection(host, port) for _ in range(connections)]
+    for i, (_, writer) in enumerate(streams):
+        if i % 2:
+            writer.write(b"POST /deconv?layer=demo HTTP/1.1\r\nHost: deconv\r\nX-Slow: ")
+            await writer.drain()
+    wait_s = 2 * header_timeout_s + 20
+    answers = await asyncio.gather(*(read_answer(r, wait_s) for r, _ in streams))
+    closed = await asyncio.gather(*(closed_by_server(r, 5) for r, _ in streams))
+    for _, writer in streams:
+        writer.close()
+    counted = dict(Counter(str(a[0]) for a in answers))
+    checks = {"every_slow_head_answered_408": all(a[0] == 408 for i, a in enumerate(answers) if i % 2),
+              "every_silent_connection_closed": all(a[0] in (408, "closed") for i, a in enumerate(answers)
+                                                    if not i % 2),
+              "every_connection_closed": all(closed)}
+    return {"connections": connections, "header_timeout_s": header_timeout_s, "statuses": counted, **rss.stop(),
+            "checks": checks, "ok": all(checks.values())}
+
+
+async def huge_header(server: Server, *, size: int) -> dict[str, Any]:
+    """One request whose head carries a header value of ``size`` bytes: 431, then the connection closes."""
+    host, port = _host_port(server.url)
+    reader, writer = await asyncio.open_connection(host, port)
+    rss = RssSampler(server.pid)
+    writer.write(head("/deconv?layer=demo", 0, extra="X-Big: "))
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        while sent < size:  # in pieces, as a client would send it; the server may close before the end
+            writer.write(b"a" * min(1 << 16, size - sent))
+            await writer.drain()
+            sent += min(1 << 16, size - sent)
+        writer.write(b"\r\n\r\n")
+        await writer.drain()
+    status, _, body = await read_answer(reader, 30)
+    closed = await closed_by_server(reader, 10)
+    writer.close()
+    checks = {"answered_431": status == 431, "closed": closed}
+    return {"header_bytes": size, "status": status, "body": body.decode(errors="replace")[:200], **rss.stop(),
+            "checks": checks, "ok": all(checks.values())}
+
+
+async def stalled_bodies(server: Server, *, connections: int, declared: int, sent: int,
+                         body_timeout_s: float) -> dict[str, Any]:
+    """``connections`` requests that declare ``declared`` body bytes and send ``sent``: the server must not allocate
+    for what has not arrived (RSS), must count it in its budget, and must answer 408 after the body timeout."""
+    host, port = _host_port(server.url)
+    rss = RssSampler(server.pid)
+    streams = [await asyncio.open_connection(host, port) for _ in range(connections)]
+    for _, writer in streams:
+        writer.write(head("/deconv?layer=demo", declared) + b"\x93NUMPY"[:sent])
+        await writer.drain()
+    held = await wait_metric(server.url, "deconv_inflight_bytes", connections * declared)
+    rss_held_mib = round(rss_bytes(server.pid) / 2**20, 1)
+    answers = await asyncio.gather(*(read_answer(r, body_timeout_s + 30) for r, _ in streams))
+    closed = await asyncio.gather(*(closed_by_server(r, 5) for r, _ in streams))
+    for _, writer in streams:
+        writer.close()
+    after = await wait_metric(server.url, "deconv_inflight_bytes", 0)
+    figures = rss.stop()
+    counted = dict(Counter(str(a[0]) for a in answers))
+    checks = {"budget_counts_the_declared_bytes": held >= connections * declared,
+              "rss_does_not_follow_the_declared_bytes":
+                  rss_held_mib - figures["rss_before_mib"] < connections * declared / 2**20 / 4,
+              "every_request_answered_408": counted == {"408": connections},
+              "every_connection_closed": all(closed), "budget_given_back": after == 0}
+    return {"connections": connections, "declared_bytes": declared, "sent_bytes": sent, "statuses": counted,
+            "inflight_bytes_held": held, "rss_while_held_mib": rss_held_mib, **figures, "checks": checks,
+            "ok": all(checks.values())}
+
+
+def budget_for(admitted: int, shape: tuple[int, ...] = (1, 16, 64, 64)) -> int:
+    """The ``DECONV_MAX_INFLIGHT_BYTES`` that ``admitted`` requests of ``shape`` on the demo layer fill exactly
+    (their bodies and their outputs, [N, 8, 2H, 2W] fp32)."""
+    n, _, h, w = shape
+    return admitted * (len(npy(np.zeros(shape, np.float32))) + n * 8 * 2 * h * 2 * w * 4)
+
+
+async def budget_flood(server: Server, *, admitted: int, refused: int, shape: tuple[int, ...] = (1, 16, 64, 64),
+                       late_shape: tuple[int, ...] = (1, 16, 128, 128), layer: str = "demo") -> dict[str, Any]:
+    """Concurrent large bodies against a ``DECONV_MAX_INFLIGHT_BYTES`` of ``budget_for(admitted, shape)``:
+    ``admitted`` requests send half their body and wait; once the server holds them (its deconv_inflight_bytes),
+    ``refused`` requests of the larger ``late_shape``, which does not fit beside them, must each get 429 with
+    Retry-After; then the first ones finish their bodies and get 200, and the budget empties."""
+    host, port = _host_port(server.url)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    body = npy(x)
+    late_body = npy(np.ones(late_shape, np.float32))
+    rss = RssSampler(server.pid)
+    firsts = [await asyncio.open_connection(host, port) for _ in range(admitted)]
+    for _, writer in firsts:
+        writer.write(head(f"/deconv?layer={layer}", len(body)) + body[:len(body) // 2])
+        await writer.drain()
+    held = await wait_metric(server.url, "deconv_inflight_bytes", admitted * len(body))
+
+    async def late() -> tuple[int | str, dict[str, str], bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(head(f"/deconv?layer={layer}", len(late_body)) + late_body)
+        await writer.drain()
+        try:
+            return await read_answer(reader, 30)
+        finally:
+            writer.close()
+
+    late_answers = await asyncio.gather(*(late() for _ in range(refused)))
+    for _, writer in firsts:
+        writer.write(body[len(body) // 2:])
+        await writer.drain()
+    first_answers = await asyncio.gather(*(read_answer(r, 60) for r, _ in firsts))
+    for _, writer in firsts:
+        writer.close()
+    after = await wait_metric(server.url, "deconv_inflight_bytes", 0)
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        refusals = metric_sum(await scrape(client), "deconv_inflight_refused_total")
+    late_counted = dict(Counter(str(a[0]) for a in late_answers))
+    checks = {"late_requests_429_with_retry_after": all(a[0] == 429 and "retry-after" in a[1] for a in late_answers),
+              "held_requests_answered_200": all(a[0] == 200 and load(a[2]).shape[1] == 8 for a in first_answers),
+              "refusals_counted": refusals >= refused, "budget_given_back": after == 0}
+    return {"body_bytes": len(body), "late_body_bytes": len(late_body), "admitted": admitted,
+            "inflight_bytes_held": held,
+            "admitted_statuses": dict(Counter(str(a[0]) for a in first_answers)), "late_statuses": late_counted,
+            "refused_metric": refusals, **rss.stop(), "checks": checks, "ok": all(checks.values())}
+
+
+async def json_output_flood(server: Server, *, requests: int,
+                            shape: tuple[int, ...] = (7, 16, 256, 256)) -> dict[str, Any]:
+    """KServe JSON requests (gzip-compressed, tiny) whose JSON answer would be about a gigabyte: 413 before any
+    work, with a message that points to binary output; /health/live answers meanwhile."""
+    import gzip
+
+    count = int(np.prod(shape))
+    request = {"inputs": [{"name": "input", "shape": list(shape), "datatype": "FP32", "data": [0.5] * count}]}
+    body = gzip.compress(json.dumps(request).encode())
+    rss = RssSampler(server.pid)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        answers = await asyncio.gather(*(client.post("/v2/models/demo/infer", content=body,
+                                                     headers={"content-encoding": "gzip"})
+                                         for _ in range(requests)))
+        live = (await client.get("/health/live")).status_code
+    counted = dict(Counter(str(r.status_code) for r in answers))
+    checks = {"every_answer_413": counted == {"413": requests},
+              "message_says_binary": all("binary" in r.json()["error"] for r in answers), "live_200": live == 200}
+    return {"shape": list(shape), "request_bytes": len(body), "requests": requests, "statuses": counted,
+            "message": answers[0].text[:300], **rss.stop(), "checks": checks, "ok": all(checks.values())}
+
+
+async def keepalive_requests(server: Server, *, requests: int, layer: str = "demo") -> dict[str, Any]:
+    """``requests`` requests one after the other on one kept-alive connection, each sent in one write: all 200."""
+    host, port = _host_port(server.url)
+    body = npy(np.zeros((1, 16, 8, 8), np.float32))
+    reader, writer = await asyncio.open_connection(host, port)
+    statuses: Counter[str] = Counter()
+    for _ in range(requests):
+        writer.write(head(f"/deconv?layer={layer}", len(body)) + body)
+        await writer.drain()
+        statuses[str((await read_answer(reader, 60))[0])] += 1
+    writer.close()
+    checks = {"every_request_200": statuses == Counter({"200": requests})}
+    return {"requests": requests, "statuses": dict(statuses), "checks": checks, "ok": all(checks.values())}
+
+
+async def drain_keepalive(server: Server, *, idle: int, body_shape: tuple[int, ...] = (1, 16, 128, 128),
+                          layer: str = "demo") -> dict[str, Any]:
+    """SIGTERM with ``idle`` kept-alive connections between requests and one whose request head is arriving.
+
+    The idle connections must be closed by the server; the arriving request, whose body (1 MiB by default) is sent
+    after the signal, must get its 503 (not a reset) with ``Connection: close``, then the connection closes; the
+    server exits 0.
+    """
+    host, port = _host_port(server.url)
+    body = npy(np.zeros(body_shape, np.float32))
+    small = npy(np.zeros((1, 16, 8, 8), np.float32))
+    conns = [await asyncio.open_connection(host, port) for _ in range(idle)]
+    first = []
+    for reader, writer in conns:
+        writer.write(head(f"/deconv?layer={layer}", len(small)) + small)
+        await writer.drain()
+        first.append((await read_answer(reader, 60))[0])
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"POST /deconv?layer={layer} HTTP/1.1\r\n".encode())
+    await writer.drain()
+    await wait_metric(server.url, "deconv_requests_total", idle)  # (the head's first line is in by now)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+        while time.monotonic() - t0 < 30:  # until the server shows it took the signal in
+            try:
+                if (await client.get("/health/ready")).status_code == 503:
+                    break
+            except httpx.HTTPError:
+                break
+    writer.write(f"Host: deconv\r\nContent-Type: {NPY}\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+    with contextlib.suppress(ConnectionError):
+        writer.write(body)
+        await writer.drain()
+    status, headers, _ = await read_answer(reader, 60)
+    arriving_closed = await closed_by_server(reader, 30)
+    writer.close()
+    idle_closed = await asyncio.gather(*(closed_by_server(r, 30) for r, _ in conns))
+    for _, w in conns:
+        w.close()
+    try:
+        code: int | None = await asyncio.to_thread(server.proc.wait, 60)
+    except subprocess.TimeoutExpired:
+        code = None
+    exit_s = time.monotonic() - t0
+    checks = {"arriving_request_answered_503": status == 503,
+              "answer_says_connection_close": headers.get("connection", "").lower() == "close",
+              "arriving_connection_closed": arriving_closed, "idle_connections_closed": all(idle_closed),
+              "exit_status_0": code == 0, "no_traceback_in_log": "Traceback" not in server.log()}
+    return {"idle_connections": idle, "first_statuses": dict(Counter(map(str, first))),
+            "arriving_request": {"body_bytes": len(body), "status": status, "connection": headers.get("connection")},
+            "idle_closed": sum(idle_closed), "exit_status": code, "exit_after_signal_s": round(exit_s, 2),
+            "checks": checks, "ok": all(checks.values())}
+
+
 # --- 5. fuzzing ----------------------------------------------------------------------------------------------------
 
 
@@ -749,8 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         show("faults", {**out, "ok": all(r["ok"] for r in out.values()),
                         "checks": {k: r["ok"] for k, r in out.items()}})
     if "sigterm" in chosen:
-        env = {**base, "DECONV_MAX_QUEUE_SIZE": str(2 * sizes["sigterm_requests"]), "DECONV_MAX_BATCH_SIZE": "8",
-               "DECONV_LOG_LEVEL": "info"}
+        env = {**base, **SIGTERM_ENV, "DECONV_MAX_QUEUE_SIZE": str(2 * sizes["sigterm_requests"])}
         server = Server.start(env, args.workdir / "sigterm.log")
         try:
             show("sigterm", asyncio.run(sigterm(server, requests=sizes["sigterm_requests"])))
@@ -758,6 +1079,40 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     if "fuzz" in chosen:
         show("fuzz", fuzz(sizes["fuzz_examples"], args.workdir / "fuzz.json"))
+    if "limits" in chosen:
+        out = {}
+        with running({**base, "DECONV_HEADER_TIMEOUT_S": "2"}, args.workdir / "slow-heads.log") as server:
+            out["slow_heads"] = asyncio.run(slow_heads(server, connections=sizes["slow_connections"],
+                                                       header_timeout_s=2.0))
+            out["huge_header"] = asyncio.run(huge_header(server, size=sizes["header_bytes"]))
+        with running({**base, "DECONV_BODY_TIMEOUT_S": "5"}, args.workdir / "stalled.log") as server:
+            out["stalled_bodies"] = asyncio.run(stalled_bodies(server, connections=sizes["stalled_bodies"],
+                                                               declared=64 * 2**20, sent=6, body_timeout_s=5.0))
+        with running({**base, "DECONV_MAX_INFLIGHT_BYTES": str(budget_for(2))}, args.workdir / "budget.log") as server:
+            out["budget"] = asyncio.run(budget_flood(server, admitted=2, refused=64))
+        with running(base, args.workdir / "json-output.log") as server:
+            out["json_output"] = asyncio.run(json_output_flood(server, requests=4))
+        show("limits", {**out, "ok": all(r["ok"] for r in out.values()),
+                        "checks": {k: r["ok"] for k, r in out.items()}})
+    if "drain" in chosen:
+        out = {}
+        for processes in (1, 2):
+            runs = []
+            for i in range(sizes["drain_runs"]):
+                env = {**base, "DECONV_HTTP_PROCESSES": str(processes), "DECONV_LOG_LEVEL": "info"}
+                server = Server.start(env, args.workdir / f"drain-{processes}-{i}.log")
+                try:
+                    runs.append(asyncio.run(drain_keepalive(server, idle=128)))
+                finally:
+                    server.stop()
+            times = sorted(r["exit_after_signal_s"] for r in runs)
+            out[f"processes_{processes}"] = {
+                "runs": len(runs), "exit_after_signal_s": times, "max_s": times[-1],
+                "arriving_statuses": dict(Counter(str(r["arriving_request"]["status"]) for r in runs)),
+                "idle_closed": sum(r["idle_closed"] for r in runs), "exit_statuses": [r["exit_status"] for r in runs],
+                "ok": all(r["ok"] for r in runs), "failed": [r for r in runs if not r["ok"]][:2]}
+        show("drain", {**out, "ok": all(r["ok"] for r in out.values()),
+                       "checks": {k: r["ok"] for k, r in out.items()}})
     ok = all(results[s]["ok"] for s in chosen)
     if args.out:
         # Scenarios run now replace their earlier results in the file; the others are kept.

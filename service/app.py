@@ -21,7 +21,8 @@ from fastapi import FastAPI
 
 from service.asgi import App
 from service.batcher import Batcher, Queue
-from service.config import Settings, parse_devices
+from service.budget import Budget
+from service.config import Settings, inflight_limit, parse_devices
 from service.errors import NotReadyError, install_error_handlers
 from service.faults import Faults
 from service.metrics import Metrics
@@ -39,6 +40,7 @@ class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        self.budget = Budget(inflight_limit(settings), self.metrics)  # bytes of requests in flight
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
         self.batchers: dict[str, Queue] = {}
@@ -79,6 +81,7 @@ class Service:
             self.state = "draining"
             self.reason = "draining: the server is shutting down"
             self.metrics.ready.set(0)
+            self.faults.begin_drain()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._drain_now)
 
@@ -250,6 +253,7 @@ def freeze_heap() -> None:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start the service before the first request; drain and stop it at shutdown."""
     service: Service = app.state.service
+    service.budget.publish()
     await service.start()
     try:
         yield

@@ -26,6 +26,7 @@ from service.errors import (
     InternalError,
     MalformedBodyError,
     PayloadTooLargeError,
+    RequestTimeoutError,
     ServiceError,
     error_body,
 )
@@ -37,18 +38,36 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("deconv.service")
 
+# Set in a request's scope by the connection (service.server.HTTPProtocol) when its body did not arrive in time:
+# the disconnect the application then receives is a 408, already written to the client.
+BODY_TIMED_OUT = "deconv.body_timed_out"
+CLOSE = (b"connection", b"close")
+
 
 class Call:
     """One HTTP request as the inference handlers see it: the ASGI scope and receive channel, the headers (the
     first value of each, by lower-case name, as Starlette's ``Headers.get``) and the path parameters."""
 
-    __slots__ = ("headers", "params", "receive", "scope")
+    __slots__ = ("body_read", "headers", "held", "params", "receive", "scope")
 
     def __init__(self, scope: Scope, receive: Receive, params: dict[str, str]) -> None:
         self.scope = scope
         self.receive = receive
         self.params = params
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+        self.held = 0  # bytes taken from the service's budget (service.budget), given back by release()
+        self.body_read = False  # the request's body has been received to its end
+
+    def hold(self, n: int) -> None:
+        """Take ``n`` bytes from the service's budget for this request (429 when they do not fit)."""
+        self.service.budget.take(n)
+        self.held += n
+
+    def release(self) -> None:
+        """Give back every byte this request holds (once its answer is written)."""
+        if self.held:
+            self.service.budget.give(self.held)
+            self.held = 0
 
     @property
     def service(self) -> Service:
@@ -118,44 +137,86 @@ def response_of(reply: Reply) -> Response:
 async def read_body(call: Call, limit: int) -> bytearray:
     """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large.
 
+    The buffer grows with the bytes received, never from the declared length alone; the declared length is taken
+    from the service's budget before reading (the received length, chunk by chunk, when none is declared).
+
     Raises:
         PayloadTooLargeError: the declared or the received length exceeds ``limit`` (413).
+        OverloadedError: the server's bytes in flight would exceed their bound (429).
         MalformedBodyError: a Content-Length that is not a number, or a body shorter than it (400).
+        RequestTimeoutError: the body did not arrive within the body timeout (408, written by the connection).
         ClientGoneError: the client disconnected before the body was complete.
     """
-    declared = call.headers.get("content-length")
-    size: int | None = None
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise MalformedBodyError(f"Content-Length {declared!r} is not a number") from None
-        if size < 0:
-            raise MalformedBodyError(f"Content-Length {size} is negative")
+    size = declared_length(call)
+    if size is not None:
         if size > limit:
             raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
-    buf = bytearray(size) if size is not None else bytearray()
-    filled = 0
+        call.hold(size)
+    buf = bytearray()
     while True:
         message = await call.receive()
         if message["type"] == "http.disconnect":
+            if call.scope.get(BODY_TIMED_OUT):
+                raise RequestTimeoutError("the body did not arrive within the body timeout")
             raise ClientGoneError("client disconnected while sending the body")
         chunk = message.get("body", b"")
         if chunk:
-            end = filled + len(chunk)
-            if end > limit:
+            if len(buf) + len(chunk) > limit:
                 raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
-            if size is not None and end <= size:
-                buf[filled:end] = chunk
-            else:
-                del buf[filled:]
-                buf += chunk
-            filled = end
+            if size is None:
+                call.hold(len(chunk))
+            buf += chunk
         if not message.get("more_body", False):
             break
-    if filled != len(buf):
-        raise MalformedBodyError(f"body ended after {filled} of {len(buf)} bytes")
+    call.body_read = True
+    if size is not None and len(buf) != size:
+        raise MalformedBodyError(f"body ended after {len(buf)} of {size} bytes")
     return buf
+
+
+def declared_length(call: Call) -> int | None:
+    """The request's Content-Length, None when absent.
+
+    Raises:
+        MalformedBodyError: not a number, or negative (400).
+    """
+    declared = call.headers.get("content-length")
+    if declared is None:
+        return None
+    try:
+        size = int(declared)
+    except ValueError:
+        raise MalformedBodyError(f"Content-Length {declared!r} is not a number") from None
+    if size < 0:
+        raise MalformedBodyError(f"Content-Length {size} is negative")
+    return size
+
+
+async def discard_body(call: Call, limit: int) -> bool:
+    """Receive and drop what is left of the request's body, at most ``limit`` bytes; whether it all came.
+
+    An answer written before the body was read (401, 404, 429, 503 while draining...) would otherwise be followed
+    by closing a socket with unread data, which the client sees as a reset instead of the answer.
+    """
+    if call.body_read:
+        return True
+    try:
+        size = declared_length(call)
+    except MalformedBodyError:
+        return False
+    if size is not None and size > limit:
+        return False
+    received = 0
+    while True:
+        message = await call.receive()
+        if message["type"] == "http.disconnect":
+            return False
+        received += len(message.get("body", b""))
+        if received > limit:
+            return False
+        if not message.get("more_body", False):
+            call.body_read = True
+            return True
 
 
 async def disconnected(receive: Receive) -> None:
@@ -171,15 +232,24 @@ async def disconnected(receive: Receive) -> None:
 
 
 async def serve_call(handler: Handler, call: Call, send: Send) -> None:
-    """Run ``handler`` and write its reply, or the error's (no traceback reaches the client)."""
+    """Run ``handler`` and write its reply, or the error's (no traceback reaches the client).
+
+    An error answered before the whole body came waits for the rest of it (dropped, up to the body limit) so that
+    the client reads the answer; past that limit the connection closes after the answer.
+    """
     try:
-        reply = await handler(call)
-    except ServiceError as exc:
-        reply = error_reply(exc, call.path)
-    except Exception as exc:
-        log.error("unhandled error on %s %s", call.scope["method"], call.path, exc_info=exc)
-        reply = error_reply(InternalError("internal server error"), call.path)
-    await send_reply(send, reply)
+        try:
+            reply = await handler(call)
+        except ServiceError as exc:
+            reply = error_reply(exc, call.path)
+        except Exception as exc:
+            log.error("unhandled error on %s %s", call.scope["method"], call.path, exc_info=exc)
+            reply = error_reply(InternalError("internal server error"), call.path)
+        if not call.body_read and not await discard_body(call, call.service.settings.max_body_bytes):
+            reply = reply._replace(headers={**reply.headers, "Connection": "close"})
+        await send_reply(send, reply)
+    finally:
+        call.release()
 
 
 class App(FastAPI):
@@ -190,10 +260,28 @@ class App(FastAPI):
         self.fast_routes = fast_routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            found = self.fast_routes(route_path(scope))
-            if found is not None:
-                scope["app"] = self
-                await serve_call(found[0], Call(scope, receive, found[1]), send)
-                return
+        if scope["type"] == "http":
+            if self.state.service.state == "draining":  # every answer from now on closes its connection
+                send = closing(send)
+            if scope["method"] == "POST":
+                found = self.fast_routes(route_path(scope))
+                if found is not None:
+                    scope["app"] = self
+                    await serve_call(found[0], Call(scope, receive, found[1]), send)
+                    return
         await super().__call__(scope, receive, send)
+
+
+def closing(send: Send) -> Send:
+    """``send`` with ``Connection: close`` added to the response's headers (the server then closes the
+    connection once the response is written)."""
+
+    async def send_closing(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            if not any(k.lower() == b"connection" and v.lower() == b"close" for k, v in headers):
+                headers.append(CLOSE)
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_closing

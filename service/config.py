@@ -52,6 +52,22 @@ class Settings(BaseSettings):
     )
     max_queue_size: int = Field(256, ge=1, description="Default most requests waiting per layer; then 429.")
     max_body_bytes: int = Field(64 * 2**20, ge=1, description="Largest accepted request body; larger is 413.")
+    max_json_output_bytes: int = Field(
+        64 * 2**20, ge=1, description="KServe: largest JSON-encoded output (counted at 25 bytes a value, before any "
+        "work); a request whose answer could be larger is 413 and should ask for binary output.")
+    max_inflight_bytes: int = Field(
+        0, ge=0, description="Most bytes of inference requests in flight over the whole server (bodies being read, "
+        "requests queued or executing, answers being written); a request that does not fit is 429 with "
+        "Retry-After. 0: a quarter of the memory of the machine (or of the container's limit). A multi-process "
+        "server gives each HTTP process an equal share.")
+    max_header_bytes: int = Field(
+        64 * 2**10, ge=1024, description="Largest request line and headers; larger is 431 and the connection closes.")
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, description="Longest a client may take to send a request line and headers (from connecting, or "
+        "from a request's first byte on a kept-alive connection); then 408 and the connection closes.")
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, description="Longest a client may take to send a request body once its headers are in; then "
+        "408 and the connection closes.")
     request_timeout_s: float = Field(
         30.0, gt=0.0, description="Longest time one request may take from receipt to response; then 504."
     )
@@ -107,6 +123,27 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_key_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+
+def memory_bytes() -> int:
+    """The memory this process may use: the machine's, or the container's limit (cgroup v2 or v1) when lower."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def inflight_limit(settings: Settings) -> int:
+    """``max_inflight_bytes`` (a quarter of ``memory_bytes()`` when 0) for one HTTP process of the server."""
+    total = settings.max_inflight_bytes or memory_bytes() // 4
+    return max(1, total // settings.http_processes)
 
 
 def parse_devices(spec: str) -> Literal["auto", "cpu", "all"] | list[int]:

@@ -66,6 +66,18 @@ class MethodNotAllowedError(ServiceError):
     status, type = 405, "method_not_allowed"
 
 
+class RequestTimeoutError(ServiceError):
+    """The client took too long to send the request's headers or body; the connection closes."""
+
+    status, type = 408, "request_timeout"
+
+
+class HeadersTooLargeError(ServiceError):
+    """The request line and headers exceed the limit; the connection closes."""
+
+    status, type = 431, "headers_too_large"
+
+
 class PayloadTooLargeError(ServiceError):
     """Body over the size limit, or a request over the layer's batch limits."""
 
@@ -85,7 +97,7 @@ class InvalidInputError(ServiceError):
 
 
 class OverloadedError(ServiceError):
-    """The layer's queue is full. Carries ``Retry-After``."""
+    """The layer's queue is full, or the server's bytes in flight are at their bound. Carries ``Retry-After``."""
 
     status, type = 429, "overloaded"
 

@@ -15,9 +15,11 @@ Syntax: faults separated by ``,``, each ``KIND`` followed by ``:key=value`` opti
 | ``exit`` | batch | the worker thread dies (an exception no handler catches leaves its loop) |
 | ``hang`` | batch | the worker thread blocks (ending at shutdown), as in a kernel that never returns |
 | ``delay`` | kernel call | the kernel call takes ``ms`` milliseconds longer |
+| ``hold`` | batch | the batch waits until the service begins draining (SIGTERM), then runs |
 
 Options: ``layer=NAME`` (only that layer's batches), ``every=N`` (every N-th matching call, default 1),
-``times=N`` (at most N times in all, default unlimited). Nothing here imports FastAPI.
+``times=N`` (at most N times in all, default unlimited), ``after=N`` (the first N matching calls pass). Nothing
+here imports FastAPI.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 
 log = logging.getLogger("deconv.service")
 
-KINDS = ("error", "oom", "exit", "hang", "delay")
-_OPTIONS = {"layer", "every", "times", "above", "ms"}
+KINDS = ("error", "oom", "exit", "hang", "delay", "hold")
+_OPTIONS = {"layer", "every", "times", "above", "ms", "after"}
 
 
 class WorkerCrash(BaseException):
@@ -49,6 +51,7 @@ class Fault:
     times: int | None = None
     above: int = 0
     ms: float = 0.0
+    after: int = 0
     calls: int = 0
     fired: int = 0
 
@@ -61,6 +64,8 @@ class Fault:
             parts.append(f"every={self.every}")
         if self.times is not None:
             parts.append(f"times={self.times}")
+        if self.after:
+            parts.append(f"after={self.after}")
         if self.kind == "oom":
             parts.append(f"above={self.above}")
         if self.kind == "delay":
@@ -87,7 +92,7 @@ def parse(spec: str) -> list[Fault]:
             key, sep, value = (s.strip() for s in option.partition("="))
             if not sep or key not in _OPTIONS:
                 raise ValueError(f"fault {item!r}: unknown option {option!r} "
-                                 f"(layer=, every=, times=, above=, ms=)")
+                                 f"(layer=, every=, times=, above=, ms=, after=)")
             if key == "layer":
                 fault.layer = value
                 continue
@@ -110,6 +115,7 @@ class Faults:
     armed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _released: threading.Event = field(default_factory=threading.Event, repr=False)
+    _draining: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @classmethod
     def from_spec(cls, spec: str) -> Faults:
@@ -130,8 +136,13 @@ class Faults:
             log.critical("FAULT INJECTION ARMED (test mode): %s", self.describe())
 
     def release(self) -> None:
-        """Let threads blocked by ``hang`` go (at shutdown)."""
+        """Let threads blocked by ``hang`` or ``hold`` go (at shutdown)."""
         self._released.set()
+        self._draining.set()
+
+    def begin_drain(self) -> None:
+        """Let batches held by ``hold`` run (the service began draining)."""
+        self._draining.set()
 
     def _firing(self, kinds: tuple[str, ...], layer: str, samples: int) -> list[Fault]:
         if not self.armed:
@@ -146,15 +157,18 @@ class Faults:
                 if f.times is not None and f.fired >= f.times:
                     continue
                 f.calls += 1
-                if f.calls % f.every == 0:
+                if f.calls > f.after and (f.calls - f.after) % f.every == 0:
                     f.fired += 1
                     firing.append(f)
         return firing
 
     def before_batch(self, layer: str, samples: int) -> None:
-        """Hook at the start of a batch (worker thread): ``error``, ``exit``, ``hang``."""
-        for f in self._firing(("error", "exit", "hang"), layer, samples):
+        """Hook at the start of a batch (worker thread): ``error``, ``exit``, ``hang``, ``hold``."""
+        for f in self._firing(("error", "exit", "hang", "hold"), layer, samples):
             log.warning("fault injected: %s on a batch of %d sample(s) of layer %s", f.kind, samples, layer)
+            if f.kind == "hold":
+                self._draining.wait()
+                continue
             if f.kind == "error":
                 raise RuntimeError("injected kernel failure (DECONV_FAULTS)")
             if f.kind == "exit":

@@ -105,6 +105,16 @@ class Metrics:
             "deconv_ipc_requests", "Multi-process server: requests an HTTP process sent to the engine, by the way "
             "their tensors went: 'shared' (the HTTP process's shared memory) or 'inline' (the engine socket).",
             ["path"], registry=r)
+        self.inflight_bytes = Gauge(
+            "deconv_inflight_bytes", "Bytes of inference requests in flight: bodies being read, requests queued or "
+            "executing, answers being written (DECONV_MAX_INFLIGHT_BYTES bounds it).", registry=r,
+            multiprocess_mode="livesum")
+        self.inflight_limit = Gauge(
+            "deconv_inflight_limit_bytes", "The bound on deconv_inflight_bytes (over every HTTP process).",
+            registry=r, multiprocess_mode="livesum")
+        self.inflight_refused = Counter(
+            "deconv_inflight_refused", "Inference requests answered 429 because the bytes in flight would exceed "
+            "the bound.", registry=r)
         # Multi-process: 1 only while every process (the engine and each HTTP process) says 1.
         self.ready = Gauge("deconv_ready", "1 once every layer passed its self-test and while not draining.",
                            registry=r, multiprocess_mode="livemin")

@@ -54,6 +54,10 @@ KSERVE_NAMES = {v: k for k, v in KSERVE_DTYPES.items()}
 KSERVE_INPUT = "input"
 KSERVE_OUTPUT = "output"
 MODEL_VERSION = "1"
+# The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
+# anything longer is a mistake; the request timeout bounds every request anyway).
+MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
+MAX_TIMEOUT_US = MAX_DEADLINE_MS * 1000
 
 
 # --- schemas (for validation of small JSON and for the OpenAPI page) -------------------------------------------
@@ -191,6 +195,8 @@ def deadline_header(call: Call) -> float | None:
         raise InvalidInputError(f"header.x-deadline-ms: Input should be a valid number, got {text!r}") from None
     if not value >= 0:  # NaN too
         raise InvalidInputError("header.x-deadline-ms: Input should be greater than or equal to 0")
+    if value > MAX_DEADLINE_MS:  # infinity too
+        raise InvalidInputError(f"header.x-deadline-ms: Input should be less than or equal to {MAX_DEADLINE_MS}")
     return value
 
 
@@ -232,6 +238,17 @@ def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
     if len(out) > limit or d.unconsumed_tail:
         raise PayloadTooLargeError(f"decompressed body exceeds the limit of {limit} bytes")
     return bytearray(out)
+
+
+def output_bytes(layer: Layer, x4: AnyTensor) -> int:
+    """Bytes of the output of ``x4`` ([N, C_in, H, W], validated) in its dtype."""
+    n, _, h, w = x4.shape
+    return layer.output_bytes(int(n), int(h), int(w))
+
+
+def output_values(layer: Layer, x4: AnyTensor) -> int:
+    """Values in the output of ``x4`` ([N, C_in, H, W], validated)."""
+    return output_bytes(layer, x4) // x4.element_size()
 
 
 def validate_input(layer: Layer, x: AnyTensor) -> tuple[AnyTensor, bool]:
@@ -358,6 +375,7 @@ async def deconv_call(call: Call) -> Reply:
         x4, unbatched = validate_input(spec, codec.decode_raw(body, media, service.settings.max_body_bytes))
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
+        call.hold(output_bytes(spec, x4))
         result = await run_inference(service, spec, batcher, x4, call.receive, received, x_deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         reply = Reply(codec.encode(y, out_media), out_media, _batch_headers(result))
@@ -391,7 +409,11 @@ async def deconv_call(call: Call) -> Reply:
 )
 async def deconv(request: Request) -> Response:
     """Run layer ``layer`` on the tensor in the body and return the output in the negotiated format."""
-    return response_of(await deconv_call(call_of(request)))
+    call = call_of(request)
+    try:
+        return response_of(await deconv_call(call))
+    finally:
+        call.release()
 
 
 @router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
@@ -576,13 +598,34 @@ def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | 
         raise MalformedBodyError("input needs 'data' (JSON) or parameters.binary_data_size (binary extension)")
     if data and not isinstance(data[0], list) and len(data) != count:
         raise MalformedBodyError(f"input data holds {len(data)} values; shape {shape} needs {count}")
+    return torch.from_numpy(_json_numbers(data, shape, count)).to(dtype)
+
+
+def _json_numbers(data: list[Any], shape: list[int], count: int) -> np.ndarray:
+    """KServe JSON ``data`` (flat, or nested like ``shape``) as a float64 array of ``shape``.
+
+    Only JSON numbers count: numpy would read null as NaN, "1.5" as 1.5 and true as 1.
+
+    Raises:
+        MalformedBodyError: anything but ``count`` numbers within float64's range, laid out flat or as ``shape``.
+    """
     try:
-        arr = np.asarray(data, dtype=np.float64)
-    except (ValueError, TypeError, OverflowError):
+        cells = np.asarray(data, dtype=object)  # ragged nesting: an array of lists, refused below
+    except ValueError:
         raise MalformedBodyError("input data must be numbers (flat, or nested like the shape)") from None
-    if arr.size != count:
-        raise MalformedBodyError(f"input data holds {arr.size} values; shape {shape} needs {count}")
-    return torch.from_numpy(arr.reshape(shape)).to(dtype)
+    flat = cells.reshape(-1).tolist()
+    kinds = set(map(type, flat))
+    if not kinds <= {int, float}:
+        names = sorted("null" if k is type(None) else k.__name__ for k in kinds - {int, float})
+        raise MalformedBodyError(f"input data must be numbers (flat, or nested like the shape), not {', '.join(names)}")
+    if len(flat) != count or (cells.ndim > 1 and list(cells.shape) != shape):
+        raise MalformedBodyError(f"input data holds {len(flat)} values laid out as {list(cells.shape)}; shape "
+                                 f"{shape} needs {count}")
+    try:
+        arr = np.array(flat, dtype=np.float64)
+    except OverflowError:
+        raise MalformedBodyError("input data holds a number beyond float64's range") from None
+    return arr.reshape(shape)
 
 
 def _wants_binary(request: dict[str, Any]) -> bool:
@@ -604,12 +647,50 @@ def _wants_binary(request: dict[str, Any]) -> bool:
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
-    # tritonclient's `timeout` argument (microseconds) bounds the time in the queue, like X-Deadline-Ms.
+    """tritonclient's ``timeout`` argument (``parameters.timeout``, microseconds) in ms; None when absent or 0.
+
+    It bounds the time in the queue, like X-Deadline-Ms.
+
+    Raises:
+        InvalidInputError: not a number, or outside 0..``MAX_TIMEOUT_US`` (422).
+    """
     params = request.get("parameters") or {}
     value = params.get("timeout") if isinstance(params, dict) else None
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return value / 1000
-    return None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(f"parameters.timeout must be a number of microseconds, got {type(value).__name__}")
+    if not 0 <= value <= MAX_TIMEOUT_US:  # NaN and infinity too; a huge integer compares without converting
+        raise InvalidInputError(f"parameters.timeout must be between 0 and {MAX_TIMEOUT_US} microseconds")
+    return value / 1000 if value > 0 else None
+
+
+# The most bytes one output value takes in JSON: a float64's shortest repr ("-2.2250738585072014e-308") and a comma.
+JSON_BYTES_PER_VALUE = 25
+# Values encoded between two returns to the event loop (~20 ms of encoding on one core).
+JSON_VALUES_PER_STEP = 1 << 16
+
+
+async def _json_answer(response: dict[str, Any], out: dict[str, Any], y: AnyTensor) -> bytes:
+    """``response`` as JSON with ``y``'s values as ``out["data"]``, flat.
+
+    Encoded a slice at a time with the event loop let run between slices, so that a large output (bounded by
+    ``max_json_output_bytes``) does not stop every other connection for the time it takes. Non-finite outputs are
+    written as NaN / Infinity / -Infinity, which Python's json (tritonclient) reads; strict JSON has no spelling
+    for them (binary outputs carry them exactly).
+    """
+    out["data"] = []
+    head, _, tail = json.dumps(response, separators=(",", ":")).partition('"data":[]')
+    flat = codec.as_tensor(y).reshape(-1)
+    parts = [head.encode(), b'"data":[']
+    for start in range(0, flat.numel(), JSON_VALUES_PER_STEP):
+        if start:
+            parts.append(b",")
+            await asyncio.sleep(0)
+        values = flat[start:start + JSON_VALUES_PER_STEP].double().tolist()
+        parts.append(json.dumps(values, separators=(",", ":"))[1:-1].encode())
+    parts += [b"]", tail.encode()]
+    return b"".join(parts)
 
 
 def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -658,11 +739,24 @@ async def v2_infer_call(call: Call) -> Reply:
         _check_version(version)
         service.check_ready()
         limit = service.settings.max_body_bytes
-        body = _decompress(await read_body(call, limit), call.headers.get("content-encoding"), limit)
+        raw = await read_body(call, limit)
+        body = _decompress(raw, call.headers.get("content-encoding"), limit)
+        if body is not raw:
+            call.hold(len(body))
         req, binary = _parse_kserve(body, call.headers.get("inference-header-content-length"))
         x = _kserve_input(req, binary, limit)
         binary_out = _wants_binary(req)
         x4, unbatched = validate_input(layer, x)
+        if binary_out:
+            call.hold(output_bytes(layer, x4))
+        else:
+            json_bytes = JSON_BYTES_PER_VALUE * output_values(layer, x4)
+            if json_bytes > service.settings.max_json_output_bytes:
+                raise PayloadTooLargeError(
+                    f"the output as JSON could take {json_bytes} bytes, above the limit of "
+                    f"{service.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
+                    "true, or binary_data: true in the output's parameters)")
+            call.hold(json_bytes)
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
         result = await run_inference(service, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)
@@ -679,10 +773,7 @@ async def v2_infer_call(call: Call) -> Reply:
             headers["Inference-Header-Content-Length"] = str(len(head))
             reply = Reply(b"".join((head, data)), "application/octet-stream", headers)
         else:
-            out["data"] = codec.as_tensor(y).double().reshape(-1).tolist()
-            # Non-finite outputs are written as NaN / Infinity / -Infinity, which Python's json (tritonclient)
-            # reads; strict JSON has no spelling for them (binary outputs carry them exactly).
-            reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)
+            reply = Reply(await _json_answer(response, out, y), "application/json", headers)
         status = 200
         return reply
     except ServiceError as exc:
@@ -701,7 +792,11 @@ async def v2_infer_call(call: Call) -> Reply:
                                                          _deadline_parameter("As on /deconv.")]})
 async def v2_infer(request: Request) -> Response:
     """Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."""
-    return response_of(await v2_infer_call(call_of(request)))
+    call = call_of(request)
+    try:
+        return response_of(await v2_infer_call(call))
+    finally:
+        call.release()
 
 
 @router.post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
@@ -710,7 +805,11 @@ async def v2_infer(request: Request) -> Response:
                                                          _deadline_parameter("As on /deconv.")]})
 async def v2_infer_version(request: Request) -> Response:
     """As ``/v2/models/{name}/infer``; the only version is ``1``."""
-    return response_of(await v2_infer_call(call_of(request)))
+    call = call_of(request)
+    try:
+        return response_of(await v2_infer_call(call))
+    finally:
+        call.release()
 
 
 def match_inference(path: str) -> tuple[Handler, dict[str, str]] | None:

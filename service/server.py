@@ -8,15 +8,18 @@ import logging
 import signal
 import socket
 from collections.abc import Iterable
+from http import HTTPStatus
 from types import FrameType
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import Service
+from service.asgi import BODY_TIMED_OUT, error_reply
 from service.config import Settings
+from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
 from service.supervisor import SERVING
 
 log = logging.getLogger("deconv.service")
@@ -100,11 +103,142 @@ class CoalescingTransport(asyncio.Transport):
         return self._transport.get_write_buffer_limits()
 
 
-class HTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]  # httptools' protocol, or h11's without it
-    """uvicorn's HTTP protocol on a ``CoalescingTransport``: one write per response instead of two."""
+# After refusing a request whose client is still sending (431, 408), how long and how much of it is read and
+# dropped before the connection closes.
+LINGER_S = 2.0
+LINGER_BYTES = 64 * 2**20
+
+
+class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    """uvicorn's HTTP protocol (httptools) on a ``CoalescingTransport`` (one write per response instead of two),
+    with the limits uvicorn leaves out.
+
+    uvicorn bounds only the idle time between requests (``timeout_keep_alive``); with httptools nothing bounds the
+    size of a request's head, the time to send it, or the time to send a body (h11's
+    ``h11_max_incomplete_event_size`` bounds the head only, and h11 costs far more CPU per request). So here:
+
+    - a request head (request line and headers) larger than ``max_header_bytes`` is answered 431;
+    - a head not complete ``header_timeout_s`` after the connection opened, or after the request's first byte, is
+      answered 408;
+    - a body not complete ``body_timeout_s`` after its head is answered 408 (the application sees the client
+      gone, with ``BODY_TIMED_OUT`` in the scope; a body still arriving after an early answer just closes);
+
+    and each time the connection closes. ``serve`` sets the limits from the settings (class attributes, as uvicorn
+    builds the protocol itself).
+    """
+
+    max_header_bytes = 64 * 2**10
+    header_timeout_s = 10.0
+    body_timeout_s = 30.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+        self._head_bytes = 0
+        self._awaiting_head = True  # every byte received now belongs to a request head
+        self._head_started = False  # a request's first byte is in and its head is not complete
+        self._in_body = False
+        self._lingering = False
+        self._lingered = 0
+        self._heads = 0  # request heads completed on this connection
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:  # refused: what the client still sends is dropped (bounded) so that it reads the answer
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.transport.close()
+            return
+        awaiting_head, heads = self._awaiting_head, self._heads
+        super().data_received(data)
+        if awaiting_head and self._heads == heads:  # no head completed in it: all of it was head, count it
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                self._refuse(HeadersTooLargeError(f"the request line and headers exceed {self.max_header_bytes} "
+                                                  "bytes"))
+        elif self._in_body and self._timer is None:  # a body that did not come with its head
+            self._timer = self.loop.call_later(self.body_timeout_s, self._body_timed_out)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_started = True
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_timer()
+        self._awaiting_head = self._head_started = False
+        self._head_bytes = 0
+        self._heads += 1
+        self._in_body = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._cancel_timer()
+        self._in_body = False
+        self._awaiting_head = True
+        super().on_message_complete()
+
+    def _refuse(self, error: ServiceError, path: str = "/") -> None:
+        """Write ``error``'s answer with ``Connection: close``, then close: at once when the client sends nothing
+        more, else after dropping what it still sends for up to ``LINGER_S`` / ``LINGER_BYTES`` (closing a socket
+        with unread data resets the connection, and the client would see the reset instead of the answer)."""
+        self._cancel_timer()
+        if self.transport.is_closing() or self._lingering:
+            return
+        reply = error_reply(error, path)
+        head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: {reply.media_type}\r\n"
+                f"content-length: {len(reply.body)}\r\nconnection: close\r\n\r\n")
+        self.transport.write(head.encode() + reply.body)
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self._refuse(RequestTimeoutError(f"no complete request head within {self.header_timeout_s:g} s"))
+        else:  # a pipelined request behind one still being answered
+            self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started and not cycle.disconnected:
+            cycle.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
+            cycle.disconnected = True  # the application's reads see the client gone, its answer goes nowhere
+            cycle.message_event.set()
+            self._refuse(RequestTimeoutError(f"the body did not arrive within {self.body_timeout_s:g} s"),
+                         cycle.scope["path"])
+        else:
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown (it closes a connection between requests), but a request whose head is arriving is
+        let in and answered (503 while draining, with ``Connection: close``) instead of reset; the header
+        timeout bounds the wait."""
+        if self._head_started and (self.cycle is None or self.cycle.response_complete):
+            return
+        super().shutdown()
+
+    def begin_drain(self) -> None:
+        """The server drains: close the connection if it is between requests, else close after this answer."""
+        if self.transport.is_closing():
+            return
+        if not self._head_started and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+        elif self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        # (a head still arriving: the application answers it with Connection: close)
 
 
 class DrainingServer(uvicorn.Server):
@@ -169,11 +303,21 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig in (signal.SIGTERM, signal.SIGINT):
             self.service.begin_drain()
+            loop = self.service._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._drain_connections)
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             # uvicorn re-raises the signals it caught once it has shut down, which ends the process as "killed
             # by SIGTERM" (status 143) however complete the drain was; serve() chooses the exit status instead.
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    def _drain_connections(self) -> None:
+        """Close the connections between requests; the others close after their current answer (every answer
+        from now on says ``Connection: close``: ``service.asgi.App``)."""
+        for connection in list(self.server_state.connections):
+            if isinstance(connection, HTTPProtocol):
+                connection.begin_drain()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
@@ -190,9 +334,12 @@ def serve(app: FastAPI, settings: Settings, connections: socket.socket | None = 
     Returns the exit status: 0 after a complete drain, 1 when requests were still queued when the drain timeout
     ran out, 3 when start-up failed (invalid layer repository, devices missing).
     """
+    protocol = type("HTTPProtocol", (HTTPProtocol,), {
+        "max_header_bytes": settings.max_header_bytes, "header_timeout_s": settings.header_timeout_s,
+        "body_timeout_s": settings.body_timeout_s})
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
-        access_log=settings.access_log, http=HTTPProtocol,
+        access_log=settings.access_log, http=protocol,
         # Requests in flight get up to the request timeout to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -93,9 +93,23 @@ def server_error(status: int, text: str) -> bool:
     return status >= 500
 
 
-def leaks_internals(text: str) -> bool:
-    """Whether a response body shows a traceback or a path of the server's own (its code, its Python)."""
-    return any(mark in text for mark in ("Traceback", 'File "', str(REPO_ROOT), sys.prefix, "site-packages"))
+LEAK_MARKS = ("Traceback", 'File "', str(REPO_ROOT), sys.prefix, "site-packages")
+
+
+def leaks_internals(text: str, echoed: Iterable[object] = ()) -> bool:
+    """Whether a response body shows a traceback or a path of the server's own (its code, its Python).
+
+    ``echoed``: what the request itself carried (path parameters, query values...), which an error message may
+    quote back (``no layer named 'Traceback'``): those quotes are no leak, so they are cut out first, as written
+    and as Python's repr and JSON would escape them.
+    """
+    for value in echoed:
+        if not isinstance(value, str) or not value:
+            continue
+        for form in {value, repr(value)[1:-1], json.dumps(value)[1:-1], json.dumps(repr(value)[1:-1])[1:-1]}:
+            if form:
+                text = text.replace(form, "")
+    return any(mark in text for mark in LEAK_MARKS)
 
 
 def explain(result: dict[str, object]) -> str:

@@ -146,12 +146,31 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
                     assert r.status_code == expected, (path, auth, r.text[:200])
                 r = await client.post(path.replace("small", "no-such-layer"), content=kw["content"],
                                       headers=kw.get("headers", {}))
-                assert r.status_code == 401  # the key is checked first: no layer names for strangers
+                assert r.status_code == 401  # the key is checked first: the same answer whatever the name
 
     for via_framework in (False, True):  # the app's own dispatch, and FastAPI's routes of the same paths
         run(main(via_framework))
     assert compared  # the token went through hmac.compare_digest (constant time), not ==
     assert all(b == b"s3cret" for _, b in compared)
+
+
+def test_the_key_protects_computation_and_every_read_route_stays_open(repo):
+    # What docs/operations.md and docs/reliability.md say: the key guards what costs compute (the inference POSTs);
+    # descriptions, metadata, health and metrics answer without it (probes and scrapers need no secret), so layer
+    # names and shapes are not secret.
+    async def main() -> None:
+        settings = Settings(layer_repository=repo, devices="cpu", api_key="s3cret")
+        async with serve_app(settings) as (_, client):
+            for path in ("/v1/layers", "/v1/layers/small", "/v2", "/v2/models/small", "/v2/models/small/ready",
+                         "/v2/models/small/versions/1", "/health/live", "/health/ready", "/v2/health/live",
+                         "/v2/health/ready", "/metrics", "/openapi.json"):
+                r = await client.get(path)
+                assert r.status_code == 200, (path, r.text[:200])
+            for path, kw in _inference_requests():
+                r = await client.post(path, content=kw["content"], headers=kw.get("headers", {}))
+                assert r.status_code == 401, path
+
+    run(main())
 
 
 # --- names and paths -------------------------------------------------------------------------------------------

@@ -613,13 +613,14 @@ def _dispatch_cases() -> list[tuple[str, dict[str, Any]]]:
 
 def test_direct_and_framework_dispatch_answer_alike(repo):
     # App answers the inference routes straight from ASGI; FastAPI's routes of the same paths (which document them)
-    # adapt the same handlers. Every answer must be the same, error bodies and headers included.
+    # adapt the same handlers. Every answer must be the same, error bodies and headers included (but Connection:
+    # App closes a connection whose body it could not read to its end, as on an unreadable Content-Length).
     async def answers(via_framework: bool) -> list[tuple[int, str, dict[str, str], bytes]]:
         out = []
         async with serve_app(settings(repo, max_body_bytes=20_000), via_framework=via_framework) as (_, client):
             for path, kw in _dispatch_cases():
                 r = await client.post(path, **kw)
-                headers = {k: v for k, v in r.headers.items() if k not in ("x-deconv-queue-ms", "date")}
+                headers = {k: v for k, v in r.headers.items() if k not in ("x-deconv-queue-ms", "date", "connection")}
                 out.append((r.status_code, path, headers, r.content))
         return out
 
@@ -655,3 +656,89 @@ def test_unexpected_error_on_an_inference_route_is_a_bare_500(repo, monkeypatch,
     logged = [rec for rec in caplog.records if rec.getMessage().startswith("unhandled error on POST")]
     assert len(logged) == 2
     assert "secret detail" in str(logged[0].exc_info[1])
+
+
+def test_every_number_a_client_sends_is_range_checked(repo):
+    # A 400-digit KServe timeout was an OverflowError (500) in the timeout's conversion.
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            x = np.zeros((1, 4, 5, 5), np.float32)
+            for timeout in (10**400, -1, 1e308 * 10, "100", True, [1]):
+                body = json.dumps({**_kserve_json(x), "parameters": {"timeout": timeout}})
+                r = await client.post("/v2/models/small/infer", content=body)
+                assert r.status_code == 422, (timeout, r.text)
+                assert "parameters.timeout" in r.json()["error"]
+            for timeout in (0, 10**6, 2.5e6):
+                r = await client.post("/v2/models/small/infer", json={**_kserve_json(x), "parameters": {
+                    "timeout": timeout}})
+                assert r.status_code == 200, (timeout, r.text)
+            for deadline in ("1e400", "inf", "-1", "nan", "1" * 400):
+                r = await client.post("/deconv?layer=small", content=npy_bytes(x),
+                                      headers={"content-type": NPY, "x-deadline-ms": deadline})
+                assert r.status_code == 422, (deadline, r.text)
+            for dims in ([10**400, 4, 5, 5], [1, 4, 5, 10**30]):
+                spec = {**_kserve_json(x)["inputs"][0], "shape": dims}
+                r = await client.post("/v2/models/small/infer", content=json.dumps({"inputs": [spec]}))
+                assert r.status_code in (400, 413, 422), (dims, r.text)
+            spec = {**_kserve_json(x)["inputs"][0], "data": None, "parameters": {"binary_data_size": 10**400}}
+            r = await client.post("/v2/models/small/infer", content=json.dumps({"inputs": [spec]}))
+            assert r.status_code == 400, r.text
+            metrics = (await client.get("/metrics")).text
+            assert metric_value(metrics, "deconv_requests_total", layer="small", api="kserve", status="500") == 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("value", [None, "1.5", True, False, [1.0], 10**400])
+def test_kserve_json_data_takes_only_numbers(repo, value):
+    # numpy read null as NaN, "1.5" as 1.5 and true as 1: the request was computed on values the client never sent.
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            request = _kserve_json(np.zeros((1, 4, 5, 5), np.float32))
+            for data in (request["inputs"][0]["data"], np.zeros((1, 4, 5, 5)).tolist()):  # flat and nested
+                flat = isinstance(data[0], float)
+                data = list(data)
+                if flat:
+                    data[7] = value
+                else:
+                    data[0][3][2][1] = value
+                spec = {**request["inputs"][0], "data": data}
+                r = await client.post("/v2/models/small/infer", content=json.dumps({"inputs": [spec]}))
+                assert r.status_code == 400, r.text
+                assert r.json()["type"] == "malformed_body"
+
+    run(main())
+
+
+def test_json_answers_are_encoded_a_slice_at_a_time(monkeypatch):
+    # A large JSON answer used to be encoded in one go, holding the event loop for as long as it took.
+    from service import routes
+
+    monkeypatch.setattr(routes, "JSON_VALUES_PER_STEP", 1000)
+    y = torch.tensor(np.random.default_rng(0).standard_normal((2, 3, 40, 50)), dtype=torch.float32)
+    y.view(-1)[[5, 1500]] = torch.tensor([float("nan"), float("inf")])
+    response = {"model_name": "m", "model_version": "1", "outputs": [{"name": "output", "datatype": "FP32",
+                                                                       "shape": list(y.shape)}], "id": 'a"data":[]'}
+    expected = dict(response, outputs=[dict(response["outputs"][0], data=y.double().reshape(-1).tolist())])
+
+    async def main() -> tuple[bytes, int]:
+        turns = 0
+        stop = False
+
+        async def other() -> None:  # another connection's work: counts the loop's turns while encoding
+            nonlocal turns
+            while not stop:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other())
+        await asyncio.sleep(0)
+        before = turns
+        out = await routes._json_answer(response, response["outputs"][0], y)
+        stop = True
+        await task
+        return out, turns - before
+
+    out, turns = run(main())
+    assert out == json.dumps(expected, separators=(",", ":")).encode()  # the same bytes as before
+    assert turns >= y.numel() // 1000 - 1  # the loop ran between every two slices
