@@ -28,12 +28,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PRECISIONS = ("fp32", "tf32")
 
 # Which kernel family ran, as the extension reports it: the SIMT kernel (any problem), the tensor-core kernels
-# (dense float32 / bfloat16 / float16 layers), the narrow kernel (C_out / groups <= 8, every dtype) and the sparse
-# kernel (few multiply-adds an output element: large strides, few input channels).
-KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse"}
+# (dense float32 / bfloat16 / float16 layers), the narrow kernel (C_out / groups <= 8, every dtype), the sparse
+# kernel (few multiply-adds an output element: large strides, few input channels) and the gemm kernel
+# (channel-heavy TF32 / bfloat16 / float16 layers on sm_90, reading the input channels-last).
+KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
 FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
-MAX_SPLIT = 8  # blocks of a cluster sharing a halo tile (kMaxSplit in conv_transpose2d_halo.cu)
+# Split-K factors force_split takes: the halo kernel's blocks of a cluster sharing a tile (at most 8, kMaxSplit in
+# conv_transpose2d_halo.cu; larger values run as 8) and the gemm kernel's blocks (kGemmMaxSplit).
+MAX_SPLIT = 16
 
 
 class ConvTranspose2dArgumentError(ValueError, RuntimeError):
@@ -250,21 +253,23 @@ def _forward_cuda(
     force_split: int | None = None,
     packs: WeightPacks | None = None,
 ) -> tuple[torch.Tensor, str]:
-    """Raw kernel call on a 4-D CUDA input. Returns the NCHW output and the kernel family that ran.
+    """Raw kernel call on a 4-D CUDA input of any memory layout. Returns the output and the kernel family that ran.
 
-    ``packs``: ``weight``'s packed copies (``WeightPacks``), which spare a tensor-core call its packing kernel.
+    The output is NCHW, or channels-last when the input is channels-last and the gemm kernel ran (the caller
+    converts it to the input's layout either way). ``packs``: ``weight``'s packed copies (``WeightPacks``), which
+    spare a tensor-core or gemm call its packing kernel.
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
-    it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"`` or
-    ``"sparse"``) and ``force_config`` (a tensor-core tile configuration index) override the kernel choice, for
-    tests and tuning; a forced ``"tensor_core"``, ``"narrow"`` or ``"sparse"`` path that does not suit the problem
-    falls back to the default choice
-    (the returned name says which ran). ``force_split`` (1 to 8) sets how many blocks of a cluster share each tile
-    of the halo tensor-core kernel, each over a part of the input channels (split-K; sm_90 and newer, else 1).
+    it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"``,
+    ``"sparse"`` or ``"gemm"``) and ``force_config`` (a tile configuration index of the tensor-core kernels, or of
+    the gemm kernel with ``"gemm"``) override the kernel choice, for tests and tuning; a forced path other than
+    ``"simt"`` that does not suit the problem falls back to the default choice (the returned name says which ran).
+    ``force_split`` (1 to 16) sets how many blocks share each tile, each over a part of K (split-K): blocks of a
+    cluster of the halo tensor-core kernel (at most 8; sm_90 and newer, else 1), or of the gemm kernel.
 
     Raises:
         ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None), or ``force_split`` is not
-            None or an int from 1 to 8.
+            None or an int from 1 to 16.
     """
     if force_path is not None and (not isinstance(force_path, str) or force_path not in FORCE_PATHS):
         names = ", ".join(repr(name) for name in FORCE_PATHS if name is not None)
@@ -428,9 +433,15 @@ def conv_transpose2d_gathered(
         list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
 
 
-def _rows_aligned(x: torch.Tensor) -> bool:
-    """Whether the kernels will see ``x`` (made contiguous first) at a 16-byte aligned address."""
-    return not x.is_contiguous() or x.data_ptr() % 16 == 0
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x`` is laid out channels-last (and not also NCHW-contiguous), as PyTorch decides the output's."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _rows_aligned(x: torch.Tensor, channels_last: bool) -> bool:
+    """Whether the kernels will see ``x`` at a 16-byte aligned address: ``x`` itself when it is contiguous in its
+    layout (a channels-last one is read as it is by the gemm kernel), else a fresh, aligned copy."""
+    return not (x.is_contiguous() or channels_last) or x.data_ptr() % 16 == 0
 
 
 class _ConvTranspose2dFunction(torch.autograd.Function):
@@ -532,13 +543,14 @@ def conv_transpose2d(
     else:
         choice = DEFAULT
         if TUNER.enabled:  # measured kernel choice (kernels.tuning), tuned on the first call of this problem
-            choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x))
+            cl = _channels_last(x)
+            choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x, cl), channels_last=cl)
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode, choice)
         else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
             y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
                                  force_split=choice.split)
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+    if _channels_last(x):  # a no-op when the gemm kernel wrote it channels-last
         y = y.contiguous(memory_format=torch.channels_last)
     return y.squeeze(0) if unbatched else y

@@ -10,7 +10,8 @@ choice at no cost (a dictionary lookup).
     kernels.tuning.enable()                   # or DECONV_TUNE=1 in the environment
     y = kernels.conv_transpose2d(x, w, b, 2)  # the first call of this shape measures (milliseconds to seconds)
 
-A problem is the device, the input's shape and dtype, the weight's shape, whether there is a bias, the stride,
+A problem is the device, the input's shape, dtype and memory layout (NCHW or channels-last: the gemm kernel reads
+the latter as it is, the other kernels the former), the weight's shape, whether there is a bias, the stride,
 padding, output_padding, dilation and groups, the precision, whether the input rows start 16-byte aligned (what
 the warp-specialized tiles need), and whether the calls bring packed weights (``WeightPacks``: the service's do,
 which makes the tensor-core kernels cheaper by their packing kernel). Every choice is one that the GPU tests run
@@ -48,6 +49,7 @@ TIE = 0.02  # a candidate must beat the default by more than this fraction to re
 SPLIT_BELOW_MS = 0.25
 SPLITS = (1, 2, 4, 8)
 SPLIT_CONFIGS = 3  # the fastest halo configurations of the first pass that get split candidates
+GEMM_SPLITS = (1, 2, 4, 8, 16)  # the gemm kernel's split-K candidates, for its fastest configuration
 MAX_ENTRIES = 4096  # cached problems per process (the oldest dropped first)
 # Norm-wise relative difference from the default kernel's output above which a candidate is rejected, by precision
 # ("fp32" exact, "tf32", 16-bit types, float64): several times what two correct kernels differ by.
@@ -56,8 +58,9 @@ AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "sparse" or None to let it
-    choose), ``config`` (a tensor-core tile configuration) and ``split`` (the halo kernel's split-K factor)."""
+    """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "sparse", "gemm" or None to let
+    it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel) and ``split``
+    (the halo or gemm kernel's split-K factor)."""
 
     path: str | None = None
     config: int | None = None
@@ -65,10 +68,11 @@ class KernelChoice:
 
     @property
     def label(self) -> str:
-        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4"."""
+        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4", "gemm0/s2"."""
         if self.path is None and self.config is None and self.split is None:
             return "default"
-        name = f"tc{self.config}" if self.config is not None else (self.path or "default")
+        prefix = "gemm" if self.path == "gemm" else "tc"
+        name = f"{prefix}{self.config}" if self.config is not None else (self.path or "default")
         return f"{name}/s{self.split}" if self.split is not None else name
 
 
@@ -116,21 +120,28 @@ def agree_tolerance(dtype: torch.dtype, precision: str) -> float:
     return AGREE["16bit"]
 
 
-def candidates(num_configs: int) -> list[KernelChoice]:
-    """Every first-pass candidate: the default, each kernel family, each tensor-core tile configuration."""
+def candidates(num_configs: int, num_gemm_configs: int = 0) -> list[KernelChoice]:
+    """Every first-pass candidate: the default, each kernel family, each tensor-core and gemm tile configuration."""
     out = [DEFAULT, KernelChoice("narrow"), KernelChoice("sparse"), KernelChoice("simt")]
     out += [KernelChoice("tensor_core", c) for c in range(num_configs)]
+    out += [KernelChoice("gemm", c) for c in range(num_gemm_configs)]
     return out
 
 
 def split_candidates(trials: Sequence[Trial], num_gather: int) -> list[KernelChoice]:
-    """Split-K variants of the fastest halo tile configurations among ``trials`` (when the problem is small)."""
+    """Split-K variants (when the problem is small) of the fastest halo tile configurations among ``trials`` and of
+    the fastest gemm configuration."""
+    if not trials or min(t.ms for t in trials) >= SPLIT_BELOW_MS:
+        return []
     tc = [t for t in trials if t.ran == "tensor_core" and t.choice.config is not None
           and t.choice.config >= num_gather and t.choice.split is None]
-    if not tc or min(t.ms for t in trials) >= SPLIT_BELOW_MS:
-        return []
     best = sorted(tc, key=lambda t: t.ms)[:SPLIT_CONFIGS]
-    return [KernelChoice("tensor_core", t.choice.config, s) for t in best for s in SPLITS]
+    out = [KernelChoice("tensor_core", t.choice.config, s) for t in best for s in SPLITS]
+    gemm = [t for t in trials if t.ran == "gemm" and t.choice.path == "gemm" and t.choice.split is None]
+    if gemm:
+        g = min(gemm, key=lambda t: t.ms).choice.config
+        out += [KernelChoice("gemm", g, s) for s in GEMM_SPLITS]
+    return out
 
 
 def pick(second: Sequence[Trial]) -> tuple[KernelChoice, float, float]:
@@ -197,10 +208,10 @@ class Tuner:
 
     @staticmethod
     def key(shape: Sequence[int], weight: torch.Tensor, has_bias: bool, args: Any, precision: str,
-            aligned: bool, packed: bool = False) -> tuple[Hashable, ...]:
+            aligned: bool, packed: bool = False, channels_last: bool = False) -> tuple[Hashable, ...]:
         """The cache key of a problem (``args``: kernels.functional.ConvArgs, hashable)."""
         return (torch.Size(shape), weight.shape, weight.dtype, weight.device, has_bias, args, precision, aligned,
-                packed)
+                packed, channels_last)
 
     def lookup(self, key: Hashable) -> KernelChoice | None:
         """The cached choice for ``key``, or None."""
@@ -228,18 +239,18 @@ class Tuner:
             return self._device_locks.setdefault(index, threading.Lock())
 
     def choose(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
-               precision: str, aligned: bool = True, packs: Any = None) -> KernelChoice:
+               precision: str, aligned: bool = True, packs: Any = None, channels_last: bool = False) -> KernelChoice:
         """The kernel for this problem: ``DEFAULT`` when tuning is off, else the cached choice, tuning it first
         if there is none (on ``weight``'s device, on the current stream, blocking the calling thread); the default
         when tuning runs out of GPU memory. ``packs``: the calls' ``WeightPacks`` for ``weight``, if they bring
-        them.
+        them; ``channels_last``: whether the calls' inputs are channels-last.
 
         Raises:
             what the default kernel raises on this problem, other than running out of memory.
         """
         if not self.enabled:
             return DEFAULT
-        key = self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None)
+        key = self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None, channels_last)
         choice = self.lookup(key)
         if choice is not None:
             return choice
@@ -247,7 +258,8 @@ class Tuner:
             choice = self.lookup(key)  # another thread may have tuned it meanwhile
             if choice is None:
                 try:
-                    choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs).choice
+                    choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs,
+                                       channels_last=channels_last).choice
                 except torch.cuda.OutOfMemoryError:
                     # Tuning holds a few copies of the problem; the call itself may still fit. Not cached: a
                     # later call tunes again.
@@ -257,7 +269,7 @@ class Tuner:
         return choice
 
     def tune(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
-             precision: str, aligned: bool = True, packs: Any = None) -> TuneResult:
+             precision: str, aligned: bool = True, packs: Any = None, channels_last: bool = False) -> TuneResult:
         """Measure every candidate kernel on random inputs of ``shape`` and cache the fastest (see the module).
 
         Raises:
@@ -275,19 +287,29 @@ class Tuner:
             gen = torch.Generator(device=dev).manual_seed(0x5EED)
             # Random (never zero) input; when the problem's rows are not 16-byte aligned, neither are these.
             flat = torch.randn(numel + 1, device=dev, generator=gen).to(weight.dtype)
-            x = (flat[:numel] if aligned else flat[1:]).view(shape)
+            x = (flat[:numel] if aligned else flat[1:])
+            if channels_last:  # the same memory order as the calls' inputs: [N, H, W, C]
+                n, c, h, w = shape
+                x = x.view(n, h, w, c).permute(0, 3, 1, 2)
+            else:
+                x = x.view(shape)
             h_out, w_out = _out_hw(shape, weight, args)
-            out = torch.empty((shape[0], weight.shape[1] * args.groups, h_out, w_out), dtype=weight.dtype,
-                              device=dev)
+            # NCHW inputs write into one output; channels-last ones get a new output a call, in the layout the
+            # calls get (an NCHW ``out`` would time the gemm kernel writing the other layout).
+            out = None if channels_last else torch.empty(
+                (shape[0], weight.shape[1] * args.groups, h_out, w_out), dtype=weight.dtype, device=dev)
             timer = Timer(dev)
+            last: list[torch.Tensor] = []
 
             def call(c: KernelChoice) -> str:
-                return _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
-                                     force_config=c.config, force_split=c.split, packs=packs)[1]
+                y, ran = _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
+                                       force_config=c.config, force_split=c.split, packs=packs)
+                last[:] = [y]
+                return ran
 
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
             call(DEFAULT)
-            ref = out.to(acc, copy=True)
+            ref = last[0].to(acc, copy=True)
             ref_norm = float(ref.norm()) or 1.0
             tol = agree_tolerance(weight.dtype, precision)
 
@@ -298,7 +320,7 @@ class Tuner:
                         return None  # not eligible: the dispatcher fell back, a duplicate of another candidate
                     diff = None
                     if check and c != DEFAULT:
-                        diff = float((out.to(acc) - ref).norm()) / ref_norm
+                        diff = float((last[0].to(acc) - ref).norm()) / ref_norm
                         if not diff <= tol:  # also catches NaN
                             log.error("tuning %s: %s disagrees with the default kernel (relative difference "
                                       "%.2e > %.0e); skipped", _describe(shape, weight, args, precision), c.label,
@@ -317,7 +339,7 @@ class Tuner:
                 return None
 
             first: list[Trial] = []
-            for c in candidates(int(ext.num_tensor_core_configs)):
+            for c in candidates(int(ext.num_tensor_core_configs), int(ext.num_gemm_configs)):
                 t = trial(c, FIRST_REPS, check=True)
                 if t is not None:
                     first.append(t)

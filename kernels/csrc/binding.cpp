@@ -122,15 +122,15 @@ struct Forced {
 };
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 3,
-              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow) or 3 "
-              "(sparse), got ",
+  TORCH_CHECK(force_path >= -1 && force_path <= 4,
+              "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
+              "(sparse) or 4 (gemm), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
               num(deconv::kNumTensorCoreConfigs - 1), ", got ", num(force_config), ".");
-  TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 8),
-              "conv_transpose2d: force_split must be -1 (choose) or 1 to 8, got ", num(force_split), ".");
+  TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 16),
+              "conv_transpose2d: force_split must be -1 (choose) or 1 to 16, got ", num(force_split), ".");
   return Forced{force_path, force_config, force_split};
 }
 
@@ -151,7 +151,8 @@ class WeightPacks {
     TORCH_CHECK(p.w == weight_.data_ptr(), "WeightPacks: the call's weight is not the tensor these packs hold.");
     const deconv::WeightPacking layout = deconv::conv_transpose2d_packing(p);
     if (layout.bytes == 0) return nullptr;
-    const std::array<int64_t, 5> key{layout.kind, layout.groups, layout.ciw_pad, layout.co_pad, layout.kmajor};
+    const std::array<int64_t, 6> key{layout.kind,   layout.groups, layout.ciw_pad,
+                                     layout.co_pad, layout.kmajor, layout.layout};
     const std::lock_guard<std::mutex> lock(mu_);
     auto it = packs_.find(key);
     if (it == packs_.end()) {
@@ -174,7 +175,7 @@ class WeightPacks {
  private:
   const torch::Tensor weight_;
   std::mutex mu_;
-  std::map<std::array<int64_t, 5>, torch::Tensor> packs_;
+  std::map<std::array<int64_t, 6>, torch::Tensor> packs_;
 };
 
 void check_packs(const WeightPacks* packs, const torch::Tensor& weight) {
@@ -185,22 +186,28 @@ void check_packs(const WeightPacks* packs, const torch::Tensor& weight) {
               "conv_transpose2d: packs were made for another weight tensor.");
 }
 
-// Runs a checked problem: x, weight, bias and y on one CUDA device, on its current stream. Returns the kernel path.
-int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
-               const torch::Tensor& y, const Problem& pr, const std::vector<int64_t>& stride,
-               const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
-               const std::string& precision, int64_t force_path, int64_t force_config, int64_t force_split,
-               WeightPacks* packs) {
-  if (pr.N == 0) return 0;
-  const torch::Tensor xc = x.contiguous();
+// Whether x is laid out channels-last (and not also NCHW-contiguous): PyTorch then returns a channels-last output.
+bool channels_last(const torch::Tensor& x) {
+  return x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+// Runs a checked problem on x's CUDA device, on its current stream, into `out` when given (a contiguous NCHW tensor)
+// or a new tensor: channels-last when x is and the gemm kernel runs (otherwise NCHW; the Python layer converts).
+// x may have any layout: the gemm kernel reads it channels-last, the others NCHW, each converted here if needed.
+// Returns (y, kernel path).
+std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::Tensor& weight,
+                                          const c10::optional<torch::Tensor>& bias,
+                                          const c10::optional<torch::Tensor>& out, const Problem& pr,
+                                          const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                                          const std::vector<int64_t>& dilation, int64_t groups,
+                                          const std::string& precision, int64_t force_path, int64_t force_config,
+                                          int64_t force_split, WeightPacks* packs) {
   const torch::Tensor wc = weight.contiguous();
   torch::Tensor bc;
   if (bias.has_value()) bc = bias->contiguous();
   deconv::ConvTranspose2dParams p{};
-  p.x = xc.data_ptr();
   p.w = wc.data_ptr();
   p.bias = bias.has_value() ? bc.data_ptr() : nullptr;
-  p.y = y.data_ptr();
   p.N = pr.N;
   p.C_in = pr.C_in;
   p.H_in = pr.H_in;
@@ -222,10 +229,29 @@ int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::o
   p.force_path = static_cast<int>(force_path);
   p.force_config = static_cast<int>(force_config);
   p.force_split = static_cast<int>(force_split);
+  const bool x_cl = channels_last(x);
+  // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new copy.
+  p.x_channels_last = true;
+  p.x = x_cl ? x.data_ptr() : nullptr;
+  const bool gemm = deconv::conv_transpose2d_path(p) == deconv::KernelPath::kGemm;
+  p.x_channels_last = gemm;
+  p.y_channels_last = gemm && x_cl && !out.has_value();
+  const torch::Tensor xk = gemm ? x.contiguous(at::MemoryFormat::ChannelsLast) : x.contiguous();
+  p.x = xk.data_ptr();
+  torch::Tensor y;
+  if (out.has_value()) {
+    y = *out;
+  } else {
+    y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out},
+                     x.options().memory_format(p.y_channels_last ? at::MemoryFormat::ChannelsLast
+                                                                 : at::MemoryFormat::Contiguous));
+  }
+  if (pr.N == 0) return {y, 0};
+  p.y = y.data_ptr();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
   if (packs != nullptr) p.packed_weights = packs->get(p, stream);
-  // Scratch (packed weights) from PyTorch's caching allocator, on the current stream: freed when this returns,
-  // reusable by the allocator only after the kernels queued on this stream have run.
+  // Scratch (packed weights, split-K partials) from PyTorch's caching allocator, on the current stream: freed when
+  // this returns, reusable by the allocator only after the kernels queued on this stream have run.
   const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p);
   torch::Tensor workspace;
   if (ws_bytes > 0) {
@@ -235,7 +261,7 @@ int64_t launch(const torch::Tensor& x, const torch::Tensor& weight, const c10::o
   deconv::KernelPath path = deconv::KernelPath::kSimt;
   const cudaError_t err = deconv::conv_transpose2d_forward(p, stream, &path);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d kernel launch failed: ", cudaGetErrorString(err));
-  return static_cast<int64_t>(path);
+  return {y, static_cast<int64_t>(path)};
 }
 
 // Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
@@ -255,20 +281,14 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
   check_forced(force_path, force_config, force_split);
   check_packs(packs, weight);
   const c10::cuda::CUDAGuard guard(x.device());
-  torch::Tensor y;
   if (out.has_value()) {
     TORCH_CHECK(out->device() == x.device() && out->scalar_type() == x.scalar_type() && out->is_contiguous() &&
                     out->sizes() == at::IntArrayRef({pr.N, pr.C_out, pr.H_out, pr.W_out}),
                 "conv_transpose2d: out must be a contiguous ", shape_text(pr),
                 " tensor of the input's dtype and device.");
-    y = *out;
-  } else {
-    y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   }
-  const int64_t path =
-      launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, force_path, force_config,
-             force_split, packs);
-  return {y, path};
+  return launch(x, weight, bias, out, pr, stride, padding, dilation, groups, precision, force_path, force_config,
+                force_split, packs);
 }
 
 // Host x_host -> weight's device -> kernels -> host y_host on the current stream, then waits for the stream. Called
@@ -279,9 +299,8 @@ int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weigh
                          const std::vector<int64_t>& dilation, int64_t groups, const std::string& precision,
                          const Forced& forced, WeightPacks* packs) {
   const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
-  const torch::Tensor y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, weight.options());
-  const int64_t path = launch(x, weight, bias, y, pr, stride, padding, dilation, groups, precision, forced.path,
-                              forced.config, forced.split, packs);
+  const auto [y, path] = launch(x, weight, bias, c10::nullopt, pr, stride, padding, dilation, groups, precision,
+                                forced.path, forced.config, forced.split, packs);
   y_host.copy_(y, /*non_blocking=*/true);
   at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
   return path;
@@ -402,10 +421,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
-        "3 = sparse kernel. "
-        "force_path: -1 chooses, 0/1/2/3 ask for that kernel; 1, 2 and 3 fall back to the choice of -1 when not "
-        "eligible. "
-        "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer).",
+        "3 = sparse kernel, 4 = gemm kernel. "
+        "force_path: -1 chooses, 0-4 ask for that kernel; 1-4 fall back to the choice of -1 when not eligible. "
+        "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
@@ -433,4 +451,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // to num_tensor_core_configs the halo kernel's (the only ones force_split applies to).
   m.attr("num_gather_configs") = deconv::kNumGatherConfigs;
   m.attr("num_tensor_core_configs") = deconv::kNumTensorCoreConfigs;
+  // Tile configurations of the gemm kernel (force_path 4): [0, num_gemm_configs).
+  m.attr("num_gemm_configs") = deconv::kNumGemmConfigs;
 }

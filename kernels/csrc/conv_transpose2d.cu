@@ -19,6 +19,8 @@
 //   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles;
 //               conv_transpose2d_wgmma.cu: warp-specialized halo tiles on sm_90 wgmma) for dense layers in
 //               float32 / bfloat16 / float16;
+//   gemm        (conv_transpose2d_gemm.cu) for channel-heavy layers on sm_90: 128-pixel tiles across images over a
+//               channels-last input, wgmma with both operands in shared memory;
 //   SIMT        (below) for everything else (float64, too few input channels, weights too large for narrow).
 // It needs nothing newer than sm_80; the wgmma tiles run where the build holds sm_90a code (kernels/build.py).
 
@@ -201,14 +203,22 @@ namespace {
 
 struct KernelChoice {
   KernelPath path;
-  int config;  // tensor-core tile configuration, -1 for the other paths
+  int config;  // tile configuration of the tensor-core or gemm path, -1 for the other paths
 };
 
-// force_path 0 runs the SIMT kernel; 1, 2 and 3 run the tensor-core, narrow and sparse kernels when eligible,
-// else what -1 chooses: the narrow kernel when eligible, then the sparse kernel when preferred (neither when
-// force_config asks for the tensor cores), then the tensor cores when eligible, then the SIMT kernel.
+// Whether the gemm kernel is the default for an eligible problem: layers with many channels on both sides, where
+// its 128-pixel tiles across images and whole 128-byte channel rows beat the halo tiles (bench/NOTES.md v15).
+bool gemm_preferred(const ConvTranspose2dParams& p) {
+  return p.C_in / p.groups >= 128 && p.C_out / p.groups >= 64;
+}
+
+// force_path 0 runs the SIMT kernel; 1, 2, 3 and 4 run the tensor-core, narrow, sparse and gemm kernels when
+// eligible, else what -1 chooses: the narrow kernel when eligible, then the sparse kernel when preferred (neither
+// when force_config asks for the tensor cores), then the gemm kernel when eligible and preferred, then the tensor
+// cores when eligible, then the SIMT kernel.
 KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
+  if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
   if (p.force_path == 1) {
     const int config = tensor_core_config(p);
     if (config >= 0) return {KernelPath::kTensorCore, config};
@@ -217,6 +227,7 @@ KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
+  if (p.force_config < 0 && gemm_preferred(p) && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
   const int config = tensor_core_config(p);
   if (config >= 0) return {KernelPath::kTensorCore, config};
   return {KernelPath::kSimt, -1};
@@ -224,25 +235,33 @@ KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
 
 }  // namespace
 
+KernelPath conv_transpose2d_path(const ConvTranspose2dParams& p) { return choose_kernel(p).path; }
+
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p) {
   const KernelChoice c = choose_kernel(p);
+  if (c.path == KernelPath::kGemm) return gemm_workspace_bytes(p, c.config);
   return c.path == KernelPath::kTensorCore && p.packed_weights == nullptr ? tensor_core_workspace_bytes(p, c.config)
                                                                            : 0;
 }
 
 WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p) {
   const KernelChoice c = choose_kernel(p);
+  if (c.path == KernelPath::kGemm) return gemm_packing(p);
   return c.path == KernelPath::kTensorCore ? tensor_core_packing(p, c.config) : WeightPacking{};
 }
 
 cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
   const KernelChoice c = choose_kernel(p);
+  if (c.path == KernelPath::kGemm) return gemm_pack(p, dst, stream);
   return c.path == KernelPath::kTensorCore ? tensor_core_pack(p, c.config, dst, stream) : cudaSuccess;
 }
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
   const KernelChoice c = choose_kernel(p);
   if (path_out != nullptr) *path_out = c.path;
+  if ((c.path == KernelPath::kGemm) != p.x_channels_last || p.y_channels_last && c.path != KernelPath::kGemm)
+    return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)
+  if (c.path == KernelPath::kGemm) return launch_gemm(p, c.config, stream);
   if (c.path == KernelPath::kTensorCore) {
     if (p.workspace == nullptr && p.packed_weights == nullptr) return cudaErrorInvalidValue;
     return launch_tensor_core(p, c.config, stream);

@@ -39,19 +39,23 @@ struct ConvTranspose2dParams {
   // Weights already packed for the kernel this problem runs (conv_transpose2d_pack, same layout as
   // conv_transpose2d_packing says), or nullptr: the tensor-core kernels then pack them into the workspace first.
   const void* packed_weights;
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse. A forced path that is not eligible for the
+  // Memory layouts: x is channels-last ([N, H_in, W_in, C_in] in memory) rather than NCHW, and so is y. Only the
+  // gemm path reads a channels-last x (it needs one) and writes a channels-last y; the binding converts for the rest.
+  bool x_channels_last;
+  bool y_channels_last;
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm. A forced path that is not eligible for the
   // problem falls back to the choice of -1.
   int force_path;
-  // -1: choose; else a tensor-core tile configuration index (tests and tuning). With force_path -1 it asks for
-  // the tensor cores, which then run ahead of the narrow kernel.
+  // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
+  // the gemm kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
   int force_config;
-  // <= 0: choose; else the halo kernel's split-K factor (blocks of a cluster sharing a tile, at most 8; sm_90 and
-  // newer, elsewhere 1). Tests and tuning.
+  // <= 0: choose; else the split-K factor: the halo kernel's (blocks of a cluster sharing a tile, at most 8; sm_90
+  // and newer, elsewhere 1) or with force_path 4 the gemm kernel's (at most 16). Tests and tuning.
   int force_split;
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
-enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3 };
+enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3, kGemm = 4 };
 
 // Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none, or when
 // p.packed_weights is given).
@@ -67,10 +71,15 @@ struct WeightPacking {
   int64_t ciw_pad;  // input-channel words per group, padded
   int64_t co_pad;   // output channels per group, padded to the tile width
   bool kmajor;      // K-major core matrices (the wgmma tiles)
+  int64_t layout;   // 0: the tensor-core kernels' word layout; 1: the gemm kernel's [g][a][b][co][ci] elements
 };
 WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p);
 // Packs p.w for the kernel chosen for `p` into `dst` (conv_transpose2d_packing(p).bytes bytes) on `stream`.
 cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+
+// The kernel family that conv_transpose2d_forward runs for `p` (the binding lays x and y out for it first: the gemm
+// path reads a channels-last x; the others NCHW).
+KernelPath conv_transpose2d_path(const ConvTranspose2dParams& p);
 
 // Launches the forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
 // `path_out`, when not null, receives the kernel family chosen for this problem.
@@ -111,5 +120,18 @@ cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
 bool sparse_eligible(const ConvTranspose2dParams& p);
 bool sparse_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream);
+
+// Gemm kernel (conv_transpose2d_gemm.cu): channel-major implicit GEMM on sm_90a wgmma for TF32/BF16/FP16, reading a
+// channels-last x, writing y in either layout. Eligible on sm_90 devices (kernels built with sm_90a code) when a
+// group's input channels fill whole 16-byte vectors and strides are at most kGemmMaxStride.
+constexpr int kNumGemmConfigs = 3;
+constexpr int kGemmMaxStride = 16;
+bool gemm_eligible(const ConvTranspose2dParams& p);
+int gemm_config(const ConvTranspose2dParams& p);  // force_config when in range, else the configuration chosen
+int gemm_split(const ConvTranspose2dParams& p, int config);
+WeightPacking gemm_packing(const ConvTranspose2dParams& p);
+size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config);
+cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 }  // namespace deconv

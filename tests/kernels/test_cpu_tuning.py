@@ -285,14 +285,14 @@ class FakeTune:
         self._lock = threading.Lock()
 
     def __call__(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
-                 precision: str, aligned: bool = True, packs: Any = None) -> TuneResult:
+                 precision: str, aligned: bool = True, packs: Any = None, channels_last: bool = False) -> TuneResult:
         with self._lock:
             self.calls.append((tuple(shape), bias is not None, args, precision, aligned))
         time.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
         self.tuner.store(Tuner.key(tuple(int(d) for d in shape), weight, bias is not None, args, precision,
-                                   aligned, packs is not None), self.answer)
+                                   aligned, packs is not None, channels_last), self.answer)
         return TuneResult(self.answer, 1.0, 2.0, (), self.delay_s)
 
 
@@ -449,13 +449,14 @@ def test_environment_switch_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     (_tc(9), (kf.FORCE_PATHS["tensor_core"], 9, -1)),
     (_tc(5, 4), (kf.FORCE_PATHS["tensor_core"], 5, 4)),
     (_tc(0, 1), (kf.FORCE_PATHS["tensor_core"], 0, 1)),
+    (KernelChoice("gemm", 2, 16), (kf.FORCE_PATHS["gemm"], 2, 16)),
 ])
 def test_forced_maps_a_choice_to_the_extension_arguments(choice: KernelChoice, expected: tuple[int, int, int]) -> None:
     assert kf._forced(choice) == expected
 
 
 def test_force_paths_match_the_extension_codes() -> None:
-    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}
+    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}
     for c in tuning.candidates(NUM_CONFIGS):
         path, config, split = kf._forced(c)
         assert path == kf.FORCE_PATHS[c.path]

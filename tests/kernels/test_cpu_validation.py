@@ -208,19 +208,19 @@ def test_empty_batch_keeps_autograd():
 @pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
     monkeypatch.setattr(kf, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
-    with pytest.raises(ConvTranspose2dArgumentError,
-                       match=r"force_path must be None or one of 'simt', 'tensor_core', 'narrow', 'sparse', got "):
+    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm'"
+    with pytest.raises(ConvTranspose2dArgumentError, match=rf"force_path must be None or one of {names}, got "):
         kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
 
-@pytest.mark.parametrize("force_split", [0, 9, -1, 2.0, True, "2"])
+@pytest.mark.parametrize("force_split", [0, 17, -1, 2.0, True, "2"])
 def test_bad_force_split_is_a_clear_error(monkeypatch, force_split):
     monkeypatch.setattr(kf, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
-    with pytest.raises(ConvTranspose2dArgumentError, match=r"force_split must be None or an int from 1 to 8, got "):
+    with pytest.raises(ConvTranspose2dArgumentError, match=r"force_split must be None or an int from 1 to 16, got "):
         kf._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
 
 
-@pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8)])
+@pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8), (16, 16)])
 def test_force_split_reaches_the_extension(monkeypatch, force_split, code):
     calls = []
 
@@ -250,7 +250,7 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
                     force_path_code, force_config, force_split, packs):
             calls.append((force_path_code, force_config, force_split, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
-            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}[ran]
+            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}[ran]
 
     monkeypatch.setattr(kf, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
@@ -261,5 +261,5 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
 
 
 def test_kernel_path_names_cover_every_force_path_name():
-    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse"}
-    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3}
+    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm"}
+    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}

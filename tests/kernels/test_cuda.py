@@ -248,7 +248,7 @@ def test_extension_checks_raise_with_their_numbers() -> None:
     w = torch.randn(16, 16, 3, 3, device="cuda")
     base = dict(stride=[1, 1], padding=[1, 1], output_padding=[0, 0], dilation=[1, 1], groups=1, precision="tf32")
     cases = [
-        (w, dict(force_split=0), r"force_split must be -1 \(choose\) or 1 to 8, got 0\."),
+        (w, dict(force_split=0), r"force_split must be -1 \(choose\) or 1 to 16, got 0\."),
         (w, dict(force_path=7), r"force_path must be .* got 7\."),
         (w, dict(groups=3), r"input channels \(16\) must be a positive multiple of groups \(3\)"),
         (w, dict(out=torch.empty(2, 16, 8, 32, device="cuda")), r"out must be a contiguous \[1, 16, 8, 32\] tensor"),

@@ -1,0 +1,161 @@
+"""GPU correctness of the gemm kernel (kernels/csrc/conv_transpose2d_gemm.cu; sm_90 only) against float64.
+
+Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py; both input layouts (the kernel
+reads channels-last, an NCHW input is converted first) and both output layouts, every tile configuration and
+split-K factor, and the parameters that change its indexing: strides with phases that have no tap, dilation,
+padding, output_padding, groups, channel counts that leave partial stages and partial tiles, one-pixel inputs.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import kernels
+from kernels.functional import _forward_cuda, _load_extension, normalize_args, output_size
+from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
+
+pytestmark = pytest.mark.cuda
+
+NUM_GEMM_CONFIGS = 3
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="the gemm kernel runs on sm_90 (H100/H200) only")
+
+# Channel counts: fp32 stages are 32 channels, 16-bit ones 64; the rows are 16-byte vectors (fp32 C_in % 4, 16-bit
+# C_in % 8 per group).
+PROBLEMS = {
+    "k2s2": dict(n=3, c_in=64, c_out=96, h=7, w=5, k=2, stride=2),
+    "k4s2p1": dict(n=2, c_in=128, c_out=64, h=4, w=6, k=4, stride=2, padding=1),
+    "k3s2_op1": dict(n=2, c_in=40, c_out=72, h=9, w=7, k=3, stride=2, padding=1, output_padding=1),
+    "stride1_k3": dict(n=2, c_in=72, c_out=136, h=6, w=5, k=3, padding=1),
+    "stride3_k2": dict(n=2, c_in=32, c_out=40, h=5, w=4, k=2, stride=3),  # phases with no tap: bias only
+    "dilation": dict(n=1, c_in=48, c_out=33, h=7, w=9, k=3, stride=2, dilation=2, padding=2),
+    "asym": dict(n=2, c_in=64, c_out=80, h=5, w=11, k=(2, 5), stride=(2, 3), padding=(0, 2)),
+    "groups": dict(n=2, c_in=96, c_out=48, h=6, w=6, k=4, stride=2, padding=1, groups=3),
+    "one_pixel": dict(n=5, c_in=64, c_out=128, h=1, w=1, k=4),
+    "many_rows": dict(n=3, c_in=16, c_out=257, h=23, w=19, k=2, stride=2, bias=False),
+}
+
+
+def run(problem: dict, mode: str, *, layout: str, config: int | None = None, split: int | None = None,
+        seed: int = 0, tf32_reference: bool = False, force: bool = True) -> tuple[float, float, str, torch.Tensor]:
+    """Run one problem into a poisoned output; returns (rel_err, tol, path, y)."""
+    p = dict(problem)
+    n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
+    k = p.pop("k")
+    kh, kw = (k, k) if isinstance(k, int) else k
+    bias = p.pop("bias", True)
+    args = normalize_args(p.get("stride", 1), p.get("padding", 0), p.get("output_padding", 0), p.get("groups", 1),
+                          p.get("dilation", 1))
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, c_in, h, w, device="cuda", generator=g).to(dtype)
+    wt = torch.randn(c_in, c_out // args.groups, kh, kw, device="cuda", generator=g).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=g).to(dtype) if bias else None
+    ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
+    wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
+    out = None
+    if layout == "nchw":
+        out = torch.full((n, c_out, ho, wo), float("nan"), device="cuda", dtype=dtype)
+    else:
+        x = x.contiguous(memory_format=torch.channels_last)
+        # Poison the memory the new output will take: the caching allocator hands the freed block out again.
+        torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)
+    kw_force = dict(force_path="gemm", force_config=config, force_split=split) if force else {}
+    y, path = _forward_cuda(x, wt, b, args, precision or "fp32", out=out, **kw_force)
+    if tf32_reference:
+        x, wt = round_tf32(x), round_tf32(wt)
+    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=args.groups, dilation=args.dilation)
+    assert y.shape == ref.shape
+    return rel_err(y, ref), tol, path, y
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("config", range(NUM_GEMM_CONFIGS))
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_gemm_forced(problem: str, config: int, mode: str, layout: str) -> None:
+    err, tol, path, y = run(PROBLEMS[problem], mode, layout=layout, config=config, split=1,
+                            seed=zlib.crc32(problem.encode()) + config)
+    assert path == "gemm"
+    if layout == "cl" and problem != "one_pixel":  # a one-pixel input is NCHW-contiguous too: PyTorch keeps NCHW
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        assert not y.is_contiguous()
+    assert err <= tol, f"{problem}/gemm{config}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("split", [2, 3, 16])
+@pytest.mark.parametrize("mode", ["tf32", "bf16"])
+@pytest.mark.parametrize("problem", ["k4s2p1", "stride3_k2", "groups", "one_pixel"])
+def test_gemm_split(problem: str, mode: str, split: int, layout: str) -> None:
+    """Split-K: blocks over parts of K (some with none, at 16) into fp32 partials, summed with the bias."""
+    err, tol, path, _ = run(PROBLEMS[problem], mode, layout=layout, config=0, split=split,
+                            seed=zlib.crc32(problem.encode()) + split)
+    assert path == "gemm"
+    assert err <= tol, f"{problem}/split {split}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", range(NUM_GEMM_CONFIGS))
+@pytest.mark.parametrize("problem", ["k4s2p1", "k3s2_op1", "groups"])
+def test_gemm_tf32_rounds_operands_to_nearest(problem: str, config: int) -> None:
+    """Against a reference from TF32-rounded operands only the accumulation's error is left (the tensor cores would
+    truncate unrounded fp32 operands: ~3e-4)."""
+    err, _, path, _ = run(PROBLEMS[problem], "tf32", layout="cl", config=config, split=1,
+                          seed=zlib.crc32(problem.encode()), tf32_reference=True)
+    assert path == "gemm"
+    assert err <= 3e-5, f"{problem}/gemm{config}: rel err {err:.3e} against TF32-rounded operands"
+
+
+@needs_sm90
+def test_gemm_default_choice_and_fallbacks() -> None:
+    """Channel-heavy layers run the gemm kernel by default in both layouts; exact fp32, float64 and 16-bit rows
+    that are not 16-byte vectors (C_in 100 in bf16) run another kernel even when it is asked for, correctly."""
+    heavy = dict(n=4, c_in=256, c_out=128, h=8, w=8, k=4, stride=2, padding=1)
+    for mode in ("tf32", "bf16", "fp16"):
+        for layout in ("nchw", "cl"):
+            err, tol, path, _ = run(heavy, mode, layout=layout, force=False)
+            assert path == "gemm", (mode, layout)
+            assert err <= tol
+    for mode in ("fp32", "fp64"):
+        err, tol, path, _ = run(heavy, mode, layout="cl")
+        assert path != "gemm", mode
+        assert err <= tol, mode
+    odd = dict(n=2, c_in=100, c_out=64, h=4, w=4, k=4, stride=2, padding=1)
+    err, tol, path, _ = run(odd, "bf16", layout="cl")
+    assert path != "gemm"
+    assert err <= tol
+    # The library call returns the input's layout whichever kernel ran.
+    x = torch.randn(2, 100, 4, 4, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(100, 64, 4, 4, device="cuda").to(torch.bfloat16)
+    assert kernels.conv_transpose2d(x, w, None, 2, 1).is_contiguous(memory_format=torch.channels_last)
+
+
+@needs_sm90
+def test_gemm_is_deterministic_and_split_agrees() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 512, 4, 4, device="cuda", generator=g).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    w = torch.randn(512, 256, 4, 4, device="cuda", generator=g).to(torch.bfloat16)
+    args = normalize_args(2, 1, 0, 1, 1)
+    runs = [_forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=4)[0] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    whole = _forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=1)[0]
+    ref = reference(x, w, None, stride=2, padding=1)
+    assert rel_err(runs[0], ref) <= 2e-2
+    assert rel_err(whole, ref) <= 2e-2
+
+
+def test_every_gemm_configuration_is_forced_above() -> None:
+    assert int(_load_extension().num_gemm_configs) == NUM_GEMM_CONFIGS
