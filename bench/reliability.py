@@ -81,8 +81,9 @@ class Server:
     log_path: Path
 
     @classmethod
-    def start(cls, env: dict[str, str], log_path: Path, ready_timeout: float = 120.0) -> Server:
-        """Start the server with ``env`` on top of this process's environment and wait until it is ready."""
+    def start(cls, env: dict[str, str], log_path: Path, ready_timeout: float | None = 120.0) -> Server:
+        """Start the server with ``env`` on top of this process's environment and wait until it is ready (not at
+        all when ``ready_timeout`` is None)."""
         port = free_port()
         full_env = {**os.environ, "DECONV_DEVICES": "cpu", "DECONV_LOG_LEVEL": "warning", **env,
                     "DECONV_HOST": "127.0.0.1", "DECONV_PORT": str(port), "PYTHONUNBUFFERED": "1"}
@@ -91,7 +92,8 @@ class Server:
                                 stderr=subprocess.STDOUT)
         log.close()
         server = cls(proc, f"http://127.0.0.1:{port}", log_path)
-        server.wait_ready(ready_timeout)
+        if ready_timeout is not None:
+            server.wait_ready(ready_timeout)
         return server
 
     @property
@@ -102,6 +104,15 @@ class Server:
     def log(self) -> str:
         """Everything the server wrote so far."""
         return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str, count: int = 1, timeout: float = 120.0) -> None:
+        """Block until the log holds ``text`` ``count`` times (``timeout`` bounds the wait for a broken server)."""
+        deadline = time.monotonic() + timeout
+        while self.log().count(text) < count:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{text!r} not logged {count} times (exit status {self.proc.poll()}):\n"
+                                   f"{self.log()[-3000:]}")
+            time.sleep(0.02)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until /health/ready answers 200."""

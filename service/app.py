@@ -76,7 +76,8 @@ class Service:
             raise NotReadyError(self.reason, retry_after_s=1.0 if self.state == "starting" else 5.0)
 
     def begin_drain(self) -> None:
-        """Stop accepting work (503 from now on); queued requests still finish. Safe from a signal handler."""
+        """Stop accepting work (503 from now on); queued requests still finish. Never from a signal handler: it
+        writes a metric, whose lock the interrupted code may hold (``service.server.DrainingServer.handle_exit``)."""
         if self.state != "draining":
             self.state = "draining"
             self.reason = "draining: the server is shutting down"

@@ -2,7 +2,8 @@
 
 The worker calls two hooks on its own thread: ``before_batch`` when it starts executing a batch and
 ``before_forward`` before every kernel call (a batch split after an out-of-memory error makes several).
-Faults are armed only once the service is ready, so that the start-up self-tests pass.
+Faults are armed only once the service is ready, so that the start-up self-tests pass; ``startup`` is the exception:
+an HTTP process calls ``hold_startup`` while it starts.
 
 Syntax: faults separated by ``,``, each ``KIND`` followed by ``:key=value`` options::
 
@@ -16,6 +17,8 @@ Syntax: faults separated by ``,``, each ``KIND`` followed by ``:key=value`` opti
 | ``hang`` | batch | the worker thread blocks (ending at shutdown), as in a kernel that never returns |
 | ``delay`` | kernel call | the kernel call takes ``ms`` milliseconds longer |
 | ``hold`` | batch | the batch waits until the service begins draining (SIGTERM), then runs |
+| ``startup`` | start-up | an HTTP process of a multi-process server, once connected to the engine, holds its start-up |
+|  |  | inside prometheus-client's metrics lock (where creating its metrics stands) until a SIGTERM reaches it |
 
 Options: ``layer=NAME`` (only that layer's batches), ``every=N`` (every N-th matching call, default 1),
 ``times=N`` (at most N times in all, default unlimited), ``after=N`` (the first N matching calls pass). Nothing
@@ -25,15 +28,18 @@ here imports FastAPI.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 log = logging.getLogger("deconv.service")
 
-KINDS = ("error", "oom", "exit", "hang", "delay", "hold")
+KINDS = ("error", "oom", "exit", "hang", "delay", "hold", "startup")
 _OPTIONS = {"layer", "every", "times", "above", "ms", "after"}
 
 
@@ -161,6 +167,31 @@ class Faults:
                     f.fired += 1
                     firing.append(f)
         return firing
+
+    def hold_startup(self, lock: AbstractContextManager[Any] | None) -> None:
+        """Hook in an HTTP process's start-up, on its event loop, once it is connected to the engine: ``startup``
+        holds it there, with ``lock`` (prometheus-client's, ``service.metrics.update_lock``) held, until the process
+        receives SIGTERM and its handler has returned. A SIGTERM thus always interrupts a metric update of
+        a starting process, as it can by chance when the process creates its metrics."""
+        if lock is None or not any(f.kind == "startup" for f in self.faults):
+            return
+        received: list[int] = []
+        handler = signal.getsignal(signal.SIGTERM)
+
+        def on_signal(sig: int, frame: Any) -> None:
+            received.append(sig)
+            if callable(handler):
+                handler(sig, frame)
+
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            with lock:
+                log.critical("fault injected: start-up held until SIGTERM (test mode)")
+                while not received:  # the signal interrupts the sleep; its handler runs here, lock held
+                    time.sleep(0.01)
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+        log.warning("fault released: start-up goes on after SIGTERM")
 
     def before_batch(self, layer: str, samples: int) -> None:
         """Hook at the start of a batch (worker thread): ``error``, ``exit``, ``hang``, ``hold``."""

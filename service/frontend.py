@@ -32,6 +32,7 @@ from service.batcher import Result
 from service.codec import AnyTensor, RawTensor, bytes_of
 from service.config import Settings, configure_logging, load_settings
 from service.errors import InternalError, NotReadyError
+from service.metrics import update_lock
 from service.registry import Layer
 
 log = logging.getLogger("deconv.service")
@@ -254,8 +255,11 @@ class FrontendService(Service):
         if arena is not None:
             arena.close()  # the engine got its own descriptor with the HELLO; mappings outlive descriptors
         self.client = client
+        self.faults.hold_startup(update_lock())  # test mode only: where a SIGTERM once hung the process
         for index, layer in enumerate(self.registry):
-            self.batchers[layer.name] = RemoteBatcher(layer, index, client)
+            batcher = self.batchers[layer.name] = RemoteBatcher(layer, index, client)
+            if self.state == "draining":  # the drain began while this process was connecting
+                batcher.begin_drain()
 
     def _arena(self) -> shm.Arena | None:
         """This process's shared memory for the engine link (``Settings.ipc_shm_bytes``), or None."""

@@ -10,6 +10,7 @@ sets ``PROMETHEUS_MULTIPROC_DIR`` for every process it starts, each process writ
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -44,6 +45,21 @@ def process_id() -> int:
 os.register_at_fork(after_in_child=_refresh_pid)
 if multiprocess():  # before any metric exists: prometheus-client reads ValueClass when one is made
     values.ValueClass = values.MultiProcessValue(process_id)
+
+
+def update_lock() -> AbstractContextManager[Any] | None:
+    """The lock prometheus-client holds while it creates or updates any metric of this process in multiprocess mode
+    (one for all of them, not reentrant, kept in a closure of its value class); None in single-process mode.
+
+    Only the test-mode start-up hold takes it (``service.faults``), to stand where a signal can interrupt a metric
+    update."""
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        return None
+    for cell in values.ValueClass.set.__closure__ or ():
+        lock = cell.cell_contents
+        if hasattr(lock, "acquire") and hasattr(lock, "release") and not isinstance(lock, type):
+            return lock  # type: ignore[no-any-return]
+    return None
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

@@ -253,6 +253,7 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self.connections = connections
         self._handovers: set[asyncio.Task[object]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.connections is None:
@@ -300,17 +301,28 @@ class DrainingServer(uvicorn.Server):
             asyncio.get_running_loop().remove_reader(self.connections.fileno())
             self.connections.close()
 
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()  # before uvicorn installs its signal handlers
+        await super().serve(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig in (signal.SIGTERM, signal.SIGINT):
-            self.service.begin_drain()
-            loop = self.service._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._drain_connections)
+        # A signal handler runs in the main thread between two bytecodes of whatever it interrupted, which may hold a
+        # lock that the drain takes: prometheus-client's (one lock for every metric of a process in multiprocess
+        # mode, not reentrant), held while an HTTP process creates its metrics at start-up. Setting the readiness
+        # gauge from here then waited for that lock forever and the process never stopped. So only flags here; the
+        # drain begins on the event loop, at its next iteration.
+        if sig in (signal.SIGTERM, signal.SIGINT) and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._begin_drain)
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM:
             # uvicorn re-raises the signals it caught once it has shut down, which ends the process as "killed
             # by SIGTERM" (status 143) however complete the drain was; serve() chooses the exit status instead.
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    def _begin_drain(self) -> None:
+        """On the event loop, after SIGTERM/SIGINT: the service refuses new work (503), then the connections drain."""
+        self.service.begin_drain()
+        self._drain_connections()
 
     def _drain_connections(self) -> None:
         """Close the connections between requests; the others close after their current answer (every answer

@@ -157,11 +157,12 @@ def supervise(settings: Settings) -> int:
 
     from service.metrics import MULTIPROCESS_ENV
 
-    stop = threading.Event()
+    signalled: list[int] = []
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
-        log.info("%s: stopping every process (each drains first)", signal.Signals(sig).name)
-        stop.set()
+        # Only a flag: the handler interrupts the main thread anywhere, and a lock it took (an Event's, logging's)
+        # could be held by the code it interrupted. The main loop looks at the flag every 0.1 s.
+        signalled.append(sig)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -189,12 +190,12 @@ def supervise(settings: Settings) -> int:
         engine = spawn("service.engine", "--socket", str(socket_path))
         children.append(engine)
         give_up = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while not socket_path.exists() and not stop.is_set():
+        while not socket_path.exists() and not signalled:
             if engine.poll() is not None or time.monotonic() > give_up:
                 failed = engine
                 break
             time.sleep(0.02)
-        if failed is None and not stop.is_set():
+        if failed is None and not signalled:
             host, port = listener.getsockname()[:2]
             for _ in range(settings.http_processes):
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -207,8 +208,12 @@ def supervise(settings: Settings) -> int:
             log.info("listening on http://%s:%d with %d HTTP processes (pids %s, connections handed out in turn) "
                      "feeding the engine (pid %d)", host, port, settings.http_processes,
                      ", ".join(str(c.pid) for c in children[1:]), engine.pid)
-            while failed is None and not stop.wait(0.1):
-                failed = next((c for c in children if c.poll() is not None), None)
+            while failed is None and not signalled:
+                time.sleep(0.1)
+                if not signalled:
+                    failed = next((c for c in children if c.poll() is not None), None)
+        if signalled:
+            log.info("%s: stopping every process (each drains first)", signal.Signals(signalled[0]).name)
         if failed is not None:
             role = "the engine" if failed is engine else "an HTTP process"
             code = failed.poll()

@@ -66,11 +66,12 @@ def rel() -> ModuleType:
 
 @pytest.fixture
 def start_server(rel: ModuleType, tmp_path: Path) -> Iterator[object]:
-    """``start_server(env)``: a ready ``python -m service`` on 127.0.0.1; every one is stopped after the test."""
+    """``start_server(env)``: a ready ``python -m service`` on 127.0.0.1 (``ready=False``: just started); every one is
+    stopped after the test."""
     started = []
 
-    def start(env: dict[str, str]) -> object:
-        server = rel.Server.start(env, tmp_path / f"server-{len(started)}.log")
+    def start(env: dict[str, str], ready: bool = True) -> object:
+        server = rel.Server.start(env, tmp_path / f"server-{len(started)}.log", 120.0 if ready else None)
         started.append(server)
         return server
 

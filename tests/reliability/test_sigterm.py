@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 
@@ -30,3 +31,22 @@ def test_sigterm_closes_kept_alive_connections_and_answers_a_request_still_arriv
     server = start_server({"DECONV_HTTP_PROCESSES": str(processes), "DECONV_LOG_LEVEL": "info"})
     result = asyncio.run(rel.drain_keepalive(server, idle=8))
     assert result["ok"], explain(result)
+
+
+def test_sigterm_while_http_processes_start_stops_every_process_at_once(rel, start_server):
+    # A SIGTERM that came while an HTTP process created its metrics (prometheus-client's lock held, one lock for every
+    # metric in multiprocess mode) hung that process: the signal handler set the readiness gauge, waited for the lock
+    # its own thread held, and the supervisor killed the process after request timeout + 15 s (exit status 1). The
+    # test-mode fault "startup" holds each HTTP process inside that lock, after it connected to the engine, until
+    # the signal has reached it, so the signal always lands there.
+    server = start_server({"DECONV_HTTP_PROCESSES": "2", "DECONV_TEST_MODE": "1", "DECONV_FAULTS": "startup",
+                           "DECONV_REQUEST_TIMEOUT_S": "5", "DECONV_LOG_LEVEL": "info"}, ready=False)
+    server.wait_log("start-up held until SIGTERM", count=2)
+    server.proc.send_signal(signal.SIGTERM)
+    # The supervisor kills a child still running 20 s (request timeout + 15) after the signal: this bound is only
+    # how long a hung server is waited for, the outcome is the exit status.
+    code = server.proc.wait(120)
+    log = server.log()
+    assert code == 0, log[-3000:]
+    assert log.count("fault released: start-up goes on after SIGTERM") == 2, log[-3000:]
+    assert "did not stop within" not in log
