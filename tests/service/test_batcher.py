@@ -82,7 +82,7 @@ def test_requests_with_the_same_shape_share_a_batch():
         assert results[3].batch_samples == 1
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_max_batch_size_and_bytes_cut_batches():
@@ -104,18 +104,19 @@ def test_max_batch_size_and_bytes_cut_batches():
         assert ex.batches == [[1, 1], [1, 1], [1]]
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_a_full_group_goes_at_once_and_a_lone_request_waits_the_delay():
     async def main() -> None:
         ex = FakeExecutor()
-        b = Batcher(make_layer(max_batch_size=2, delay_ms=5000), ex)
+        b = Batcher(make_layer(max_batch_size=2, delay_ms=3_600_000), ex)
         b.start()
-        t0 = time.monotonic()
         items = [b.submit(x()), b.submit(x())]
-        await asyncio.gather(*(i.future for i in items))
-        assert time.monotonic() - t0 < 2.0  # did not wait for the 5 s delay
+        # Guards a full group waiting for the delay: an hour here, so that the bound (which only limits how long a
+        # broken batcher is waited for) cannot be reached by a slow machine and the answer is an event.
+        await asyncio.wait_for(asyncio.gather(*(i.future for i in items)), 60)
+        assert ex.batches == [[1, 1]]
         await b.close()
 
         ex = FakeExecutor()
@@ -123,10 +124,10 @@ def test_a_full_group_goes_at_once_and_a_lone_request_waits_the_delay():
         b.start()
         t0 = time.monotonic()
         await b.submit(x()).future
-        assert ex.times[0] - t0 >= 0.19
+        assert ex.times[0] - t0 >= 0.19  # a lower bound: a slow machine only makes the wait longer
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_batches_grow_while_the_workers_are_busy():
@@ -145,7 +146,7 @@ def test_batches_grow_while_the_workers_are_busy():
         assert ex.batches == [[1], [1, 1, 1, 1, 1]]
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 @pytest.mark.parametrize("max_batch_size", [8, 1])
@@ -174,7 +175,7 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
         assert ex.batches == ([[1], [1, 1, 1]] if max_batch_size > 1 else [[1], [1], [1], [1]])
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_the_next_batch_starts_before_the_results_go_out():
@@ -197,7 +198,7 @@ def test_the_next_batch_starts_before_the_results_go_out():
         assert started_when_answered == [2, 2]
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_full_queue_is_refused_at_once():
@@ -209,15 +210,15 @@ def test_full_queue_is_refused_at_once():
         b.submit(x())
         await asyncio.sleep(0)  # the gauge follows within one event-loop iteration
         assert metric_value(m.render().decode(), "deconv_queue_depth", layer="t") == 2
-        t0 = time.monotonic()
+        # "At once": submit is a plain function, so it refuses without waiting for room (no timing needed).
+        assert not asyncio.iscoroutinefunction(b.submit)
         with pytest.raises(OverloadedError) as info:
             b.submit(x())
-        assert time.monotonic() - t0 < 0.1
         assert info.value.status == 429
         assert int(info.value.headers["Retry-After"]) >= 1
         await b.close()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_dropped_requests_are_not_executed():
@@ -237,7 +238,7 @@ def test_dropped_requests_are_not_executed():
         assert metric_value(text, "deconv_requests_dropped_total", layer="t", reason="disconnected") == 1
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_deadline_passed_in_the_queue_fails_before_execution():
@@ -255,7 +256,7 @@ def test_deadline_passed_in_the_queue_fails_before_execution():
         assert ex.batches == [[1]]
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_a_failed_batch_fails_only_its_requests():
@@ -271,7 +272,7 @@ def test_a_failed_batch_fails_only_its_requests():
         assert (await later.future).output.shape == (1, 3, 4, 4)
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_requests_with_on_done_are_answered_through_it_once_each():
@@ -316,23 +317,22 @@ def test_requests_with_on_done_are_answered_through_it_once_each():
         assert len(got) == 4
         await b.drain()
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_drain_runs_the_queue_now_and_refuses_new_work():
     async def main() -> None:
         ex = FakeExecutor()
-        b = Batcher(make_layer(delay_ms=60_000), ex)
+        b = Batcher(make_layer(delay_ms=3_600_000), ex)
         b.start()
         items = [b.submit(x()) for _ in range(3)]
-        t0 = time.monotonic()
-        await b.drain()
-        assert time.monotonic() - t0 < 5
+        # Guards a drain that waits for the delay (an hour): the bound only limits how long that is waited for.
+        await asyncio.wait_for(b.drain(), 60)
         assert all(i.future.done() and not i.future.cancelled() for i in items)
         with pytest.raises(NotReadyError):
             b.submit(x())
 
-    run(main(), 10)
+    run(main(), 120)
 
 
 def test_batcher_and_worker_import_nothing_from_fastapi():

@@ -42,7 +42,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "small": write_layer(root, "small", **small, limits=limits),
         "half": write_layer(root, "half", **small, dtype="float16", limits=limits),
         "bf": write_layer(root, "bf", **small, dtype="bfloat16", limits=limits),
-        "slow": write_layer(root, "slow", **small, limits={**limits, "max_queue_delay_ms": 20_000,
+        "slow": write_layer(root, "slow", **small, limits={**limits, "max_queue_delay_ms": 600_000,
                                                             "max_queue_size": 2}),
     }
     return {"root": root, "modules": modules}
@@ -286,7 +286,9 @@ def test_deadline_passes_in_the_queue(repo):
             t0 = time.monotonic()
             r = await post_npy(client, "slow", np.ones((1, 4, 5, 5), np.float32), **{"x-deadline-ms": "100"})
             assert_error(r, 504, "deadline_exceeded")
-            assert 0.09 < time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 > 0.09  # not before the deadline (a lower bound: no slow-machine risk)
+            # Dropped from the queue rather than answered after its 10-minute batching delay: the metrics say so,
+            # no upper bound on the time needed.
             text = (await client.get("/metrics")).text
             assert metric_value(text, "deconv_requests_dropped_total", layer="slow", reason="deadline") == 1
             assert metric_value(text, "deconv_batch_size_count", layer="slow") == 0  # never executed
@@ -304,17 +306,20 @@ def test_full_queue_429_and_shutdown_answers_the_queued(repo):
                 if service.batchers["slow"].depth == 2:
                     break
                 await asyncio.sleep(0.01)
-            t0 = time.monotonic()
             r = await post_npy(client, "slow", x)
-            assert time.monotonic() - t0 < 2
             assert_error(r, 429, "overloaded")
+            # Refused at once rather than after waiting for room: the queued two leave only when their 10-minute
+            # delay runs out (or at the drain below), and they are still queued.
+            assert service.batchers["slow"].depth == 2
+            assert not any(q.done() for q in queued)
             assert int(r.headers["retry-after"]) >= 1
             service.begin_drain()  # what SIGTERM does
             r = await client.get("/health/ready")
             assert_error(r, 503, "not_ready")
             assert "draining" in r.json()["error"]["message"]
             assert_error(await post_npy(client, "small", x), 503, "not_ready")
-            responses = await asyncio.wait_for(asyncio.gather(*queued), 10)  # flushed without the 20 s delay
+            # Flushed without the 10-minute delay; the bound only limits how long a broken drain is waited for.
+            responses = await asyncio.wait_for(asyncio.gather(*queued), 60)
             assert [q.status_code for q in responses] == [200, 200]
             assert [q.headers["x-deconv-batch-size"] for q in responses] == ["2", "2"]
 
@@ -365,7 +370,7 @@ def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
             assert_error(await post_npy(client, "small", np.ones((1, 4, 5, 5), np.float32)), 503, "not_ready")
             assert "deconv_ready 0.0" in (await client.get("/metrics")).text
             gate.set()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60  # only how long a server that never turns ready is waited for
             while (await client.get("/health/ready")).status_code != 200:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)

@@ -75,8 +75,9 @@ async def _metrics(client: httpx.AsyncClient) -> str:
     return (await client.get("/metrics")).text
 
 
-async def _wait_metric(client: httpx.AsyncClient, name: str, value: float, timeout: float = 10.0,
+async def _wait_metric(client: httpx.AsyncClient, name: str, value: float, timeout: float = 60.0,
                        **labels: str) -> None:
+    # (timeout: only how long a server that never gets there is waited for)
     deadline = time.monotonic() + timeout
     while metric_value(await _metrics(client), name, **labels) != value:
         assert time.monotonic() < deadline, f"{name}{labels} never reached {value}"
@@ -102,19 +103,23 @@ def test_concurrent_requests_share_one_batch(server):
     run(main())
 
 
-def test_full_queue_answers_429_at_once(server):
-    proc, _ = server
+@PROCESSES
+def test_full_queue_answers_429_at_once(tmp_path, server_factory, processes):
+    # A server of its own whose queued requests wait 10 minutes for their batch: a 429 that waited for room would
+    # come after them, never within the client's timeout, so no bound on the time of the 429 is needed.
+    _repo(tmp_path, delay_ms=600_000)
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_HTTP_PROCESSES": processes})
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=60) as client:
             queued = [asyncio.ensure_future(_post(client, "slow", _x())) for _ in range(4)]
             await _wait_metric(client, "deconv_queue_depth", 4, layer="slow")
-            t0 = time.monotonic()
             r = await _post(client, "slow", _x())
-            assert time.monotonic() - t0 < 1.0
             assert r.status_code == 429
             assert r.json()["error"]["type"] == "overloaded"
             assert int(r.headers["retry-after"]) >= 1
+            assert not any(q.done() for q in queued)  # the four are still queued
+            proc.terminate()  # the drain runs them now
             assert [q.status_code for q in await asyncio.gather(*queued)] == [200] * 4
 
     run(main())
@@ -125,11 +130,16 @@ def test_deadline_passes_before_execution(server):
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
-            t0 = time.monotonic()
+            before = await _metrics(client)
             r = await _post(client, "slow", _x(), **{"x-deadline-ms": "200"})
             assert r.status_code == 504
             assert r.json()["error"]["type"] == "deadline_exceeded"
-            assert time.monotonic() - t0 < SLOW_DELAY_MS / 1000
+            # Dropped from the queue, not answered after its batch ran: the metrics say so (no bound on the time).
+            after = await _metrics(client)
+            for name, labels, change in (("deconv_requests_dropped_total", {"reason": "deadline"}, 1),
+                                         ("deconv_batch_size_count", {}, 0)):
+                assert (metric_value(after, name, layer="slow", **labels)
+                        - metric_value(before, name, layer="slow", **labels)) == change, name
 
     run(main())
 
@@ -186,18 +196,18 @@ def test_tritonclient_binary_and_json(server):
 
 @PROCESSES
 def test_sigterm_drains_requests_in_flight(tmp_path, server_factory, processes):
-    modules = _repo(tmp_path, delay_ms=60_000)
+    modules = _repo(tmp_path, delay_ms=600_000)
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_HTTP_PROCESSES": processes})
 
     async def main() -> None:
-        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=proc.url, timeout=90) as client:
             xs = [_x(i + 1) for i in range(3)]
             pending = [asyncio.ensure_future(_post(client, "slow", x)) for x in xs]
             await _wait_metric(client, "deconv_queue_depth", 3, layer="slow")
-            t0 = time.monotonic()
             proc.terminate()
-            responses = await asyncio.wait_for(asyncio.gather(*pending), 20)
-            assert time.monotonic() - t0 < 20  # answered at once, not after the 60 s delay
+            # Answered by the drain, not after the 10-minute delay: the bound only limits how long a broken drain
+            # is waited for.
+            responses = await asyncio.wait_for(asyncio.gather(*pending), 60)
             for x, r in zip(xs, responses, strict=True):
                 assert r.status_code == 200, r.text[:300]
                 assert rel_err(load_npy(r.content), reference(modules["slow"], torch.from_numpy(x))) < 1e-5
@@ -241,7 +251,7 @@ def test_access_log_setting_and_the_heap_frozen_once_ready(server, server_factor
     quiet = server_factory({"DECONV_ACCESS_LOG": "false"})
     for p in (proc, quiet):
         assert httpx.get(f"{p.url}/health/live", timeout=5).status_code == 200
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # only how long a log line that never comes is waited for
     while '"GET /health/live HTTP/1.1" 200' not in proc.log():
         assert time.monotonic() < deadline, proc.log()
         time.sleep(0.05)

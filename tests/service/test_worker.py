@@ -234,7 +234,7 @@ def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
 
     def hangs_on_three(x, w, b, lay):
         if x.shape[0] == 3:
-            release.wait(10)
+            release.wait(120)  # set only at the end of the test: until then this batch is stalled
         return kernel_forward(x, w, b, lay)
 
     async def main() -> None:
@@ -245,9 +245,11 @@ def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
         watchdog = asyncio.ensure_future(pool.watch(period_s=0.05))
         try:
             t0 = time.monotonic()
+            # The batch never finishes by itself (release is set in finally), so an answer at all shows the watchdog
+            # replaced the worker; the bound only limits how long a broken watchdog is waited for.
             with pytest.raises(InternalError, match="stalled"):
-                await asyncio.wait_for(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]), 10)
-            assert 0.3 <= time.monotonic() - t0 < 5
+                await asyncio.wait_for(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]), 60)
+            assert time.monotonic() - t0 >= 0.3  # not before the worker timeout (a lower bound: no slow-machine risk)
             (y,) = await pool.run(await pool.acquire(), layer, [torch.randn(1, 16, 4, 4)])
             assert y.shape == (1, 8, 8, 8)
             assert metric_value(m.render().decode(), "deconv_worker_restarts_total", worker="cpu",
