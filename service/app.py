@@ -41,6 +41,7 @@ class Service:
         self.settings = settings
         self.metrics = Metrics()
         self.budget = Budget(inflight_limit(settings), self.metrics)  # bytes of requests in flight
+        self.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
         self.batchers: dict[str, Queue] = {}

@@ -556,6 +556,49 @@ def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str,
     return request, binary
 
 
+# Bytes of Python objects one byte of JSON data can become while a request is parsed: a number of 3 or 4 characters
+# and its comma ("1.5,", "-6,") is a float or int object (24-28 bytes), its slot in the parsed list, its cell in
+# the object array and in the list taken from that (8 each): 12-17 bytes a byte, and the float64 copy after.
+PARSED_BYTES_PER_JSON_BYTE = 16
+# JSON parts up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread.
+JSON_INLINE_BYTES = 64 * 2**10
+
+
+async def _parse_kserve_input(service: Service, body: bytearray, header_length: str | None,
+                              limit: int) -> tuple[dict[str, Any], AnyTensor]:
+    """The KServe request in ``body`` and its input tensor.
+
+    A large JSON part becomes many times its size in Python objects before the output's size can be checked, and
+    parsing it takes seconds: its parsed size (``PARSED_BYTES_PER_JSON_BYTE`` a byte) is taken from the bytes-in-
+    flight budget first (429 when it does not fit, before parsing) and given back once the tensor is built, and it
+    is parsed in a thread, one such request at a time, so that the event loop goes on serving the other
+    connections meanwhile.
+    """
+    json_bytes = len(body) if header_length is None else min(len(body), _header_length(header_length))
+    if json_bytes <= JSON_INLINE_BYTES:
+        req, binary = _parse_kserve(body, header_length)
+        return req, _kserve_input(req, binary, limit)
+    parsed_bytes = PARSED_BYTES_PER_JSON_BYTE * json_bytes
+    service.budget.take(parsed_bytes)
+    try:
+        def parse() -> tuple[dict[str, Any], AnyTensor]:
+            req, binary = _parse_kserve(body, header_length)
+            return req, _kserve_input(req, binary, limit)
+
+        async with service.json_parsing:  # one at a time: parallel parses would only add their peaks together
+            return await asyncio.to_thread(parse)
+    finally:
+        service.budget.give(parsed_bytes)
+
+
+def _header_length(header_length: str) -> int:
+    """Inference-Header-Content-Length as a number (0 when it is not one: ``_parse_kserve`` says so)."""
+    try:
+        return max(0, int(header_length))
+    except ValueError:
+        return 0
+
+
 def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | None = None) -> AnyTensor:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
@@ -743,8 +786,8 @@ async def v2_infer_call(call: Call) -> Reply:
         body = _decompress(raw, call.headers.get("content-encoding"), limit)
         if body is not raw:
             call.hold(len(body))
-        req, binary = _parse_kserve(body, call.headers.get("inference-header-content-length"))
-        x = _kserve_input(req, binary, limit)
+        req, x = await _parse_kserve_input(service, body, call.headers.get("inference-header-content-length"),
+                                           limit)
         binary_out = _wants_binary(req)
         x4, unbatched = validate_input(layer, x)
         if binary_out:

@@ -747,3 +747,48 @@ def test_json_answers_are_encoded_a_slice_at_a_time(monkeypatch):
     out, turns = run(main())
     assert out == json.dumps(expected, separators=(",", ":")).encode()  # the same bytes as before
     assert turns >= y.numel() // 1000 - 1  # the loop ran between every two slices
+
+
+def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_the_budget(repo, monkeypatch):
+    # A large JSON input used to be parsed on the event loop (seconds for tens of MB, every other connection
+    # waiting) and its Python objects, many times the body's size, were counted nowhere.
+    import threading
+
+    from service import routes
+
+    monkeypatch.setattr(routes, "JSON_INLINE_BYTES", 1000)
+    parsed_on: list[threading.Thread] = []
+    real = routes._parse_kserve
+
+    def recording(body, header_length):
+        parsed_on.append(threading.current_thread())
+        return real(body, header_length)
+
+    monkeypatch.setattr(routes, "_parse_kserve", recording)
+    x = np.random.default_rng(0).standard_normal((2, 4, 5, 5)).astype(np.float32)
+    small = json.dumps(_kserve_json(x[:1, :, :2, :2])).encode()
+    large = json.dumps(_kserve_json(x)).encode()
+    assert len(small) <= 1000 < len(large)
+
+    async def main() -> None:
+        # Room for the large request's parsed size and its output, not for the parsed size of two of them.
+        budget = routes.PARSED_BYTES_PER_JSON_BYTE * len(large) + 2**16
+        async with serve_app(settings(repo, max_inflight_bytes=budget)) as (app, client):
+            service: Service = app.state.service
+            loop_thread = threading.current_thread()
+            r = await client.post("/v2/models/small/infer", content=small)
+            assert r.status_code == 200, r.text
+            assert parsed_on == [loop_thread]  # a small one on the loop, as before
+            r = await client.post("/v2/models/small/infer", content=large)
+            assert r.status_code == 200, r.text
+            assert len(parsed_on) == 2
+            assert parsed_on[1] is not loop_thread  # the large one in a thread
+            assert service.budget.used == 0  # everything given back
+            service.budget.take(budget // 2)  # another request holds half the budget: the parse does not fit
+            r = await client.post("/v2/models/small/infer", content=large)
+            assert (r.status_code, r.json()["type"]) == (429, "overloaded"), r.text
+            assert "retry-after" in r.headers
+            assert len(parsed_on) == 2  # refused before parsing
+            service.budget.give(budget // 2)
+
+    run(main())
