@@ -87,7 +87,7 @@ from bench.kernelbench import (  # noqa: E402
     tuned_choice,
     useful_flops,
 )
-from kernels.functional import normalize_args, resolve_precision  # noqa: E402
+from kernels.functional import normalize_args, resolve_precision, suggests_channels_last  # noqa: E402
 from kernels.tuning import HOST_SLACK_CYCLES  # noqa: E402
 
 PRECISIONS = ("tf32", "bf16", "fp16", "fp32")
@@ -199,14 +199,15 @@ def make_row(p: dict, precision: str, layout: str, *, ours_ms: float | None, ser
             "served_ms": r4(served_ms), "cudnn_nchw_ms": r4(cudnn_nchw_ms), "cudnn_cl_ms": r4(cudnn_cl_ms),
             "best_cudnn_ms": r4(best), "floor_ms": float(f"{floor:.4g}"), "gflop": float(f"{gflop:.4g}"),
             "pct_of_floor": round(100 * floor / ours_ms, 1) if ours_ms else None,
-            "speedup": round(best / ours_ms, 3) if ours_ms and best else None, "choice": choice,
+            "speedup": round(best / ours_ms, 4) if ours_ms and best else None, "choice": choice,
             "max_rel_err": None if max_rel_err is None or not math.isfinite(max_rel_err)
             else float(f"{max_rel_err:.3e}"),
             "correct": bool(correct), "suite": p["suite"]}
 
 
 def geomean(xs: Sequence[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
+    """Geometric mean; a ratio that rounded to 0 counts as the smallest ratio a row can print (1e-4)."""
+    return math.exp(sum(math.log(max(x, 1e-4)) for x in xs) / len(xs))
 
 
 def row_key(r: dict) -> tuple[str, str, str, str]:
@@ -497,7 +498,10 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
                 res["choice"] = tuned_choice(xin, w, b, args, mode).label
                 poison_allocator(shape, dtype)
                 y = ours()
-                if layout == "cl" and not y.is_contiguous(memory_format=torch.channels_last):
+                # PyTorch's layout rule: channels-last out when the input or the weight is, by their strides (a
+                # one-pixel input made channels-last stays NCHW-contiguous, and so does PyTorch's output).
+                want_cl = suggests_channels_last(xin) or suggests_channels_last(w)
+                if want_cl and not y.is_contiguous(memory_format=torch.channels_last):
                     errors.append(f"{tag}/cl: output not channels_last")
                     res["ok"] = False
                 res["errs"].append(rel_err(y, ref))

@@ -235,6 +235,21 @@ def resolve_precision(dtype: torch.dtype, precision: str | None) -> str:
     return "tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
 
 
+def suggests_channels_last(t: torch.Tensor) -> bool:
+    """Whether PyTorch takes ``t`` as channels-last when it picks a convolution's output layout (c10's
+    is_channels_last_strides_2d on the actual strides, so that an [N, C, 1, 1] tensor made channels-last counts,
+    though it is NCHW-contiguous as well)."""
+    if t.dim() != 4 or not t.is_contiguous(memory_format=torch.channels_last):
+        return False
+    sizes, strides = t.shape, t.stride()
+    smallest = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < smallest or (d == 0 and smallest == strides[1]):
+            return False
+        smallest = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
 def _load_extension() -> Any:
     from kernels.build import load
 
@@ -494,14 +509,14 @@ def conv_transpose2d(
             smaller than ``max(stride, dilation)`` per axis.
         groups: splits ``C_in`` and ``C_out`` into this many independent groups.
         precision: for float32 inputs on CUDA, ``"tf32"`` (tensor cores with TF32 operands; layers that run on
-            the narrow or SIMT kernels, e.g. few output channels, compute exact fp32 anyway) or ``"fp32"`` (exact
-            IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for other
-            dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
+            the narrow, sparse or SIMT kernels, e.g. few output channels, compute exact fp32 anyway) or ``"fp32"``
+            (exact IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for
+            other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
 
     Returns:
         ``[N, C_out, H_out, W_out]`` (or ``[C_out, H_out, W_out]``) in the input's dtype, with
         ``H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1`` (same for W);
-        channels_last when the input is channels_last, like PyTorch.
+        channels_last when the input or the weight is channels_last, like PyTorch on CUDA.
 
     CPU tensors run PyTorch's reference implementation. CUDA tensors run this project's kernels; under
     ``torch.autocast`` they are cast to the autocast dtype first, as PyTorch does for convolutions. With measured
@@ -551,6 +566,8 @@ def conv_transpose2d(
         else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
             y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
                                  force_split=choice.split)
-    if _channels_last(x):  # a no-op when the gemm kernel wrote it channels-last
+    # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op when the gemm kernel wrote it
+    # channels-last already).
+    if x.dim() == 4 and (suggests_channels_last(x) or suggests_channels_last(weight)):
         y = y.contiguous(memory_format=torch.channels_last)
     return y.squeeze(0) if unbatched else y

@@ -1,7 +1,7 @@
 """Pure-PyTorch references for the kernels.
 
 ``conv_transpose2d_reference`` is PyTorch's own operator (also the CPU path). ``conv_transpose2d_scatter`` is
-an independent, deliberately plain implementation of the definition in ARCHITECTURE.md (scatter form: every
+an independent, deliberately plain implementation of the definition in docs/architecture.md (scatter form: every
 input pixel adds ``x * w[:, :, a, b]`` at output position ``hi * stride - padding + a * dilation``), used by the
 tests to pin down the index rules without trusting any convolution library.
 """

@@ -351,7 +351,8 @@ class Tuner:
                       if (t := trial(c, SECOND_REPS, check=False)) is not None]
         choice, ms, default_ms = pick(second)
         result = TuneResult(choice, ms, default_ms, tuple(first + second), time.perf_counter() - t0)
-        self.store(self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None), choice)
+        self.store(self.key(shape, weight, bias is not None, args, precision, aligned, packs is not None,
+                            channels_last), choice)
         log.info("tuned %s: %s %.4f ms (default %.4f ms), %d trials in %.2f s",
                  _describe(shape, weight, args, precision), choice.label, ms, default_ms, len(result.trials),
                  result.seconds)

@@ -11,7 +11,7 @@
 // A phase with no valid tap on an axis writes the bias (or zeros).
 //
 // This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks one of
-// four kernel families:
+// five kernel families:
 //   narrow      (conv_transpose2d_narrow.cu) for C_out / groups <= 8 when its weights fit in shared memory:
 //               a thread holds every output channel of its pixels; every dtype, exact FFMA;
 //   sparse      (conv_transpose2d_sparse.cu) for layers whose output elements average at most 48 multiply-adds

@@ -18,7 +18,7 @@ enum class Precision : int {
 };
 
 // One transposed convolution, already validated by the caller. All tensors contiguous NCHW.
-// Gather form (ARCHITECTURE.md): y[n, co, ho, wo] = bias[co] + sum over ci in co's group and taps (a, b) of
+// Gather form (docs/architecture.md): y[n, co, ho, wo] = bias[co] + sum over ci in co's group and taps (a, b) of
 // x[n, ci, hi, wi] * w[ci, co % (C_out / groups), a, b], with hi = (ho + pad_h - a * dil_h) / stride_h
 // when the division is exact and 0 <= hi < H_in (same for wi).
 struct ConvTranspose2dParams {

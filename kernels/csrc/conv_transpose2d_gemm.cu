@@ -23,6 +23,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cuda.h>
+
 #include <atomic>
 #include <cstdint>
 
@@ -48,14 +50,18 @@ struct GemmShape {
 constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {{128, 6}, {256, 4}, {64, 8}};
 
 constexpr size_t gemm_smem_bytes(const GemmShape& s) {
-  // Stages, their full and empty barriers, alignment slack.
-  return static_cast<size_t>(s.stages) * ((kGemmBM + s.bn) * kGemmRowBytes + 16) + 1024;
+  // Stages, their three barriers, alignment slack.
+  return static_cast<size_t>(s.stages) * ((kGemmBM + s.bn) * kGemmRowBytes + 24) + 1024;
 }
 
 // Per-launch tables: each residue's phase on both axes, and the divisors of the tile index.
+// An M tile is a box of the phase's output positions, bn images x bh rows x bw columns (<= 128 rows in all, w
+// fastest): the input it reads for one tap is the same box shifted, which one bulk tensor copy brings, zero-filled
+// past every border.
 struct GemmTiles {
   AxisPhase32 ah[kGemmMaxStride], aw[kGemmMaxStride];
-  FastDiv n_tiles, groups, splits, phases, stride_w;
+  FastDiv n_tiles, groups, splits, phases, stride_w, w_tiles, h_tiles, bw, bh;
+  int bni;  // images a box
   int total;
 };
 
@@ -143,13 +149,17 @@ DECONV_GS(64, kFP16, "f16", 16, ", 0, 0")
 DECONV_GS(128, kFP16, "f16", 16, ", 0, 0")
 DECONV_GS(256, kFP16, "f16", 16, ", 0, 0")
 
-// Byte offset of 16-byte chunk `c` of row `r` in a 128-byte-swizzled tile.
-__device__ __forceinline__ uint32_t sw128(int r, int c) {
-  return static_cast<uint32_t>(r * kGemmRowBytes + ((c ^ (r & 7)) << 4));
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // The GEMM kernel.
+
+// Two neighbouring output channels in one store (the address is aligned to the pair).
+__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = {a, b}; }
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
 
 // Makes this thread's shared-memory stores visible to the tensor cores (the async proxy): the TF32 rounding of a
 // stage, written with ordinary stores, before the consumers' wgmma read it.
@@ -159,16 +169,16 @@ __device__ __forceinline__ void fence_async_smem() {
 #endif
 }
 
-// A tile's place: its phase, output rows and channels, and the range of K stages it reduces.
+// A tile's place: its phase, box origin (image, phase row and column) and channels, and the range of K stages it
+// reduces.
 struct GemmTile {
   AxisPhase32 ah, aw;
-  int grp, split, m0, n0, pix, m_phase, k_begin, k_end;
+  int grp, split, n0, qh0, qw0, c0, k_begin, k_end;
 };
 
-__device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, const GemmArgs& g, int bn, int cpt,
-                                            GemmTile& d) {
+__device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_img, int bn, int cpt, GemmTile& d) {
   const int r0 = fdiv(t, tl.n_tiles);
-  const int nt = t - r0 * static_cast<int>(tl.n_tiles.d);
+  d.c0 = (t - r0 * static_cast<int>(tl.n_tiles.d)) * bn;
   const int r1 = fdiv(r0, tl.groups);
   d.grp = r0 - r1 * static_cast<int>(tl.groups.d);
   const int r2 = fdiv(r1, tl.splits);
@@ -178,35 +188,59 @@ __device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, const Ge
   const int rh = fdiv(phase, tl.stride_w);
   d.ah = tl.ah[rh];
   d.aw = tl.aw[phase - rh * static_cast<int>(tl.stride_w.d)];
-  d.pix = d.ah.count * d.aw.count;
-  d.m_phase = g.n * d.pix;
-  d.m0 = mt * kGemmBM;
-  d.n0 = nt * bn;
-  if (d.pix == 0 || d.m0 >= d.m_phase) return false;
+  const int m1 = fdiv(mt, tl.w_tiles);
+  d.qw0 = (mt - m1 * static_cast<int>(tl.w_tiles.d)) * static_cast<int>(tl.bw.d);
+  const int nb = fdiv(m1, tl.h_tiles);
+  d.qh0 = (m1 - nb * static_cast<int>(tl.h_tiles.d)) * static_cast<int>(tl.bh.d);
+  d.n0 = nb * tl.bni;
+  if (d.qw0 >= d.aw.count || d.qh0 >= d.ah.count || d.n0 >= n_img) return false;
   const int kiters = d.ah.taps * d.aw.taps * cpt;
   d.k_begin = static_cast<int>(static_cast<int64_t>(kiters) * d.split / tl.splits.d);
   d.k_end = static_cast<int>(static_cast<int64_t>(kiters) * (d.split + 1) / tl.splits.d);
   return true;
 }
 
+// Bulk tensor copies (the Tensor Memory Accelerator) into shared memory, completing as transactions on `bar`.
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            int c4, uint64_t* bar) {
+#if DECONV_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "[%7];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(wg::smem_addr(bar))
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint64_t* bar) {
+#if DECONV_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(wg::smem_addr(bar))
+      : "memory");
+#endif
+}
+
 // Persistent and warp-specialized: warpgroup 0 loads, warpgroups 1 and 2 multiply (rows 0-63 and 64-127 of the
-// tile). The loader runs through the same tiles as the multipliers, up to kStages stages ahead of them across tile
-// boundaries, so the next tile's first stages land while the multipliers store the last one's output.
+// tile). One loader thread issues a stage's two bulk tensor copies (the A box of the stage's tap and channels, the
+// B rows of its packed weights) once the multipliers have released the buffer; for TF32, warps 1-3 of the loader
+// round each landed A box to TF32 in place before the multipliers may read it. The loader runs through the same
+// tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the next tile's first stages land
+// while the multipliers store the last one's output.
 template <typename T, tc::MmaKind K, int BN, int kStages>
 __global__ void __launch_bounds__(kGemmThreads, 1)
-    conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl) {
-  constexpr int kVec = 16 / sizeof(T);                // channels a 16-byte chunk
-  constexpr int kCH = kGemmRowBytes / sizeof(T);      // channels a stage
-  constexpr int kARows = kGemmBM * 8 / 128;           // A chunks a loader thread a stage (8)
-  constexpr int kBRows = BN * 8 / 128;                // B chunks a loader thread a stage
+    conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
+                                 const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
+  constexpr int kCH = kGemmRowBytes / sizeof(T);  // channels a stage
   constexpr int kAStage = kGemmBM * kGemmRowBytes;
   constexpr int kStage = (kGemmBM + BN) * kGemmRowBytes;
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
   constexpr bool kTF32 = K == tc::MmaKind::kTF32;
-  // Registers: 168 a thread at launch (__launch_bounds__ with 384 threads); the loader gives back down to 112 and
+  // Registers: 168 a thread at launch (__launch_bounds__ with 384 threads); the loader gives back down to 56 and
   // the multipliers take what it freed (setmaxnreg.inc waits for registers the block does not hold, forever).
   constexpr int kLaunchRegs = 65536 / kGemmThreads / 8 * 8;
-  constexpr int kProdRegs = 112;
+  constexpr int kProdRegs = 56;
   constexpr int kConsRegs0 = (kLaunchRegs * kGemmThreads - 128 * kProdRegs) / 256 / 8 * 8;
   constexpr int kConsRegs = kConsRegs0 > 240 ? 240 : kConsRegs0;
 
@@ -214,119 +248,82 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(gemm_smem_raw));
   const uint32_t base = (raw + 1023u) & ~1023u;
   uint8_t* const smem = gemm_smem_raw + (base - raw);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStage);
-  uint64_t* empty = full + kStages;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStage);  // the copies landed
+  uint64_t* ready = full + kStages;                                       // TF32: the A box rounded
+  uint64_t* empty = ready + kStages;                                      // the multipliers are done with it
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      wg::mbar_init(&full[s], 128);   // every loader thread, once its copies of the stage have landed
+      wg::mbar_init(&full[s], 1);     // the issuing thread's expect_tx
+      wg::mbar_init(&ready[s], 96);   // every rounding thread
       wg::mbar_init(&empty[s], 256);  // every multiplier thread, once its wgmma reading the stage are done
     }
+#if DECONV_WGMMA
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
+#endif
   }
   __syncthreads();
 
   const int cpt = g.ci_pad / kCH;  // stages a tap
   const int wgi = threadIdx.x >> 7;
+  const int rows = static_cast<int>(tl.bw.d * tl.bh.d) * tl.bni;  // A rows a box fills
+  const uint32_t stage_bytes = static_cast<uint32_t>((rows + BN) * kGemmRowBytes);
   uint32_t it = 0;  // stages loaded (loader) or consumed (multipliers) so far
 
   if (wgi == 0) {
-    // Loader.
     wg::setmaxnreg_dec<kProdRegs>();
-    const int tid = threadIdx.x;
-    const int chunk = tid & 7;
-    const int row0 = tid >> 3;  // first row this thread copies; then every 16th
-    const T* __restrict__ x = static_cast<const T*>(g.x);
-    const T* __restrict__ wp = static_cast<const T*>(g.wp);
-    const int64_t w_tap = static_cast<int64_t>(g.cout_g) * g.ci_pad;  // elements a tap of one group
-    int pending = -1;  // TF32: the stage whose copies were issued last, rounded and published one stage later
-    auto publish = [&](int s) {
-      if constexpr (kTF32) {
-        uint8_t* st = smem + s * kStage;
-#pragma unroll
-        for (int r = 0; r < kARows; ++r) {
-          uint4* v = reinterpret_cast<uint4*>(st + sw128(row0 + 16 * r, chunk));
-          uint4 u = *v;
-          u.x = tc::to_tf32(__uint_as_float(u.x));
-          u.y = tc::to_tf32(__uint_as_float(u.y));
-          u.z = tc::to_tf32(__uint_as_float(u.z));
-          u.w = tc::to_tf32(__uint_as_float(u.w));
-          *v = u;
-        }
-        fence_async_smem();
-        wg::mbar_arrive(&full[s]);
-      }
-    };
-    for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
-      GemmTile d;
-      if (!gemm_decode(t, tl, g, BN, cpt, d)) continue;
-      // This thread's A rows: image and the input position of tap (0, 0); rows past M never read.
-      int a_off[kARows], a_h[kARows], a_w[kARows];
-#pragma unroll
-      for (int i = 0; i < kARows; ++i) {
-        const int m = d.m0 + row0 + 16 * i;
-        if (m < d.m_phase) {
-          const int n = m / d.pix;
-          const int rem = m - n * d.pix;
-          const int qh = rem / d.aw.count;
-          a_off[i] = n * g.h_in;
-          a_h[i] = qh + d.ah.base;
-          a_w[i] = rem - qh * d.aw.count + d.aw.base;
-        } else {
-          a_off[i] = 0;
-          a_h[i] = -(1 << 20);
-          a_w[i] = 0;
-        }
-      }
-      const T* x_grp = x + d.grp * g.cin_g + chunk * kVec;
-      const T* w_grp = wp + static_cast<int64_t>(d.grp) * g.kh * g.kw * w_tap + chunk * kVec;
-      const int tap0 = d.k_begin / cpt;
-      int cc = d.k_begin - tap0 * cpt;
-      int th = tap0 / d.aw.taps;
-      int tw = tap0 - th * d.aw.taps;
-      for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
-        const int s = static_cast<int>(it % kStages);
-        wg::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);  // the multipliers are done with the buffer
-        uint8_t* st = smem + s * kStage;
-        const int dh = th * d.ah.dstep, dw = tw * d.aw.dstep;
-        const int ci = cc * kCH + chunk * kVec;  // channel within the group
-        const bool ci_ok = ci < g.cin_g;
-#pragma unroll
-        for (int i = 0; i < kARows; ++i) {
-          const int hi = a_h[i] - dh, wi = a_w[i] - dw;
-          const bool ok = ci_ok && hi >= 0 && hi < g.h_in && wi >= 0 && wi < g.w_in;
-          const T* src = ok ? x_grp + (static_cast<int64_t>(a_off[i] + hi) * g.w_in + wi) * g.c_in + cc * kCH : x;
-          cp_async16(st + sw128(row0 + 16 * i, chunk), src, ok ? 16 : 0);
-        }
-        const int tap = (d.ah.a0 + th * d.ah.step) * g.kw + d.aw.a0 + tw * d.aw.step;
-        const T* w_src = w_grp + tap * w_tap + cc * kCH;
-#pragma unroll
-        for (int i = 0; i < kBRows; ++i) {
-          const int co = d.n0 + row0 + 16 * i;
-          const bool ok = co < g.cout_g;
-          cp_async16(st + kAStage + sw128(row0 + 16 * i, chunk), ok ? w_src + static_cast<int64_t>(co) * g.ci_pad : wp,
-                     ok ? 16 : 0);
-        }
-        if constexpr (kTF32) {
-          cp_async_commit();
-          if (pending >= 0) {
-            cp_async_wait<1>();  // this thread's copies of the pending stage have landed
-            publish(pending);
-          }
-          pending = s;
-        } else {
-          wg::cp_async_arrive_noinc(&full[s]);
-        }
-        if (++cc == cpt) {
-          cc = 0;
-          if (++tw == d.aw.taps) {
-            tw = 0;
-            ++th;
+    const int warp = threadIdx.x >> 5;
+    if (warp == 0) {
+      if (threadIdx.x != 0) return;
+      // The issuing thread.
+      for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
+        GemmTile d;
+        if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
+        const int tap0 = d.k_begin / cpt;
+        int cc = d.k_begin - tap0 * cpt;
+        int th = tap0 / d.aw.taps;
+        int tw = tap0 - th * d.aw.taps;
+        for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
+          const int s = static_cast<int>(it % kStages);
+          wg::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          wg::mbar_arrive_expect_tx(&full[s], stage_bytes);
+          const uint32_t st = base + s * kStage;
+          tma_load_5d(st, &map_x, cc * kCH, d.grp, d.qw0 + d.aw.base - tw * d.aw.dstep,
+                      d.qh0 + d.ah.base - th * d.ah.dstep, d.n0, &full[s]);
+          const int tap = (d.ah.a0 + th * d.ah.step) * g.kw + d.aw.a0 + tw * d.aw.step;
+          tma_load_3d(st + kAStage, &map_w, cc * kCH, d.c0, d.grp * g.kh * g.kw + tap, &full[s]);
+          if (++cc == cpt) {
+            cc = 0;
+            if (++tw == d.aw.taps) {
+              tw = 0;
+              ++th;
+            }
           }
         }
       }
+      return;
     }
     if constexpr (kTF32) {
-      cp_async_wait<0>();
-      if (pending >= 0) publish(pending);
+      // Warps 1-3: round each landed A box to TF32 (nearest), as the weights were when packed; wgmma would truncate.
+      const int rt = threadIdx.x - 32;
+      for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
+        GemmTile d;
+        if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
+        for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
+          const int s = static_cast<int>(it % kStages);
+          wg::mbar_wait(&full[s], (it / kStages) & 1);
+          uint4* v = reinterpret_cast<uint4*>(smem + s * kStage);
+          for (int i = rt; i < rows * 8; i += 96) {
+            uint4 u = v[i];
+            u.x = tc::to_tf32(__uint_as_float(u.x));
+            u.y = tc::to_tf32(__uint_as_float(u.y));
+            u.z = tc::to_tf32(__uint_as_float(u.z));
+            u.w = tc::to_tf32(__uint_as_float(u.w));
+            v[i] = u;
+          }
+          fence_async_smem();
+          wg::mbar_arrive(&ready[s]);
+        }
+      }
     }
     return;
   }
@@ -338,16 +335,19 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int wq = (threadIdx.x >> 5) & 3;
   const T* __restrict__ bias = static_cast<const T*>(g.bias);
   T* __restrict__ y = static_cast<T*>(g.y);
+  uint64_t* const landed = kTF32 ? ready : full;
+  // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
+  const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
     GemmTile d;
-    if (!gemm_decode(t, tl, g, BN, cpt, d)) continue;
+    if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     int prev = -1;  // the stage whose wgmma may still run
     for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
-      wg::mbar_wait(&full[s], (it / kStages) & 1);
+      wg::mbar_wait(&landed[s], (it / kStages) & 1);
       const uint32_t a_addr = base + s * kStage + mw * 64 * kGemmRowBytes;
       const uint32_t b_addr = base + s * kStage + kAStage;
       wg::fence();
@@ -364,16 +364,18 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     wg::pin<BN / 2>(acc);
 
     // Epilogue. Accumulator 4j + e: row (warp's 16) + lane / 4 (+ 8 for e >= 2), column 8j + 2 (lane % 4) (+ 1
-    // for odd e).
+    // for odd e); rows past the box, the phase or the batch were computed from whatever the buffer held and are
+    // dropped.
     const int co_base = d.grp * g.cout_g;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int m = d.m0 + mw * 64 + wq * 16 + (lane >> 2) + 8 * half;
-      if (m >= d.m_phase) continue;
-      const int n = m / d.pix;
-      const int rem = m - n * d.pix;
-      const int qh = rem / d.aw.count;
-      const int qw = rem - qh * d.aw.count;
+      const int r = mw * 64 + wq * 16 + (lane >> 2) + 8 * half;  // row of the box
+      const int r1 = fdiv(r, tl.bw);
+      const int qw = d.qw0 + r - r1 * static_cast<int>(tl.bw.d);
+      const int nb = fdiv(r1, tl.bh);
+      const int qh = d.qh0 + r1 - nb * static_cast<int>(tl.bh.d);
+      const int n = d.n0 + nb;
+      if (nb >= tl.bni || n >= g.n || qh >= d.ah.count || qw >= d.aw.count) continue;
       const int ho = d.ah.o0 + qh * g.stride_h, wo = d.aw.o0 + qw * g.stride_w;
       if (g.partial != nullptr) {
         float* pp = g.partial +
@@ -382,22 +384,27 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int co = d.n0 + 8 * j + 2 * (lane & 3) + e;
+            const int co = d.c0 + 8 * j + 2 * (lane & 3) + e;
             if (co < g.cout_g) pp[co] = acc[4 * j + 2 * half + e];
           }
         continue;
       }
       T* yp = y + n * g.ys_n + ho * g.ys_h + wo * g.ys_w + co_base * g.ys_c;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int co = d.n0 + 8 * j + 2 * (lane & 3) + e;
-          if (co >= g.cout_g) continue;
-          float v = acc[4 * j + 2 * half + e];
-          if (bias != nullptr) v += to_acc(bias[co_base + co]);
-          yp[co * g.ys_c] = from_acc<T>(v);
+      for (int j = 0; j < BN / 8; ++j) {
+        const int co = d.c0 + 8 * j + 2 * (lane & 3);
+        float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+        if (bias != nullptr) {
+          if (co < g.cout_g) v0 += to_acc(bias[co_base + co]);
+          if (co + 1 < g.cout_g) v1 += to_acc(bias[co_base + co + 1]);
         }
+        if (pair_stores && co + 1 < g.cout_g) {  // channels-last: the two channels side by side, one store
+          store_pair(yp + co, v0, v1);
+        } else {
+          if (co < g.cout_g) yp[co * g.ys_c] = from_acc<T>(v0);
+          if (co + 1 < g.cout_g) yp[(co + 1) * g.ys_c] = from_acc<T>(v1);
+        }
+      }
     }
   }
 }
@@ -423,25 +430,35 @@ __global__ void conv_transpose2d_gemm_reduce(const GemmArgs g, int splits) {
   }
 }
 
-// Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32.
+// Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32:
+// per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a 32 x 32 tile in shared memory so
+// that both the reads (j fastest) and the writes (ci fastest) are coalesced. Block (32, 8); grid (j tiles, ci tiles,
+// groups).
 template <typename T, bool kRound>
-__global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int64_t groups, int64_t cin_g,
-                                           int64_t cout_g, int64_t khw, int64_t ci_pad) {
-  const int64_t total = groups * khw * cout_g * ci_pad;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t ci = idx % ci_pad;
-    int64_t r = idx / ci_pad;
-    const int64_t co = r % cout_g;
-    r /= cout_g;
-    const int64_t tap = r % khw;
-    const int64_t grp = r / khw;
+__global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g,
+                                           int khw, int ci_pad) {
+  __shared__ T tile[32][33];
+  // 32-bit indices: gemm_eligible keeps every packed size under 2^30 (64-bit divisions cost this kernel 3x).
+  const int grp = blockIdx.z;
+  const int jn = cout_g * khw;
+  const int j0 = blockIdx.x * 32, ci0 = blockIdx.y * 32;
+  const T* src = w + static_cast<int64_t>(grp) * cin_g * jn;
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    const int ci = ci0 + r, j = j0 + threadIdx.x;
     T v = from_acc<T>(0.f);
-    if (ci < cin_g) {
-      v = w[((grp * cin_g + ci) * cout_g + co) * khw + tap];
+    if (ci < cin_g && j < jn) {
+      v = src[ci * jn + j];
       if constexpr (kRound) v = __uint_as_float(tc::to_tf32(v));
     }
-    dst[idx] = v;
+    tile[r][threadIdx.x] = v;
+  }
+  __syncthreads();
+  T* out = dst + static_cast<int64_t>(grp) * khw * cout_g * ci_pad;
+  for (int r = threadIdx.y; r < 32; r += 8) {
+    const int j = j0 + r, ci = ci0 + threadIdx.x;
+    if (j >= jn || ci >= ci_pad) continue;
+    const int co = j / khw, tap = j - co * khw;
+    out[(tap * cout_g + co) * ci_pad + ci] = tile[threadIdx.x][r];
   }
 }
 
@@ -471,17 +488,60 @@ int64_t gemm_ci_pad(const ConvTranspose2dParams& p) {
 
 int64_t gemm_elem_bytes(const ConvTranspose2dParams& p) { return p.dtype == DType::kFloat32 ? 4 : 2; }
 
-// Largest phase's pixels, M tiles and tiles of one split.
+// The M box of a problem (GemmTiles): for the largest phase (ch x cw positions an image), the bn x bh x bw box of at
+// most 128 rows that wastes the fewest rows over the tiles that cover it (ties: the fewer tiles); widths and heights
+// tried are the whole extent and powers of two below it.
+struct GemmBox {
+  int bw, bh, bni;
+  int64_t w_tiles, h_tiles, n_tiles;
+};
+GemmBox gemm_box(const ConvTranspose2dParams& p) {
+  const int64_t ch = tc::div_up(p.H_out, p.stride_h), cw = tc::div_up(p.W_out, p.stride_w);
+  GemmBox best{1, 1, 1, cw, ch, p.N};
+  int64_t best_tiles = -1;
+  for (int64_t bw = cw < kGemmBM ? cw : kGemmBM; bw >= 1; bw = bw > 1 && (bw & (bw - 1)) ? int64_t(1) << (63 - __builtin_clzll(bw)) : bw / 2) {
+    const int64_t hmax = kGemmBM / bw < ch ? kGemmBM / bw : ch;
+    for (int64_t bh = hmax; bh >= 1; bh = bh > 1 && (bh & (bh - 1)) ? int64_t(1) << (63 - __builtin_clzll(bh)) : bh / 2) {
+      const int64_t bni = kGemmBM / (bw * bh) < p.N ? kGemmBM / (bw * bh) : p.N;
+      const int64_t tiles = tc::div_up(cw, bw) * tc::div_up(ch, bh) * tc::div_up(p.N, bni);
+      if (best_tiles < 0 || tiles < best_tiles) {
+        best = {static_cast<int>(bw), static_cast<int>(bh), static_cast<int>(bni), tc::div_up(cw, bw),
+                tc::div_up(ch, bh), tc::div_up(p.N, bni)};
+        best_tiles = tiles;
+      }
+    }
+  }
+  return best;
+}
+
+// M tiles (boxes), channel tiles and tiles of one split.
 struct GemmGrid {
+  GemmBox box;
   int64_t m_tiles, n_tiles, tiles;
 };
 GemmGrid gemm_grid(const ConvTranspose2dParams& p, int config) {
-  const int64_t rows = tc::div_up(p.H_out, p.stride_h) * tc::div_up(p.W_out, p.stride_w);
   GemmGrid gr{};
-  gr.m_tiles = tc::div_up(p.N * rows, kGemmBM);
+  gr.box = gemm_box(p);
+  gr.m_tiles = gr.box.w_tiles * gr.box.h_tiles * gr.box.n_tiles;
   gr.n_tiles = tc::div_up(p.C_out / p.groups, kGemmShapes[config].bn);
   gr.tiles = gr.m_tiles * gr.n_tiles * p.groups * p.stride_h * p.stride_w;
   return gr;
+}
+
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no link against the driver library).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = []() -> EncodeTiled {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return nullptr;
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
 }
 
 }  // namespace
@@ -500,6 +560,7 @@ bool gemm_eligible(const ConvTranspose2dParams& p) {
   if (p.N * p.H_in * p.W_in * p.C_in >= lim || p.N * p.H_out * p.W_out >= lim || p.C_out >= lim ||
       p.groups * p.kH * p.kW * (p.C_out / p.groups) * gemm_ci_pad(p) >= lim)
     return false;
+  if (tc::div_up(gemm_ci_pad(p), 32) > 65535 || p.groups > 65535) return false;  // the packing kernel's grid
   return gemm_grid(p, 2).tiles * kGemmMaxSplit < (int64_t(1) << 31);
 #else
   (void)p;
@@ -551,24 +612,24 @@ size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
 }
 
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
-  const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups, ci_pad = gemm_ci_pad(p);
-  const int64_t total = p.groups * p.kH * p.kW * cout_g * ci_pad;
-  const int threads = 256;
-  const int64_t blocks64 = tc::div_up(total, threads);
-  const unsigned blocks = static_cast<unsigned>(blocks64 < 65536 ? blocks64 : 65536);
+  const int cin_g = static_cast<int>(p.C_in / p.groups), cout_g = static_cast<int>(p.C_out / p.groups);
+  const int ci_pad = static_cast<int>(gemm_ci_pad(p)), khw = static_cast<int>(p.kH * p.kW);
+  const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, 32)), static_cast<unsigned>(tc::div_up(ci_pad, 32)),
+                  static_cast<unsigned>(p.groups));  // y and z within 65535: gemm_eligible
+  if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
+  const dim3 block(32, 8);
   switch (p.dtype) {
     case DType::kFloat32:
-      conv_transpose2d_gemm_pack<float, true><<<blocks, threads, 0, stream>>>(
-          static_cast<const float*>(p.w), static_cast<float*>(dst), p.groups, cin_g, cout_g, p.kH * p.kW, ci_pad);
+      conv_transpose2d_gemm_pack<float, true><<<grid, block, 0, stream>>>(
+          static_cast<const float*>(p.w), static_cast<float*>(dst), cin_g, cout_g, khw, ci_pad);
       break;
     case DType::kBFloat16:
-      conv_transpose2d_gemm_pack<__nv_bfloat16, false><<<blocks, threads, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(p.w), static_cast<__nv_bfloat16*>(dst), p.groups, cin_g, cout_g,
-          p.kH * p.kW, ci_pad);
+      conv_transpose2d_gemm_pack<__nv_bfloat16, false><<<grid, block, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(p.w), static_cast<__nv_bfloat16*>(dst), cin_g, cout_g, khw, ci_pad);
       break;
     case DType::kFloat16:
-      conv_transpose2d_gemm_pack<__half, false><<<blocks, threads, 0, stream>>>(
-          static_cast<const __half*>(p.w), static_cast<__half*>(dst), p.groups, cin_g, cout_g, p.kH * p.kW, ci_pad);
+      conv_transpose2d_gemm_pack<__half, false><<<grid, block, 0, stream>>>(
+          static_cast<const __half*>(p.w), static_cast<__half*>(dst), cin_g, cout_g, khw, ci_pad);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -577,6 +638,38 @@ cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t st
 }
 
 namespace {
+
+// Tensor maps of x ([N][H_in][W_in][groups][cin_g], boxes of one stage's channels x the M box) and of the packed
+// weights ([groups * kH * kW][cout_g][ci_pad], boxes of one stage's channels x BN rows), in 128-byte swizzle,
+// zero-filled outside the tensors.
+bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox& box, int bn, CUtensorMap* mx,
+               CUtensorMap* mw) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const CUtensorMapDataType dt = p.dtype == DType::kFloat32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                 : p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const cuuint64_t eb = static_cast<cuuint64_t>(gemm_elem_bytes(p));
+  const cuuint32_t ch = static_cast<cuuint32_t>(kGemmRowBytes / eb);
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+  const cuuint64_t xdim[5] = {static_cast<cuuint64_t>(a.cin_g), static_cast<cuuint64_t>(p.groups),
+                              static_cast<cuuint64_t>(p.W_in), static_cast<cuuint64_t>(p.H_in),
+                              static_cast<cuuint64_t>(p.N)};
+  const cuuint64_t xstride[4] = {a.cin_g * eb, p.C_in * eb, p.W_in * p.C_in * eb, p.H_in * p.W_in * p.C_in * eb};
+  const cuuint32_t xbox[5] = {ch, 1, static_cast<cuuint32_t>(box.bw), static_cast<cuuint32_t>(box.bh),
+                              static_cast<cuuint32_t>(box.bni)};
+  if (encode(mx, dt, 5, const_cast<void*>(a.x), xdim, xstride, xbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return false;
+  const cuuint64_t wdim[3] = {static_cast<cuuint64_t>(a.ci_pad), static_cast<cuuint64_t>(a.cout_g),
+                              static_cast<cuuint64_t>(p.groups * p.kH * p.kW)};
+  const cuuint64_t wstride[2] = {a.ci_pad * eb, a.cout_g * a.ci_pad * eb};
+  const cuuint32_t wbox[3] = {ch, static_cast<cuuint32_t>(bn), 1};
+  return encode(mw, dt, 3, const_cast<void*>(a.wp), wdim, wstride, wbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
 
 template <typename T, tc::MmaKind K, int kShape>
 cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a, int split, cudaStream_t stream) {
@@ -589,6 +682,13 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
   for (int64_t r = 0; r < p.stride_w; ++r) tl.aw[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
   const GemmGrid gr = gemm_grid(p, kShape);
+  CUtensorMap mx, mw;
+  if (!gemm_maps(p, a, gr.box, s.bn, &mx, &mw)) return cudaErrorInvalidValue;
+  tl.w_tiles = make_fast_div(static_cast<uint32_t>(gr.box.w_tiles));
+  tl.h_tiles = make_fast_div(static_cast<uint32_t>(gr.box.h_tiles));
+  tl.bw = make_fast_div(static_cast<uint32_t>(gr.box.bw));
+  tl.bh = make_fast_div(static_cast<uint32_t>(gr.box.bh));
+  tl.bni = gr.box.bni;
   tl.n_tiles = make_fast_div(static_cast<uint32_t>(gr.n_tiles));
   tl.groups = make_fast_div(static_cast<uint32_t>(p.groups));
   tl.splits = make_fast_div(static_cast<uint32_t>(split));
@@ -596,7 +696,7 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   tl.stride_w = make_fast_div(static_cast<uint32_t>(p.stride_w));
   tl.total = static_cast<int>(gr.tiles * split);
   const int sms = sm_count() > 0 ? sm_count() : 1;
-  kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl);
+  kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
   err = cudaGetLastError();
   if (err != cudaSuccess || split == 1) return err;
   const int64_t total = p.N * p.H_out * p.W_out * p.C_out;

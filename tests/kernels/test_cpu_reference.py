@@ -2,7 +2,7 @@
 
 It must equal PyTorch in float64 on random problems, and hand-computed examples fix each rule (weight not
 flipped, stride spacing, padding crops, output_padding extends, dilation spaces the taps, groups stay apart)
-without trusting any convolution library. A plain gather form of ARCHITECTURE.md's definition agrees, and its
+without trusting any convolution library. A plain gather form of docs/architecture.md's definition agrees, and its
 classic mistakes (flipped kernel, no remainder check before dividing, padding added) are caught by the same
 problems, so these tests can fail.
 """
@@ -138,7 +138,7 @@ def test_weight_layout_is_c_in_by_c_out():
     assert torch.equal(y.flatten(), torch.tensor([2.0, 4.0, 6.0], dtype=torch.float64))
 
 
-# Gather form, from ARCHITECTURE.md, written out loop by loop; ``mistake`` plants one classic error.
+# Gather form, from docs/architecture.md, written out loop by loop; ``mistake`` plants one classic error.
 
 
 def _gather(x, w, b, cfg: Config, mistake: str | None = None) -> torch.Tensor:

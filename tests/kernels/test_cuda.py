@@ -1,7 +1,7 @@
 """GPU correctness of the CUDA kernels against a float64 reference (run on a GPU machine: ``pytest -m cuda``).
 
 Every check draws fresh random inputs (never zeros), poisons the output with NaN before the kernel writes it,
-and compares by norm-wise relative error ``||y - ref|| / ||ref||`` with ARCHITECTURE.md's tolerances.
+and compares by norm-wise relative error ``||y - ref|| / ||ref||`` with docs/architecture.md's tolerances.
 """
 
 from __future__ import annotations

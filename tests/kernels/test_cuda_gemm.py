@@ -159,3 +159,28 @@ def test_gemm_is_deterministic_and_split_agrees() -> None:
 
 def test_every_gemm_configuration_is_forced_above() -> None:
     assert int(_load_extension().num_gemm_configs) == NUM_GEMM_CONFIGS
+
+
+@needs_sm90
+def test_measured_choice_of_a_channels_last_call_is_kept() -> None:
+    """A channels-last problem is tuned once and its choice kept under its own key (its calls find it)."""
+    from kernels.functional import _channels_last, _rows_aligned
+    from kernels.tuning import TUNER
+
+    x = torch.randn(4, 128, 6, 6, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(128, 64, 4, 4, device="cuda").to(torch.bfloat16)
+    args = normalize_args(2, 1, 0, 1, 1)
+    was = TUNER.enabled
+    TUNER.clear()
+    kernels.tuning.enable()
+    try:
+        y1 = kernels.conv_transpose2d(x, w, None, 2, 1)
+        assert len(TUNER) == 1
+        key = TUNER.key(x.shape, w, False, args, "fp32", _rows_aligned(x, True), False, _channels_last(x))
+        assert TUNER.lookup(key) is not None
+        y2 = kernels.conv_transpose2d(x, w, None, 2, 1)
+        assert len(TUNER) == 1
+        assert torch.equal(y1, y2)
+    finally:
+        kernels.tuning.enable(was)
+        TUNER.clear()
