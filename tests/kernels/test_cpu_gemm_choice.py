@@ -1,0 +1,45 @@
+"""Measured choice and the gemm kernel (kernels.tuning), on the CPU: which gemm candidates the tuner times."""
+
+from __future__ import annotations
+
+from kernels import tuning
+from kernels.tuning import DEFAULT, GEMM_SPLITS, SPLIT_BELOW_MS, KernelChoice, Trial
+
+NUM_CONFIGS = 14
+NUM_GATHER = 4
+NUM_GEMM = 3
+
+
+def _trial(choice: KernelChoice, ms: float, ran: str) -> Trial:
+    return Trial(choice, ran, ms, None)
+
+
+def test_candidates_include_every_gemm_configuration_once() -> None:
+    got = tuning.candidates(NUM_CONFIGS, NUM_GEMM)
+    gemm = [c for c in got if c.path == "gemm"]
+    assert gemm == [KernelChoice("gemm", c) for c in range(NUM_GEMM)]
+    assert len(got) == len(set(got))
+    assert tuning.candidates(NUM_CONFIGS) == [c for c in got if c.path != "gemm"]  # no gemm kernel: none asked
+
+
+def test_small_problems_time_the_fastest_gemm_configuration_split() -> None:
+    fast = SPLIT_BELOW_MS / 10
+    trials = [_trial(DEFAULT, fast, "gemm"), _trial(KernelChoice("gemm", 0), 3 * fast, "gemm"),
+              _trial(KernelChoice("gemm", 1), 2 * fast, "gemm"), _trial(KernelChoice("gemm", 2), 4 * fast, "gemm"),
+              _trial(KernelChoice("gemm", 1, 4), fast, "gemm")]  # already split: never split again
+    got = [c for c in tuning.split_candidates(trials, NUM_GATHER) if c.path == "gemm"]
+    assert got == [KernelChoice("gemm", 1, s) for s in GEMM_SPLITS]
+
+
+def test_no_gemm_split_candidates_when_it_did_not_run_or_the_problem_is_large() -> None:
+    fast = SPLIT_BELOW_MS / 10
+    fell_back = [_trial(DEFAULT, fast, "tensor_core"), _trial(KernelChoice("gemm", 0), fast, "tensor_core")]
+    assert [c for c in tuning.split_candidates(fell_back, NUM_GATHER) if c.path == "gemm"] == []
+    large = [_trial(DEFAULT, SPLIT_BELOW_MS, "gemm"), _trial(KernelChoice("gemm", 0), SPLIT_BELOW_MS, "gemm")]
+    assert tuning.split_candidates(large, NUM_GATHER) == []
+
+
+def test_gemm_labels() -> None:
+    assert KernelChoice("gemm", 2).label == "gemm2"
+    assert KernelChoice("gemm", 0, 16).label == "gemm0/s16"
+    assert KernelChoice("gemm").label == "gemm"
