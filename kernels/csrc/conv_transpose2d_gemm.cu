@@ -311,15 +311,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
-          uint4* v = reinterpret_cast<uint4*>(smem + s * kStage);
-          for (int i = rt; i < rows * 8; i += 96) {
-            uint4 u = v[i];
-            u.x = tc::to_tf32(__uint_as_float(u.x));
-            u.y = tc::to_tf32(__uint_as_float(u.y));
-            u.z = tc::to_tf32(__uint_as_float(u.z));
-            u.w = tc::to_tf32(__uint_as_float(u.w));
-            v[i] = u;
-          }
+          tc::round_tf32_inplace(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96);
           fence_async_smem();
           wg::mbar_arrive(&ready[s]);
         }

@@ -48,15 +48,7 @@ struct WsTiles {
 
 // TF32 rounding of a stage's patch in place, by the producer's 128 threads.
 __device__ __forceinline__ void round_patch_tf32(uint32_t* patch, int words, int ptid) {
-  uint4* v4 = reinterpret_cast<uint4*>(patch);
-  for (int i = ptid; i < words / 4; i += 128) {
-    uint4 v = v4[i];
-    v.x = tc::to_tf32(__uint_as_float(v.x));
-    v.y = tc::to_tf32(__uint_as_float(v.y));
-    v.z = tc::to_tf32(__uint_as_float(v.z));
-    v.w = tc::to_tf32(__uint_as_float(v.w));
-    v4[i] = v;
-  }
+  tc::round_tf32_inplace(patch, words, ptid, 128);
 }
 
 // Barrier among the producer warpgroup's 128 threads only (named barrier 1; consumers never use it).

@@ -20,6 +20,20 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
   return r;
 }
 
+// Rounds `words` fp32 words at `p` (16-byte aligned, a multiple of 4) to TF32 in place, threads [0, nthreads) of
+// the caller taking every nthreads-th 16-byte vector from `tid`.
+__device__ __forceinline__ void round_tf32_inplace(void* p, int words, int tid, int nthreads) {
+  uint4* v4 = reinterpret_cast<uint4*>(p);
+  for (int i = tid; i < words / 4; i += nthreads) {
+    uint4 v = v4[i];
+    v.x = to_tf32(__uint_as_float(v.x));
+    v.y = to_tf32(__uint_as_float(v.y));
+    v.z = to_tf32(__uint_as_float(v.z));
+    v.w = to_tf32(__uint_as_float(v.w));
+    v4[i] = v;
+  }
+}
+
 template <MmaKind K>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   if constexpr (K == MmaKind::kBF16) {
