@@ -34,6 +34,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 
 test: install-dev
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports  # the import contracts of .importlinter: layers, no cycles, a standalone client
 	$(PY) -m pytest -q
 
 lint: install-dev

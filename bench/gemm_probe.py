@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import Timer, rel_err  # noqa: E402
 from bench.layer_zoo import ZOO, problem  # noqa: E402
-from kernels.functional import _forward_cuda, _load_extension, normalize_args  # noqa: E402
+from kernels._ops import _forward_cuda, _load_extension, normalize_args  # noqa: E402
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"tf32": 2e-3, "bf16": 2e-2, "fp16": 2e-2}

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import Timer, rel_err  # noqa: E402
-from kernels.functional import _forward_cuda, normalize_args  # noqa: E402
+from kernels._ops import _forward_cuda, normalize_args  # noqa: E402
 
 PATHS = ("narrow", "sparse", "tensor_core", "simt")
 TOLERANCES = {"fp32": 1e-5, "tf32": 2e-3, None: 2e-2}

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import PROBLEMS  # noqa: E402
-from kernels.functional import _forward_cuda, normalize_args  # noqa: E402
+from kernels._ops import _forward_cuda, normalize_args  # noqa: E402
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import TOL, Timer, bundled_layers, rel_err  # noqa: E402
-from kernels.functional import _forward_cuda, normalize_args, resolve_precision  # noqa: E402
+from kernels._ops import _forward_cuda, normalize_args, resolve_precision  # noqa: E402
 
 SPLITS = (None, 1, 2, 4, 8)  # None: the default choice
 

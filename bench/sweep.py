@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import PROBLEMS, TOL, Timer, rel_err  # noqa: E402
-from kernels.functional import _forward_cuda, _load_extension, normalize_args  # noqa: E402
+from kernels._ops import _forward_cuda, _load_extension, normalize_args  # noqa: E402
 
 
 def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kernels._ops import _forward_cuda, _load_extension, _out_hw
+
 log = logging.getLogger("deconv.tuning")
 
 # First pass: every candidate, this many timed calls; second pass: the best few, this many.
@@ -276,8 +278,6 @@ class Tuner:
             whatever the default kernel raises on this problem (out of memory, a bad argument); a failing
             non-default candidate is only skipped.
         """
-        from kernels.functional import _forward_cuda, _load_extension, _out_hw
-
         t0 = time.perf_counter()
         ext = _load_extension()
         dev = weight.device

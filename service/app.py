@@ -1,254 +1,21 @@
-"""The app factory and its life cycle.
-
-``create_app(settings)`` builds a FastAPI app around one ``Service``: the layer registry, the workers, one
-batcher per layer, the metrics and the readiness state. The lifespan loads and checks the layer repository
-(an invalid one stops the server before it accepts anything), starts the batchers, and starts a background
-task that builds the kernels (GPU) and self-tests every layer, so that ``/health/live`` answers at once while
-``/health/ready`` says 503 until the self-tests pass. On shutdown (SIGTERM) it refuses new work, lets every
-queued request finish, then stops the workers.
+"""The app factory: ``create_app(settings)`` builds the FastAPI app (``service.asgi.App``) around one
+``service.core.Service``, whose life cycle the app's lifespan runs: started before the first request, drained and
+stopped at shutdown.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import gc
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from service import routes
 from service.asgi import App
-from service.batcher import Batcher, Queue
-from service.budget import Budget
-from service.config import Settings, inflight_limit, parse_devices
-from service.errors import NotReadyError, install_error_handlers
-from service.faults import Faults
-from service.metrics import Metrics
-from service.registry import BatchLimits, Registry, RepositoryError, load_repository
-from service.worker import Worker, WorkerPool, select_devices
-
-log = logging.getLogger("deconv.service")
-
-VERSION = "0.1.0"
-
-
-class Service:
-    """Everything one app holds. Readiness: ``starting`` -> ``ready`` | ``failed``; then ``draining``."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.metrics = Metrics()
-        self.budget = Budget(inflight_limit(settings), self.metrics)  # bytes of requests in flight
-        self.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
-        self.registry: Registry | None = None
-        self.pool: WorkerPool | None = None
-        self.batchers: dict[str, Queue] = {}
-        self.backend = ""
-        self.state = "starting"
-        self.reason = "starting: kernels and self-tests have not finished"
-        self._warm_up: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
-        self.drained = False  # set by stop(): every queued request was answered in time
-        self.freeze_gc = False  # the server process (python -m service) sets it: see freeze_heap
-        self.listeners: list[Callable[[], None]] = []  # called on the event loop after every change of state
-        # False in the engine of a multi-process server: its HTTP processes observe each request's queue time, from
-        # the RESULT frame, in parallel and off the engine's event loop.
-        self.observe_queue_time = True
-
-    def _set_state(self, state: str, reason: str) -> None:
-        self.state, self.reason = state, reason
-        for listener in self.listeners:
-            listener()
-
-    # --- readiness ----------------------------------------------------------------------------------------
-
-    @property
-    def ready(self) -> bool:
-        """Whether inference requests are accepted."""
-        return self.state == "ready"
-
-    def check_ready(self) -> None:
-        """Raise ``NotReadyError`` (503) unless ready."""
-        if self.state != "ready":
-            raise NotReadyError(self.reason, retry_after_s=1.0 if self.state == "starting" else 5.0)
-
-    def begin_drain(self) -> None:
-        """Stop accepting work (503 from now on); queued requests still finish. Never from a signal handler: it
-        writes a metric, whose lock the interrupted code may hold (``service.server.DrainingServer.handle_exit``)."""
-        if self.state != "draining":
-            self.state = "draining"
-            self.reason = "draining: the server is shutting down"
-            self.metrics.ready.set(0)
-            self.faults.begin_drain()
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._drain_now)
-
-    @property
-    def idle(self) -> bool:
-        """Whether no request is queued and no batch is executing."""
-        queued = any(b.depth for b in self.batchers.values())
-        return not queued and (self.pool is None or not any(w.inflight_batches for w in self.pool.workers))
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until ``idle``; whether it is."""
-        deadline = time.monotonic() + timeout_s
-        while not self.idle and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return self.idle
-
-    def _drain_now(self) -> None:
-        # On the event loop: queued requests go now instead of waiting out their delay.
-        queued = sum(b.depth for b in self.batchers.values())
-        log.info("draining: not ready any more; executing %d queued request(s) now", queued)
-        for batcher in self.batchers.values():
-            batcher.begin_drain()
-        self._set_state(self.state, self.reason)  # tell the listeners (not from the signal handler)
-
-    # --- life cycle ---------------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Load the repository, pick the devices, start the batchers and the warm-up task.
-
-        Raises:
-            RepositoryError: the layer repository is invalid (the server must not start).
-            RuntimeError: the devices asked for are not there.
-        """
-        s = self.settings
-        self._loop = asyncio.get_running_loop()
-        if self.faults:
-            log.critical("TEST MODE: injecting faults once ready (DECONV_FAULTS=%s); never run this in production",
-                         self.faults.describe())
-        self.registry = self.load_registry()
-        devices, why = select_devices(parse_devices(s.devices))
-        self.backend = "cuda" if devices[0].type == "cuda" else "cpu"
-        log.info("%s", why)
-        log.info("layer repository %s: %d layer(s): %s", self.registry.root, len(self.registry),
-                 ", ".join(self.registry.names()))
-        self.pool = WorkerPool([Worker(d, self.metrics, faults=self.faults) for d in devices], self.metrics,
-                               worker_timeout_s=s.worker_timeout_s)
-        self._watchdog = asyncio.create_task(self.pool.watch(), name="deconv-worker-watchdog")
-        if self.backend == "cuda":
-            self.metrics.watch_gpus([d.index for d in devices if d.index is not None])
-        for layer in self.registry:
-            batcher = Batcher(layer, self.pool, self.metrics, observe_queue_time=self.observe_queue_time)
-            batcher.start()
-            self.batchers[layer.name] = batcher
-        self.metrics.http_processes.set(1)  # a multi-process server's engine counts its connections instead
-        self._warm_up = asyncio.create_task(self._prepare(), name="deconv-warm-up")
-
-    def load_registry(self, weights: bool = True) -> Registry:
-        """Load and check the layer repository of the settings (logged and raised when invalid); ``weights=False``
-        reads only the weights' shapes and dtypes (meta tensors)."""
-        s = self.settings
-        defaults = BatchLimits(s.max_batch_size, s.max_batch_bytes, s.max_queue_delay_ms, s.max_queue_size)
-        try:
-            return load_repository(s.layer_repository, defaults, weights)
-        except RepositoryError as exc:
-            log.error("%s", exc)
-            raise
-
-    async def _warm_layers(self) -> None:
-        """Measured kernel choice on or off (Settings.tune), then every layer's warm_shapes run on every worker."""
-        assert self.registry is not None
-        assert self.pool is not None
-        from kernels import tuning
-
-        tuning.enable(self.settings.tune)
-        t0 = time.perf_counter()
-        runs = 0
-        for layer in self.registry:
-            runs += await self.pool.warm_up(layer)
-        log.info("warm-up: %d batch(es) of the layers' warm_shapes in %.1f s (measured kernel choice %s, %d "
-                 "problem(s) measured)", runs, time.perf_counter() - t0, "on" if self.settings.tune else "off",
-                 len(tuning.TUNER))
-
-    async def _prepare(self) -> None:
-        assert self.registry is not None
-        assert self.pool is not None
-        t0 = time.perf_counter()
-        try:
-            if self.backend == "cuda":
-                from kernels.build import KernelBuildError
-                from kernels.build import load as load_kernels
-
-                try:
-                    await asyncio.to_thread(load_kernels)
-                except KernelBuildError as exc:
-                    log.error("building the CUDA kernels failed: %s", exc)
-                    self._fail("building the CUDA kernels failed; the server log has the compiler's output")
-                    return
-            for layer in self.registry:
-                await asyncio.to_thread(self.pool.load, layer)
-            problems: list[str] = []
-            if self.settings.self_test:
-                for layer in self.registry:
-                    problems += await self.pool.self_test(layer)
-            if problems:
-                self._fail("self-test failed: " + "; ".join(problems))
-                return
-            if self.backend == "cuda":
-                await self._warm_layers()
-        except Exception as exc:
-            log.exception("warm-up failed")
-            self._fail(f"warm-up failed ({type(exc).__name__}); the server log has the details")
-            return
-        if self.state == "starting":
-            if self.freeze_gc:
-                freeze_heap()
-            self.metrics.ready.set(1)
-            self._set_state("ready", "ready")
-            self.faults.arm()
-            log.info("ready: %d layer(s) on %s passed their self-tests in %.1f s", len(self.registry),
-                     self.backend, time.perf_counter() - t0)
-
-    def _fail(self, reason: str) -> None:
-        log.error("not ready: %s", reason)
-        if self.state == "starting":
-            self._set_state("failed", reason)
-
-    async def stop(self) -> None:
-        """Refuse new work, finish every queued request (bounded by the request timeout), stop the workers."""
-        self.begin_drain()
-        if self._warm_up is not None and not self._warm_up.done():
-            self._warm_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warm_up
-        drained = True
-        if self.batchers:
-            drains = asyncio.gather(*(b.drain() for b in self.batchers.values()))
-            try:
-                await asyncio.wait_for(drains, timeout=self.settings.request_timeout_s)
-            except asyncio.TimeoutError:
-                drained = False
-                log.error("draining took longer than %.0f s; failing what is left", self.settings.request_timeout_s)
-            for b in self.batchers.values():
-                await b.close()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-        if self.pool is not None:
-            await asyncio.to_thread(self.pool.shutdown)
-        self.drained = drained
-        log.info("stopped" if drained else "stopped; the drain was incomplete")
-
-
-def freeze_heap() -> None:
-    """Move every object alive now into the garbage collector's permanent generation (``gc.freeze``).
-
-    Once ready the heap holds millions of long-lived objects (torch, FastAPI, pydantic, the layers). Without this,
-    every full collection walks all of them again: about 100 ms with the event loop stopped, several times a second
-    under load, which is about 50 us per request and the p99 latency. Frozen objects are still freed by reference
-    counting; only reference cycles among them are never collected, which is why only the server process does it,
-    once, after a full collection.
-    """
-    gc.collect()
-    gc.freeze()
-    log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())
+from service.config import VERSION, Settings
+from service.core import Service
+from service.errors import install_error_handlers
 
 
 @contextlib.asynccontextmanager
@@ -277,24 +44,20 @@ says which).
 """
 
 
-def create_app(settings: Settings | None = None, engine_socket: str | None = None) -> App:
-    """Build the app. ``settings`` default to ``Settings()`` (the ``DECONV_*`` environment), read here.
+def create_app(settings: Settings | None = None, service: Service | None = None) -> App:
+    """Build the app. ``settings`` default to ``service``'s, else to ``Settings()`` (the ``DECONV_*`` environment),
+    read here.
 
-    With ``engine_socket`` the app is one HTTP process of a multi-process server: its requests go to the engine
-    process listening there (``service.frontend``) instead of batchers and workers of its own.
+    ``service``: the ``Service`` the app serves, by default a new one of ``settings``. An HTTP process of a
+    multi-process server passes its ``service.frontend.FrontendService``, whose requests go to the engine process
+    instead of batchers and workers of its own.
     """
-    from service import routes
-
-    settings = settings if settings is not None else Settings()
+    if settings is None:
+        settings = service.settings if service is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
     app = App(fast_routes=routes.match_inference, title="deconv", version=VERSION, description=DESCRIPTION,
               lifespan=lifespan)
-    if engine_socket is not None:
-        from service.frontend import FrontendService
-
-        app.state.service = FrontendService(settings, engine_socket)
-    else:
-        app.state.service = Service(settings)
+    app.state.service = service if service is not None else Service(settings)
     install_error_handlers(app)
     app.include_router(routes.router)
     return app

@@ -34,7 +34,7 @@ from service.errors import (
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from service.app import Service
+    from service.core import Service
 
 log = logging.getLogger("deconv.service")
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+VERSION = "0.1.0"  # the service's version, as the KServe metadata and OpenAPI report it
+
 # The bundled layer repository: <repo>/layers, next to this package.
 DEFAULT_LAYER_REPOSITORY = Path(__file__).resolve().parent.parent / "layers"
 

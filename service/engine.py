@@ -21,16 +21,15 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable
 
 from service import ipc, shm
-from service.app import Service
 from service.batcher import Batcher, Pending, Result
 from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
+from service.core import Service
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
+from service.process import watch_parent
 from service.registry import RepositoryError
 
 log = logging.getLogger("deconv.service")
@@ -232,22 +231,6 @@ class Engine:
         while True:  # /metrics is served by the HTTP processes, which cannot read this process's GPU memory
             self.service.metrics.sample_gpus()
             await asyncio.sleep(GPU_SAMPLE_PERIOD_S)
-
-
-def watch_parent(on_exit: Callable[[], object]) -> None:
-    """Call ``on_exit()`` (from a thread) when stdin, a pipe held by the supervisor, reaches end of file."""
-    if sys.stdin is None or sys.stdin.isatty():
-        return
-
-    def wait() -> None:
-        # os.read, not sys.stdin: a daemon thread blocked inside a buffered reader aborts interpreter shutdown.
-        with contextlib.suppress(OSError):
-            while os.read(0, 4096):
-                pass
-        log.warning("the supervisor is gone: shutting down")
-        on_exit()
-
-    threading.Thread(target=wait, name="deconv-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:

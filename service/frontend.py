@@ -27,13 +27,16 @@ from typing import Any
 import torch
 
 from service import ipc, shm
-from service.app import Service, create_app, freeze_heap
+from service.app import create_app
 from service.batcher import Result
 from service.codec import AnyTensor, RawTensor, bytes_of
 from service.config import Settings, configure_logging, load_settings
+from service.core import Service, freeze_heap
 from service.errors import InternalError, NotReadyError
 from service.metrics import update_lock
+from service.process import watch_parent
 from service.registry import Layer
+from service.server import serve
 
 log = logging.getLogger("deconv.service")
 
@@ -226,8 +229,6 @@ class FrontendService(Service):
             RepositoryError: the layer repository is invalid.
             ConnectionError: the engine socket did not accept a connection within ``CONNECT_TIMEOUT_S``.
         """
-        from service.engine import watch_parent
-
         self._loop = loop = asyncio.get_running_loop()
         parent_gone = asyncio.Event()
 
@@ -334,8 +335,6 @@ def _terminate() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m service.frontend --engine-socket PATH --connections-fd N``."""
-    from service.server import serve
-
     parser = argparse.ArgumentParser(prog="python -m service.frontend",
                                      description="An HTTP process of a multi-process deconv server.")
     parser.add_argument("--engine-socket", required=True, help="the engine's Unix socket")
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = load_settings()
     configure_logging(settings, "http %(process)d")
-    app = create_app(settings, engine_socket=args.engine_socket)
+    app = create_app(settings, FrontendService(settings, args.engine_socket))
     app.state.service.freeze_gc = True
     sys.exit(serve(app, settings, connections=socket.socket(fileno=args.connections_fd)))
 

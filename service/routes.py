@@ -27,6 +27,7 @@ from service import codec
 from service.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
 from service.batcher import Queue, Result, Ticket
 from service.codec import AnyTensor, RawTensor
+from service.config import VERSION
 from service.errors import (
     ClientGoneError,
     DeadlineExceededError,
@@ -45,7 +46,7 @@ from service.registry import Layer
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-    from service.app import Service
+    from service.core import Service
 
 router = APIRouter()
 
@@ -461,8 +462,6 @@ async def metrics(request: Request) -> Response:
 @router.get("/v2", tags=["kserve"], summary="Server metadata")
 async def v2_server_metadata() -> dict[str, Any]:
     """Name, version and protocol extensions."""
-    from service.app import VERSION
-
     return {"name": "deconv", "version": VERSION, "extensions": ["binary_tensor_data"]}
 
 

@@ -16,11 +16,11 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.app import Service
 from service.asgi import BODY_TIMED_OUT, error_reply
 from service.config import Settings
+from service.core import Service
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
-from service.supervisor import SERVING
+from service.process import SERVING
 
 log = logging.getLogger("deconv.service")
 MAX_FDS_PER_MESSAGE = 16

@@ -38,12 +38,12 @@ from pathlib import Path
 from types import FrameType
 
 from service.config import Settings
+from service.process import SERVING
 
 log = logging.getLogger("deconv.service")
 
 ENGINE_START_TIMEOUT_S = 120.0  # the engine loads the repository before its socket appears (kernels build later)
 HANDOVER_TIMEOUT_S = 1.0  # how long a connection waits for one HTTP process's channel before the next one is tried
-SERVING = b"s"  # what an HTTP process sends on its channel once it serves the connections handed to it
 
 
 class ConnectionDispatcher:

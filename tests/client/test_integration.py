@@ -522,7 +522,7 @@ def test_not_ready_while_draining(fresh_asgi: Server, flavour: str, sleeps: list
 def test_not_ready_while_starting(
     portal: anyio.from_thread.BlockingPortal, layer_repo: Path, flavour: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.app import Service
+    from service.core import Service
 
     async def never_ready(self: Any) -> None:  # the kernels/self-tests "never finish"
         return None

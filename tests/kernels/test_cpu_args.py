@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import ConvTranspose2dArgumentError
-from kernels.functional import ConvArgs, _pair, normalize_args
+from kernels._ops import _pair
+from kernels.functional import ConvArgs, normalize_args
 
 
 def test_error_is_value_error_and_runtime_error():

@@ -233,7 +233,7 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
 
 def test_every_tile_configuration_is_forced_above() -> None:
     """The forced-path tests cover every configuration the extension has (a new tile is not left out)."""
-    from kernels.functional import _load_extension
+    from kernels._ops import _load_extension
 
     assert int(_load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
 
@@ -241,7 +241,7 @@ def test_every_tile_configuration_is_forced_above() -> None:
 def test_extension_checks_raise_with_their_numbers() -> None:
     """The binding's own checks (behind Python's) raise RuntimeError naming the values; they once ended the
     interpreter with SIGSEGV when a message streamed an integer."""
-    from kernels.functional import _load_extension
+    from kernels._ops import _load_extension
 
     ext = _load_extension()
     x = torch.randn(1, 16, 8, 32, device="cuda")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.functional import _forward_cuda, _load_extension, normalize_args, output_size
+from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
 from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
 
 pytestmark = pytest.mark.cuda

@@ -8,7 +8,8 @@ import torch
 
 import kernels
 from kernels import tuning
-from kernels.functional import _forward_cuda, _load_extension, conv_transpose2d_gathered, normalize_args, output_size
+from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
+from kernels.functional import conv_transpose2d_gathered
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
 from tests.kernels.test_cuda import MODES, reference, rel_err
 

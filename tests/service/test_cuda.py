@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from service.app import Service
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
+from service.core import Service
 from service.registry import Layer
 
 from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app

@@ -463,11 +463,11 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
 
 
 def test_an_http_process_stopped_while_it_waits_for_the_engine_stops_at_once(repo, tmp_path, monkeypatch) -> None:
-    import service.engine
+    import service.frontend
     from service.config import Settings
     from service.frontend import FrontendService
 
-    monkeypatch.setattr(service.engine, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
+    monkeypatch.setattr(service.frontend, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
     root, _ = repo
     gone = tmp_path / "engine.sock"
     with socket.socket(socket.AF_UNIX) as dead:  # a socket file nobody listens on any more: connect is refused

@@ -16,8 +16,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service import worker as worker_module
-from service.app import Service
 from service.config import Settings
+from service.core import Service
 
 from .conftest import (
     NPY,
