@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kernels import conv_transpose2d, tuning  # noqa: E402
-from service import shm  # noqa: E402
 from service.codec import SlotTensor, tensor_bytes  # noqa: E402
-from service.registry import BatchLimits, Layer, load_repository  # noqa: E402
-from service.worker import Worker, _gather, kernel_forward_gathered  # noqa: E402
+from service.engine.registry import BatchLimits, Layer, load_repository  # noqa: E402
+from service.engine.worker import Worker, _gather, kernel_forward_gathered  # noqa: E402
+from service.ipc import shm  # noqa: E402
 
 
 def wall_us(fn: Callable[[], object], reps: int) -> float:

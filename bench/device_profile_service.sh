@@ -28,9 +28,9 @@ for scenario in ${SCENARIOS:-batching no-batching}; do
     --requests "${REQUESTS:-200000}" --out "$OUT/load-$scenario.json" > "$OUT/load-$scenario.log" 2>&1 &
   load=$!
   sleep 4  # warm-up and steady state
-  engine=$(pgrep -f "service.engine" | head -1)
+  engine=$(pgrep -f "service.engine.process" | head -1)
   # the busiest HTTP process (connections are spread by the kernel, not evenly)
-  front=$(ps -o pid=,pcpu= -p "$(pgrep -d, -f service.frontend)" | sort -k2 -rn | awk 'NR == 1 {print $1}')
+  front=$(ps -o pid=,pcpu= -p "$(pgrep -d, -f service.http.frontend)" | sort -k2 -rn | awk 'NR == 1 {print $1}')
   $PYSPY record -p "$engine" --native --threads --idle -r 250 -d "$DURATION" --format raw \
     -o "$OUT/engine-$scenario.txt" > "$OUT/pyspy-engine-$scenario.log" 2>&1 &
   p1=$!

@@ -1,6 +1,6 @@
 """The engine event loop's own Python per request, without sockets, threads or a GPU.
 
-An ``EngineConnection`` (service.engine) gets ``SUBMIT`` frames with slots in bursts, as an HTTP process's link
+An ``EngineConnection`` (service.engine.process) gets ``SUBMIT`` frames with slots in bursts, as an HTTP process's link
 delivers them; its layer's batcher packs them and hands each batch to an executor that answers at once (the outputs
 are views of the slots); the ``RESULT`` frames go to a transport that only counts bytes. What is left is the loop's
 work per request: parsing the frame, queueing, packing, answering, the metrics. Under load on the GPU machines the
@@ -31,12 +31,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service import ipc  # noqa: E402
-from service.batcher import Batcher  # noqa: E402
 from service.codec import AnyTensor, RawTensor, SlotTensor  # noqa: E402
-from service.engine import EngineConnection  # noqa: E402
+from service.engine.batcher import Batcher  # noqa: E402
+from service.engine.process import EngineConnection  # noqa: E402
+from service.engine.registry import BatchLimits, Layer, load_repository  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
-from service.registry import BatchLimits, Layer, load_repository  # noqa: E402
 
 
 class InstantExecutor:
@@ -112,7 +111,8 @@ async def measure(burst: int, rounds: int, repeat: int, profile: bool) -> list[f
         data = bytearray()
         for i in range(burst):
             request_id += 1
-            for part in ipc.submit_frame(request_id, index, x, time.monotonic(), None, (i * slot, i * slot + in_bytes)):
+            span = (i * slot, i * slot + in_bytes)
+            for part in frames.submit_frame(request_id, index, x, time.monotonic(), None, span):
                 data += part
         return bytes(data)
 

@@ -39,13 +39,13 @@ sys.path.insert(0, str(ROOT))
 import kernels  # noqa: E402
 from kernels.functional import (  # noqa: E402
     ConvArgs,
-    WeightPacks,
     _forward_cuda,
     normalize_args,
     output_size,
     resolve_precision,
 )
 from kernels.tuning import KernelChoice  # noqa: E402
+from service.engine.ops import WeightPacks  # noqa: E402
 
 PROBLEMS = ROOT / "bench" / "kernelbench_conv_transpose2d.json"
 TOL = {"tf32": 2e-3, "fp32": 1e-5, "bf16": 2e-2}
@@ -201,7 +201,7 @@ def tuned_label(x: torch.Tensor, conv: nn.ConvTranspose2d) -> str:
 
 def served_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
                 mode: str) -> tuple[Callable[..., tuple[torch.Tensor, str]], KernelChoice]:
-    """A layer's call as the service runs it on the GPU (service/worker.py): the weights packed once and kept
+    """A layer's call as the service runs it on the GPU (service/engine/worker.py): the weights packed once and kept
     (``WeightPacks``), the kernel measured with them (tuning on; tunes the problem first if it is new). Returns
     the call (``out=`` may be passed to it) and the kernel choice."""
     packs = WeightPacks(weight)

@@ -125,7 +125,8 @@ def process_tree_cpu(pid: int, main_thread: bool = False) -> dict[str, float]:
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        role = next((m for m in ("service.engine", "service.frontend", "naive_server") if m in cmd), "service")
+        roles = ("service.engine.process", "service.http.frontend", "naive_server")
+        role = next((m for m in roles if m in cmd), "service")
         cpu[f"{p} {role}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return cpu
 

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         configure_logging(settings, "supervisor")
         sys.exit(supervise(settings))
     configure_logging(settings)
-    from service.app import create_app
-    from service.server import serve
+    from service.http.app import create_app
+    from service.http.server import serve
 
     app = create_app(settings)
     app.state.service.freeze_gc = True  # this process is the server: freeze the start-up heap once ready
@@ -55,7 +55,7 @@ def check_repository(settings: Settings) -> str | None:
     Run before anything starts, so that a wrong path or an invalid layer is a short message and exit status 3
     rather than a failed application start-up. Reads the configs and the weights files' headers only.
     """
-    from service.registry import BatchLimits, RepositoryError, load_repository
+    from service.engine.registry import BatchLimits, RepositoryError, load_repository
 
     root = settings.layer_repository
     if not root.is_dir():

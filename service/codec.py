@@ -124,7 +124,7 @@ class RawTensor:
 
 class SlotTensor(RawTensor):
     """A request's input whose output is to be written into ``out`` (exactly the output's bytes): the request's
-    slot in an HTTP process's shared arena (``service.shm``), where the input is too."""
+    slot in an HTTP process's shared arena (``service.ipc.shm``), where the input is too."""
 
     __slots__ = ("out",)
 

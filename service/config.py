@@ -1,6 +1,6 @@
 """Service settings: one pydantic-settings class, read from ``DECONV_*`` environment variables.
 
-Built by the app factory (``service.app.create_app``), never at import time, so that tests and the command line
+Built by the app factory (``service.http.app.create_app``), never at import time, so that tests and the command line
 can pass their own. Every field is documented in docs/operations.md.
 """
 
@@ -36,7 +36,7 @@ class Settings(BaseSettings):
         "HTTP scales over N cores while requests from all of them still share batches.")
     ipc_shm_bytes: int = Field(
         64 * 2**20, ge=0, description="Multi-process server: bytes of shared memory per HTTP process through which "
-        "requests' tensors reach the engine and come back (service/shm.py); a request that does not fit travels "
+        "requests' tensors reach the engine and come back (service/ipc/shm.py); a request that does not fit travels "
         "through the engine socket. 0: always the socket.")
     layer_repository: Path = Field(
         DEFAULT_LAYER_REPOSITORY, description="Directory with one <name>.json + <name>.safetensors per layer."

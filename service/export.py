@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from service.registry import DTYPES, NAME_PATTERN, BatchLimits, load_layer
+from service.engine.registry import DTYPES, NAME_PATTERN, BatchLimits, load_layer
 
 log = logging.getLogger("deconv.export")
 

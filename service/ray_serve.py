@@ -6,7 +6,7 @@ Two deployments make one Serve application::
                          maps Ray's errors                       @serve.ingress over create_app(): the same
                          to our JSON shape                       FastAPI app, lifespan, batcher and workers
 
-``DeconvServer`` is a ``@serve.ingress`` deployment over the FastAPI app that ``service.app.create_app`` builds on
+``DeconvServer`` is a ``@serve.ingress`` deployment over the FastAPI app that ``service.http.app.create_app`` builds on
 each replica (with the replica's own ``Settings``), so the routes, the batcher, the self-test and the error map are
 exactly those of ``python -m service``. Ray runs the app's lifespan when a replica starts; the replica only counts
 as started once every layer passed its self-test, so Ray never routes to a replica that would answer 503.
@@ -47,7 +47,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message
 
-from service.app import create_app
 from service.config import Settings
 from service.errors import (
     InternalError,
@@ -57,6 +56,7 @@ from service.errors import (
     ServiceError,
     error_response,
 )
+from service.http.app import create_app
 
 log = logging.getLogger("deconv.ray")
 

@@ -3,9 +3,9 @@
 One Python process parses HTTP for every request, which limits a single-process server to a few thousand small
 requests per second however fast the GPU is. Here the work is split:
 
-* one **engine** process (``service.engine``): the layer repository, the self-tests, one batcher per layer and one
-  worker per GPU, exactly as in a single-process server, but fed over a Unix socket instead of HTTP;
-* N **HTTP** processes (``service.frontend``): serve the connections this process hands them, decode and
+* one **engine** process (``service.engine.process``): the layer repository, the self-tests, one batcher per layer
+  and one worker per GPU, exactly as in a single-process server, but fed over a Unix socket instead of HTTP;
+* N **HTTP** processes (``service.http.frontend``): serve the connections this process hands them, decode and
   validate tensors, and forward each request to the engine. Requests from every HTTP process share the engine's
   queues, so they batch together.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from types import FrameType
 
 from service.config import Settings
-from service.process import SERVING
+from service.ipc.process import SERVING
 
 log = logging.getLogger("deconv.service")
 
@@ -187,7 +187,7 @@ def supervise(settings: Settings) -> int:
     dispatcher: ConnectionDispatcher | None = None
     ours: list[socket.socket] = []  # this process's ends of the HTTP processes' connection channels
     try:
-        engine = spawn("service.engine", "--socket", str(socket_path))
+        engine = spawn("service.engine.process", "--socket", str(socket_path))
         children.append(engine)
         give_up = time.monotonic() + ENGINE_START_TIMEOUT_S
         while not socket_path.exists() and not signalled:
@@ -199,7 +199,7 @@ def supervise(settings: Settings) -> int:
             host, port = listener.getsockname()[:2]
             for _ in range(settings.http_processes):
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                children.append(spawn("service.frontend", "--engine-socket", str(socket_path),
+                children.append(spawn("service.http.frontend", "--engine-socket", str(socket_path),
                                       "--connections-fd", str(theirs.fileno()), fds=(theirs.fileno(),)))
                 theirs.close()  # its HTTP process holds it now
                 ours.append(mine)

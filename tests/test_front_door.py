@@ -72,7 +72,7 @@ def test_export_imports_a_module_from_the_current_directory(tmp_path: Path, monk
 
 
 def test_the_api_does_not_claim_cuda_kernels_on_every_machine() -> None:
-    from service.app import create_app
+    from service.http.app import create_app
 
     description = create_app(Settings(devices="cpu")).openapi()["info"]["description"]
     first = description.split("\n\n", 1)[0]

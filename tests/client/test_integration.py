@@ -149,7 +149,7 @@ def _wait_ready(app: Any) -> None:
 
 @contextlib.contextmanager
 def _in_process(portal: anyio.from_thread.BlockingPortal, settings: Any, *, wait: bool = True) -> Iterator[Server]:
-    from service.app import create_app
+    from service.http.app import create_app
 
     app = create_app(settings)
     with portal.wrap_async_context_manager(app.router.lifespan_context(app)):
@@ -522,7 +522,7 @@ def test_not_ready_while_draining(fresh_asgi: Server, flavour: str, sleeps: list
 def test_not_ready_while_starting(
     portal: anyio.from_thread.BlockingPortal, layer_repo: Path, flavour: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.core import Service
+    from service.engine.core import Service
 
     async def never_ready(self: Any) -> None:  # the kernels/self-tests "never finish"
         return None

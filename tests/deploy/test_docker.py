@@ -197,7 +197,7 @@ def test_dockerignore_keeps_what_the_image_needs_and_drops_the_rest():
     rules = dockerignore_patterns((REPO_ROOT / ".dockerignore").read_text())
     needed = ["Makefile", "pyproject.toml", "constraints.txt", "README.md", "client/pyproject.toml",
               "client/deconv_client/__init__.py", "kernels/build.py", "kernels/csrc/binding.cpp",
-              "service/app.py", "service/ray_serve.py", "layers/demo.json", "layers/demo.safetensors",
+              "service/http/app.py", "service/ray_serve.py", "layers/demo.json", "layers/demo.safetensors",
               "deploy/healthcheck.py"]
     for path in needed:
         assert (REPO_ROOT / path).exists(), path

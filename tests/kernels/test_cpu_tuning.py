@@ -440,30 +440,6 @@ def test_environment_switch_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tuning._env_enabled() is False
 
 
-@pytest.mark.parametrize(("choice", "expected"), [
-    (DEFAULT, (-1, -1, -1)),
-    (KernelChoice(), (-1, -1, -1)),  # equal to DEFAULT, not the same object
-    (KernelChoice("simt"), (kf.FORCE_PATHS["simt"], -1, -1)),
-    (KernelChoice("narrow"), (kf.FORCE_PATHS["narrow"], -1, -1)),
-    (KernelChoice("sparse"), (kf.FORCE_PATHS["sparse"], -1, -1)),
-    (_tc(9), (kf.FORCE_PATHS["tensor_core"], 9, -1)),
-    (_tc(5, 4), (kf.FORCE_PATHS["tensor_core"], 5, 4)),
-    (_tc(0, 1), (kf.FORCE_PATHS["tensor_core"], 0, 1)),
-    (KernelChoice("gemm", 2, 16), (kf.FORCE_PATHS["gemm"], 2, 16)),
-])
-def test_forced_maps_a_choice_to_the_extension_arguments(choice: KernelChoice, expected: tuple[int, int, int]) -> None:
-    assert kf._forced(choice) == expected
-
-
-def test_force_paths_match_the_extension_codes() -> None:
-    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}
-    for c in tuning.candidates(NUM_CONFIGS):
-        path, config, split = kf._forced(c)
-        assert path == kf.FORCE_PATHS[c.path]
-        assert config == (-1 if c.config is None else c.config)
-        assert split == -1
-
-
 class RaisingTuner:
     """A tuner that is on and must not be asked."""
 
@@ -490,16 +466,3 @@ def test_cpu_tensors_never_consult_the_tuner(monkeypatch: pytest.MonkeyPatch, re
     monkeypatch.setattr(kf, "TUNER", RaisingTuner())
     y1 = kernels.conv_transpose2d(x[0], WEIGHT, None, 2, 1)  # unbatched
     assert torch.equal(y1, F.conv_transpose2d(x[0], WEIGHT, None, 2, 1))
-
-
-def test_weight_packs_take_a_contiguous_4d_cuda_weight_only() -> None:
-    from kernels.functional import ConvTranspose2dArgumentError, WeightPacks, _ext_packs
-
-    with pytest.raises(ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
-        WeightPacks(torch.randn(16, 8, 4, 4))
-    w = torch.randn(16, 8, 4, 4)
-    assert _ext_packs(None, w) is None
-    packs = object.__new__(WeightPacks)  # as if made for another tensor (no GPU here to make a real one)
-    packs.weight = torch.randn(16, 8, 4, 4)
-    with pytest.raises(ConvTranspose2dArgumentError, match="another weight tensor"):
-        _ext_packs(packs, w)

@@ -17,13 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.functional import (
-    _forward_cuda,
-    conv_transpose2d_gathered,
-    conv_transpose2d_staged,
-    normalize_args,
-    output_size,
-)
+from kernels._ops import _forward_cuda
+from kernels.functional import normalize_args, output_size
+from service.engine.ops import conv_transpose2d_gathered, conv_transpose2d_staged
 
 pytestmark = pytest.mark.cuda
 

@@ -9,8 +9,8 @@ import torch
 import kernels
 from kernels import tuning
 from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
-from kernels.functional import conv_transpose2d_gathered
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
+from service.engine.ops import WeightPacks, conv_transpose2d_gathered
 from tests.kernels.test_cuda import MODES, reference, rel_err
 
 pytestmark = pytest.mark.cuda
@@ -117,7 +117,7 @@ def test_weight_packs_give_what_per_call_packing_gives(mode: str) -> None:
     """Every tensor-core tile (gather, mma.sync halo, wgmma halo, split) and the other families, with the weights
     packed once and kept, computes bit for bit what the same kernel computes packing per call."""
     x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode=mode)
-    packs = kernels.functional.WeightPacks(wt)
+    packs = WeightPacks(wt)
     choices = [DEFAULT, KernelChoice("narrow"), KernelChoice("simt"), KernelChoice("tensor_core", 5, 4),
                *(KernelChoice("tensor_core", c) for c in range(int(_load_extension().num_tensor_core_configs)))]
     ref = reference(x, wt, b, stride=2, padding=1)
@@ -138,16 +138,16 @@ def test_weight_packs_give_what_per_call_packing_gives(mode: str) -> None:
 
 def test_weight_packs_refuse_another_weight() -> None:
     x, wt, b, args, precision, _ = make(**PROBLEMS["dcgan_up1_b8"], mode="tf32")
-    packs = kernels.functional.WeightPacks(wt)
+    packs = WeightPacks(wt)
     with pytest.raises(kernels.ConvTranspose2dArgumentError, match="another weight"):
         _forward_cuda(x, wt.clone(), b, args, precision, packs=packs)
     with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
-        kernels.functional.WeightPacks(wt.cpu())
+        WeightPacks(wt.cpu())
 
 
 def test_gathered_with_packs_and_a_tuner_that_measured_with_them() -> None:
     x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode="tf32")
-    packs = kernels.functional.WeightPacks(wt)
+    packs = WeightPacks(wt)
     tuner = Tuner(enabled=True)
     choice = tuner.choose(x.shape, wt, b, args, precision, packs=packs)
     assert len(packs) >= 1

@@ -20,8 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import codec, routes
+from service import codec
 from service.errors import ServiceError
+from service.http import routes
 
 from .conftest import count_case, leaks_internals, server_error
 from .strategies import kserve_bodies, npy_bodies, safetensors_bodies

@@ -15,8 +15,8 @@ import schemathesis
 from hypothesis import settings
 
 from service import codec
-from service.app import create_app
 from service.config import Settings
+from service.http.app import create_app
 
 from .conftest import FUZZ_EXAMPLES, count_case, leaks_internals, server_error
 from .strategies import npy_bodies, safetensors_bodies

@@ -20,11 +20,11 @@ import pytest
 import torch
 from fastapi.routing import APIRoute
 
-from service import routes
-from service import worker as worker_module
-from service.app import create_app
 from service.config import Settings
-from service.registry import BatchLimits, RepositoryError, load_repository
+from service.engine import worker as worker_module
+from service.engine.registry import BatchLimits, RepositoryError, load_repository
+from service.http import routes
+from service.http.app import create_app
 from tests.service.conftest import NPY, npy_bytes, run, serve_app, write_layer
 
 from .conftest import REPO_ROOT, leaks_internals
@@ -77,7 +77,8 @@ def test_no_pickle_anywhere():
 
 
 def test_the_server_never_imports_the_export_tool():
-    code = ("import sys; from service.app import create_app; from service import routes, codec, registry; "
+    code = ("import sys; from service.http.app import create_app; from service.http import routes; "
+            "from service import codec; from service.engine import registry; "
             "create_app(); print('service.export' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           check=True, env={**os.environ, "DECONV_DEVICES": "cpu"})
@@ -224,7 +225,7 @@ def test_repository_entries_cannot_point_outside_it(tmp_path):
 
 def test_no_traceback_or_internal_path_in_any_response(repo, monkeypatch):
     def crash(x, w, b, layer):
-        raise KeyError(f"{REPO_ROOT}/service/worker.py line 1: internal state")
+        raise KeyError(f"{REPO_ROOT}/service/engine/worker.py line 1: internal state")
 
     monkeypatch.setattr(worker_module, "kernel_forward", crash)
 

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from fastapi import FastAPI
 from torch import nn
 
-from service.app import create_app
 from service.config import Settings
 from service.export import export_model
+from service.http.app import create_app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NPY = "application/x-npy"

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from service.batcher import Batcher, Result
+from service.engine.batcher import Batcher, Result
+from service.engine.registry import BatchLimits, Layer, LayerConfig
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics
-from service.registry import BatchLimits, Layer, LayerConfig
 
 from .conftest import REPO_ROOT, metric_value, run
 
@@ -336,7 +336,7 @@ def test_drain_runs_the_queue_now_and_refuses_new_work():
 
 
 def test_batcher_and_worker_import_nothing_from_fastapi():
-    code = ("import sys, service.batcher, service.worker; "
+    code = ("import sys, service.engine.batcher, service.engine.worker; "
             "sys.exit(1 if any(m.split('.')[0] in ('fastapi', 'starlette') for m in sys.modules) else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60, capture_output=True, check=False)
     assert done.returncode == 0, done.stderr.decode()

@@ -15,8 +15,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
-from service.core import Service
-from service.registry import Layer
+from service.engine.core import Service
+from service.engine.registry import Layer
 
 from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app
 
@@ -111,7 +111,7 @@ def test_kserve_on_gpu():
 def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
     """Two HTTP processes feeding the GPU engine: every bundled layer, concurrent requests, GPU metrics; the tensors
     go through the HTTP processes' shared memory (the worker reads inputs from and writes outputs into slots)."""
-    from service.registry import BatchLimits, load_repository
+    from service.engine.registry import BatchLimits, load_repository
 
     proc = ServerProcess({"DECONV_DEVICES": "all", "DECONV_HTTP_PROCESSES": "2", "DECONV_MAX_QUEUE_DELAY_MS": "20"},
                          tmp_path / "server.log")

@@ -13,8 +13,8 @@ from torch import nn
 
 import kernels
 from service.config import Settings
+from service.engine.registry import BatchLimits, load_repository
 from service.export import ExportError, export_model, load_model, main
-from service.registry import BatchLimits, load_repository
 
 from .conftest import NPY, load_npy, npy_bytes, run, serve_app
 

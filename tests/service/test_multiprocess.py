@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import torch
 
-from service import ipc
 from service.codec import RawTensor, copy_into, split_rows, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
+from service.engine.registry import BatchLimits, load_repository
+from service.engine.worker import Worker
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
-from service.registry import BatchLimits, load_repository
+from service.ipc import frames
 from service.supervisor import SERVING, ConnectionDispatcher, _stop_all
-from service.worker import Worker
 
 from .conftest import (
     NPY,
@@ -46,18 +46,18 @@ from .conftest import (
 # --- frames ---------------------------------------------------------------------------------------------------
 
 
-class Recorder(ipc.FrameProtocol):
+class Recorder(frames.FrameProtocol):
     """Collects the frames it receives; remembers a protocol error."""
 
     def __init__(self) -> None:
         super().__init__()
         self.frames: list[tuple[int, bytearray]] = []
-        self.error: ipc.ProtocolError | None = None
+        self.error: frames.ProtocolError | None = None
 
     def frame_received(self, kind: int, body: bytearray) -> None:
         self.frames.append((kind, body))
 
-    def protocol_error(self, exc: ipc.ProtocolError) -> None:
+    def protocol_error(self, exc: frames.ProtocolError) -> None:
         self.error = exc
 
 
@@ -75,30 +75,30 @@ def _feed(data: bytes, chunk: int) -> Recorder:
     return run(main())
 
 
-@pytest.mark.parametrize("dtype", ipc.DTYPES)
+@pytest.mark.parametrize("dtype", frames.DTYPES)
 def test_submit_and_result_round_trip_bit_exact(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 4, 5, 7, generator=g, dtype=torch.float64).to(dtype)
-    data = _wire(ipc.submit_frame(41, 2, x, 123.5, 130.25)) + _wire(ipc.submit_frame(42, 0, x[:1], 1.0, None))
+    data = _wire(frames.submit_frame(41, 2, x, 123.5, 130.25)) + _wire(frames.submit_frame(42, 0, x[:1], 1.0, None))
     y = torch.randn(3, 6, 10, 14, generator=g, dtype=torch.float64).to(dtype)
-    data += _wire(ipc.result_frame(41, y, 17, 5, 0.00125, "cuda:0"))
+    data += _wire(frames.result_frame(41, y, 17, 5, 0.00125, "cuda:0"))
     for chunk in (1, 7, 4096):  # frames split anywhere in the stream are reassembled
         rec = _feed(data, chunk)
         assert rec.error is None
-        assert [k for k, _ in rec.frames] == [ipc.SUBMIT, ipc.SUBMIT, ipc.RESULT]
-        a, b = (ipc.parse_submit(body) for _, body in rec.frames[:2])
+        assert [k for k, _ in rec.frames] == [frames.SUBMIT, frames.SUBMIT, frames.RESULT]
+        a, b = (frames.parse_submit(body) for _, body in rec.frames[:2])
         assert (a.request_id, a.layer, a.received, a.deadline) == (41, 2, 123.5, 130.25)
         assert (b.request_id, b.layer, b.deadline) == (42, 0, None)
         assert (a.x.dtype, a.x.shape, b.x.shape) == (dtype, (3, 4, 5, 7), (1, 4, 5, 7))
         assert torch.equal(a.x.tensor(), x)
         assert torch.equal(b.x.tensor(), x[:1])
-        out = ipc.parse_result(rec.frames[2][1], dtype)
+        out = frames.parse_result(rec.frames[2][1], dtype)
         assert (out.request_id, out.batch_samples, out.batch_requests, out.worker) == (41, 17, 5, "cuda:0")
         assert out.queue_s == 0.00125
         assert torch.equal(out.y.tensor(), y)
 
 
-@pytest.mark.parametrize("dtype", ipc.DTYPES)
+@pytest.mark.parametrize("dtype", frames.DTYPES)
 def test_raw_tensors_gather_and_split_bit_exact(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(n, 3, 4, 5, generator=g, dtype=torch.float64).to(dtype) for n in (2, 1, 3)]
@@ -113,8 +113,8 @@ def test_raw_tensors_gather_and_split_bit_exact(dtype: torch.dtype) -> None:
     for part, x in zip(parts, xs, strict=True):
         assert torch.equal(part.tensor(), x)
     # A RESULT built from a RawTensor carries the same bytes as one built from the tensor.
-    assert b"".join(ipc.result_frame(1, parts[2], 6, 3, 0.0, "w")) == b"".join(
-        ipc.result_frame(1, xs[2], 6, 3, 0.0, "w"))
+    assert b"".join(frames.result_frame(1, parts[2], 6, 3, 0.0, "w")) == b"".join(
+        frames.result_frame(1, xs[2], 6, 3, 0.0, "w"))
     with pytest.raises(ValueError, match="cannot hold"):
         RawTensor(memoryview(b"\0" * 7), dtype, (1, 1, 1, 1))
 
@@ -140,28 +140,28 @@ def test_cpu_worker_answers_raw_inputs_with_raw_outputs() -> None:
 
 
 def test_error_state_and_drop_frames() -> None:
-    data = (_wire(ipc.error_frame(7, OverloadedError("queue full", retry_after_s=2.5)))
-            + _wire(ipc.error_frame(8, DeadlineExceededError("late")))
-            + _wire(ipc.state_frame("ready", "ready", "cuda", ["a", "b"]))
-            + _wire(ipc.drop_frame(9, "deadline")))
+    data = (_wire(frames.error_frame(7, OverloadedError("queue full", retry_after_s=2.5)))
+            + _wire(frames.error_frame(8, DeadlineExceededError("late")))
+            + _wire(frames.state_frame("ready", "ready", "cuda", ["a", "b"]))
+            + _wire(frames.drop_frame(9, "deadline")))
     rec = _feed(data, 3)
     (k1, e1), (k2, e2), (k3, s), (k4, d) = rec.frames
-    assert (k1, k2, k3, k4) == (ipc.ERROR, ipc.ERROR, ipc.STATE, ipc.DROP)
-    rid, err = ipc.parse_error(e1)
+    assert (k1, k2, k3, k4) == (frames.ERROR, frames.ERROR, frames.STATE, frames.DROP)
+    rid, err = frames.parse_error(e1)
     assert rid == 7
     assert isinstance(err, OverloadedError)
     assert (err.status, err.message, err.headers) == (429, "queue full", {"Retry-After": "3"})
-    rid, err = ipc.parse_error(e2)
+    rid, err = frames.parse_error(e2)
     assert rid == 8
     assert isinstance(err, DeadlineExceededError)
     assert err.status == 504
-    assert ipc.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"]}
-    assert ipc.parse_drop(d) == (9, "deadline")
+    assert frames.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"]}
+    assert frames.parse_drop(d) == (9, "deadline")
 
 
 def test_unknown_error_type_becomes_internal() -> None:
     body = bytearray((5).to_bytes(8, "little")) + b'{"type": "no_such_type", "message": "m", "headers": {}}'
-    rid, err = ipc.parse_error(body)
+    rid, err = frames.parse_error(body)
     assert rid == 5
     assert isinstance(err, InternalError)
     assert err.message == "m"
@@ -169,23 +169,23 @@ def test_unknown_error_type_becomes_internal() -> None:
 
 @pytest.mark.parametrize("bad", [
     b"\x00\x00\x00\x00",  # a frame of length 0
-    bytes(ipc._frame(ipc.SUBMIT, b"\x01\x02")[0]) + b"\x01\x02",  # a SUBMIT too short for its header
+    bytes(frames._frame(frames.SUBMIT, b"\x01\x02")[0]) + b"\x01\x02",  # a SUBMIT too short for its header
 ])
 def test_malformed_frames_are_protocol_errors(bad: bytes) -> None:
     rec = _feed(bad + b"\x00" * 8, 64)
     if rec.error is None:
-        with pytest.raises(ipc.ProtocolError):
-            ipc.parse_submit(rec.frames[0][1])
+        with pytest.raises(frames.ProtocolError):
+            frames.parse_submit(rec.frames[0][1])
     else:
         assert "empty frame" in str(rec.error)
 
 
 def test_tensor_size_must_match_its_header() -> None:
     x = torch.ones(1, 2, 3, 4)
-    frame = bytearray(_wire(ipc.submit_frame(1, 0, x, 0.0, None)))
-    with pytest.raises(ipc.ProtocolError, match="needs 96 bytes, the frame holds 92"):
-        ipc.parse_submit(frame[5:-4])
-    assert math.isnan(ipc._SUBMIT.unpack_from(frame, 5)[-1])  # no deadline travels as NaN
+    frame = bytearray(_wire(frames.submit_frame(1, 0, x, 0.0, None)))
+    with pytest.raises(frames.ProtocolError, match="needs 96 bytes, the frame holds 92"):
+        frames.parse_submit(frame[5:-4])
+    assert math.isnan(frames._SUBMIT.unpack_from(frame, 5)[-1])  # no deadline travels as NaN
 
 
 # --- handing connections to the HTTP processes ---------------------------------------------------------------
@@ -448,7 +448,7 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
     root, _ = repo
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "3"})
     children = _children(proc.proc.pid)
-    http = [p for p in children if b"service.frontend" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    http = [p for p in children if b"service.http.frontend" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(http) == 3
     _wait_serving(proc, 3)
     clients = [httpx.Client(base_url=proc.url, timeout=20) for _ in range(12)]
@@ -463,11 +463,11 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
 
 
 def test_an_http_process_stopped_while_it_waits_for_the_engine_stops_at_once(repo, tmp_path, monkeypatch) -> None:
-    import service.frontend
+    import service.http.frontend
     from service.config import Settings
-    from service.frontend import FrontendService
+    from service.http.frontend import FrontendService
 
-    monkeypatch.setattr(service.frontend, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
+    monkeypatch.setattr(service.http.frontend, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
     root, _ = repo
     gone = tmp_path / "engine.sock"
     with socket.socket(socket.AF_UNIX) as dead:  # a socket file nobody listens on any more: connect is refused
@@ -492,7 +492,7 @@ def test_engine_death_stops_the_server(repo, server_factory):
     root, _ = repo
     proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2"})
     children = _children(proc.proc.pid)
-    engine = next(p for p in children if b"service.engine" in Path(f"/proc/{p}/cmdline").read_bytes())
+    engine = next(p for p in children if b"service.engine.process" in Path(f"/proc/{p}/cmdline").read_bytes())
     os.kill(engine, signal.SIGKILL)
     try:
         code = proc.proc.wait(30)

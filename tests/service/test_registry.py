@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.app import create_app
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
-from service.registry import BatchLimits, RepositoryError, load_repository
+from service.engine.registry import BatchLimits, RepositoryError, load_repository
+from service.http.app import create_app
 
 from .conftest import run, write_layer
 

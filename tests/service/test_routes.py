@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from service import worker as worker_module
 from service.config import Settings
-from service.core import Service
+from service.engine import worker as worker_module
+from service.engine.core import Service
 
 from .conftest import (
     NPY,
@@ -638,9 +638,9 @@ def test_direct_and_framework_dispatch_answer_alike(repo):
 
 def test_unexpected_error_on_an_inference_route_is_a_bare_500(repo, monkeypatch, caplog):
     def broken(*_: Any) -> Any:
-        raise RuntimeError("secret detail at /srv/deconv/service/routes.py")
+        raise RuntimeError("secret detail at /srv/deconv/service/http/routes.py")
 
-    monkeypatch.setattr("service.routes.validate_input", broken)
+    monkeypatch.setattr("service.http.routes.validate_input", broken)
 
     async def main() -> None:
         async with serve_app(settings(repo)) as (_, client):
@@ -717,7 +717,7 @@ def test_kserve_json_data_takes_only_numbers(repo, value):
 
 def test_json_answers_are_encoded_a_slice_at_a_time(monkeypatch):
     # A large JSON answer used to be encoded in one go, holding the event loop for as long as it took.
-    from service import routes
+    from service.http import routes
 
     monkeypatch.setattr(routes, "JSON_VALUES_PER_STEP", 1000)
     y = torch.tensor(np.random.default_rng(0).standard_normal((2, 3, 40, 50)), dtype=torch.float32)
@@ -754,7 +754,7 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
     # waiting) and its Python objects, many times the body's size, were counted nowhere.
     import threading
 
-    from service import routes
+    from service.http import routes
 
     monkeypatch.setattr(routes, "JSON_INLINE_BYTES", 1000)
     parsed_on: list[threading.Thread] = []

@@ -1,4 +1,4 @@
-"""The shared-memory engine link (service/shm.py): the arena's slots, the HELLO that passes it, the frames that
+"""The shared-memory engine link (service/ipc/shm.py): the arena's slots, the HELLO that passes it, the frames that
 name slots, the worker writing outputs into slots, and the HTTP process's slot lifetime. The multi-process server
 tests (test_server.py, test_multiprocess.py) run requests through it end to end."""
 
@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from service import ipc, shm
-from service.batcher import Result
 from service.codec import RawTensor, SlotTensor, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
+from service.engine.batcher import Result
+from service.engine.registry import BatchLimits, Layer, load_repository
+from service.engine.worker import Worker
 from service.errors import OverloadedError
-from service.frontend import EngineClient, RemoteBatcher
+from service.http.frontend import EngineClient, RemoteBatcher
+from service.ipc import frames, shm
 from service.metrics import Metrics
-from service.registry import BatchLimits, Layer, load_repository
-from service.worker import Worker
 
 from .conftest import run
 
@@ -142,9 +142,9 @@ def test_submit_with_a_slot_reads_the_input_from_the_arena() -> None:
     view = memoryview(arena)
     x = torch.randn(2, 3, 4, 5)
     view[128:128 + x.numel() * 4] = tensor_bytes(x)
-    frame = b"".join(bytes(p) for p in ipc.submit_frame(7, 1, x, 1.5, None, (128, 1024)))
-    assert len(frame) == 5 + ipc._SUBMIT.size + 16  # no tensor bytes in the frame
-    req = ipc.parse_submit(bytearray(frame[5:]), view)
+    frame = b"".join(bytes(p) for p in frames.submit_frame(7, 1, x, 1.5, None, (128, 1024)))
+    assert len(frame) == 5 + frames._SUBMIT.size + 16  # no tensor bytes in the frame
+    req = frames.parse_submit(bytearray(frame[5:]), view)
     assert (req.request_id, req.layer, req.out_offset, req.deadline) == (7, 1, 1024, None)
     assert torch.equal(req.x.tensor(), x)
     arena[128:132] = b"\0\0\0\0"  # a view of the arena, not a copy
@@ -153,39 +153,39 @@ def test_submit_with_a_slot_reads_the_input_from_the_arena() -> None:
 
 def test_submit_slots_outside_the_arena_or_without_one_are_protocol_errors() -> None:
     x = torch.randn(1, 2, 4, 4)  # 128 bytes
-    body = bytearray(b"".join(bytes(p) for p in ipc.submit_frame(1, 0, x, 0.0, None, (0, 128)))[5:])
-    with pytest.raises(ipc.ProtocolError, match="no arena"):
-        ipc.parse_submit(body)
-    with pytest.raises(ipc.ProtocolError, match="outside"):
-        ipc.parse_submit(bytearray(b"".join(bytes(p) for p in ipc.submit_frame(1, 0, x, 0.0, None, (64, 0)))[5:]),
+    body = bytearray(b"".join(bytes(p) for p in frames.submit_frame(1, 0, x, 0.0, None, (0, 128)))[5:])
+    with pytest.raises(frames.ProtocolError, match="no arena"):
+        frames.parse_submit(body)
+    with pytest.raises(frames.ProtocolError, match="outside"):
+        frames.parse_submit(bytearray(b"".join(bytes(p) for p in frames.submit_frame(1, 0, x, 0.0, None, (64, 0)))[5:]),
                          memoryview(bytearray(128)))
-    with pytest.raises(ipc.ProtocolError, match="with a slot is"):
-        ipc.parse_submit(body + b"\0", memoryview(bytearray(4096)))
+    with pytest.raises(frames.ProtocolError, match="with a slot is"):
+        frames.parse_submit(body + b"\0", memoryview(bytearray(4096)))
 
 
 def test_result_in_a_slot_carries_no_bytes_and_reads_the_slot() -> None:
     y = torch.randn(2, 3, 4, 4)
-    frame = b"".join(bytes(p) for p in ipc.result_frame(9, y, 5, 3, 0.25, "cuda:0", shared=True))
-    inline = b"".join(bytes(p) for p in ipc.result_frame(9, y, 5, 3, 0.25, "cuda:0"))
+    frame = b"".join(bytes(p) for p in frames.result_frame(9, y, 5, 3, 0.25, "cuda:0", shared=True))
+    inline = b"".join(bytes(p) for p in frames.result_frame(9, y, 5, 3, 0.25, "cuda:0"))
     assert len(inline) - len(frame) == y.numel() * 4
     slot = memoryview(bytearray(tensor_bytes(y)) + b"\0" * 64)  # a slot may be longer than the output
-    out = ipc.parse_result(bytearray(frame[5:]), torch.float32, slot)
+    out = frames.parse_result(bytearray(frame[5:]), torch.float32, slot)
     assert out.shared
     assert (out.request_id, out.batch_samples, out.batch_requests, out.worker) == (9, 5, 3, "cuda:0")
     assert torch.equal(out.y.tensor(), y)
-    with pytest.raises(ipc.ProtocolError, match="no slot"):
-        ipc.parse_result(bytearray(frame[5:]), torch.float32)
-    with pytest.raises(ipc.ProtocolError, match="a 64-byte slot"):
-        ipc.parse_result(bytearray(frame[5:]), torch.float32, memoryview(bytearray(64)))
-    plain = ipc.parse_result(bytearray(inline[5:]), torch.float32, slot)  # inline bytes win over a slot
+    with pytest.raises(frames.ProtocolError, match="no slot"):
+        frames.parse_result(bytearray(frame[5:]), torch.float32)
+    with pytest.raises(frames.ProtocolError, match="a 64-byte slot"):
+        frames.parse_result(bytearray(frame[5:]), torch.float32, memoryview(bytearray(64)))
+    plain = frames.parse_result(bytearray(inline[5:]), torch.float32, slot)  # inline bytes win over a slot
     assert not plain.shared
     assert torch.equal(plain.y.tensor(), y)
 
 
 def test_done_frame_names_its_request() -> None:
-    frame = b"".join(bytes(p) for p in ipc.done_frame(12345678901))
-    assert frame[4] == ipc.DONE
-    assert ipc.result_id(bytearray(frame[5:])) == 12345678901
+    frame = b"".join(bytes(p) for p in frames.done_frame(12345678901))
+    assert frame[4] == frames.DONE
+    assert frames.result_id(bytearray(frame[5:])) == 12345678901
 
 
 # --- the worker writes outputs into slots ---------------------------------------------------------------------
@@ -289,10 +289,10 @@ def _sent(client: EngineClient, transport: _Transport) -> list[tuple[int, bytear
 
 def _answer(client: EngineClient, request_id: int, y: torch.Tensor, slot_view: memoryview | None) -> None:
     if slot_view is None:
-        frame = ipc.result_frame(request_id, y, 1, 1, 0.0, "cpu")
+        frame = frames.result_frame(request_id, y, 1, 1, 0.0, "cpu")
     else:
         slot_view[:y.numel() * 4] = tensor_bytes(y)  # the engine's worker writes the slot, then answers
-        frame = ipc.result_frame(request_id, y, 1, 1, 0.0, "cpu", shared=True)
+        frame = frames.result_frame(request_id, y, 1, 1, 0.0, "cpu", shared=True)
     data = b"".join(bytes(p) for p in frame)
     client.frame_received(data[4], bytearray(data[5:]))
 
@@ -304,11 +304,11 @@ def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers
         batcher = RemoteBatcher(demo, 3, client)
         x = torch.randn(2, 16, 5, 5)
         items = [batcher.submit(x) for _ in range(4)]
-        frames = _sent(client, transport)
-        assert [k for k, _ in frames] == [ipc.SUBMIT] * 4
+        sent = _sent(client, transport)
+        assert [k for k, _ in sent] == [frames.SUBMIT] * 4
         assert arena.slots == 4
         engine_view = memoryview(arena._map)  # the engine's mapping sees the same bytes
-        reqs = [ipc.parse_submit(body, engine_view) for _, body in frames]
+        reqs = [frames.parse_submit(body, engine_view) for _, body in sent]
         for req in reqs:
             assert torch.equal(req.x.tensor(), x)
             assert req.out_offset is not None
@@ -323,16 +323,16 @@ def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers
         assert arena.slots == 3
 
         # An error frees the slot too.
-        data = b"".join(bytes(p) for p in ipc.error_frame(reqs[1].request_id, OverloadedError("full")))
+        data = b"".join(bytes(p) for p in frames.error_frame(reqs[1].request_id, OverloadedError("full")))
         client.frame_received(data[4], bytearray(data[5:]))
         assert isinstance(items[1].future.exception(), OverloadedError)
         assert arena.slots == 2
 
         # A request given up on keeps its slot until the engine's last word on it (here DONE).
         assert batcher.drop(items[2], "disconnected")
-        assert [k for k, _ in _sent(client, transport)] == [ipc.DROP]
+        assert [k for k, _ in _sent(client, transport)] == [frames.DROP]
         assert arena.slots == 2
-        data = b"".join(bytes(p) for p in ipc.done_frame(reqs[2].request_id))
+        data = b"".join(bytes(p) for p in frames.done_frame(reqs[2].request_id))
         client.frame_received(data[4], bytearray(data[5:]))
         assert arena.slots == 1
 
@@ -355,11 +355,11 @@ def test_http_process_sends_inline_what_does_not_fit(demo: Layer) -> None:
         batcher = RemoteBatcher(demo, 0, client)
         first, second = batcher.submit(small), batcher.submit(small)
         big = batcher.submit(torch.randn(1, 16, 8, 8))
-        frames = _sent(client, transport)
-        flags = [ipc._SUBMIT.unpack_from(body)[3] for _, body in frames]
-        assert flags == [ipc.SHARED, 0, 0]
+        sent = _sent(client, transport)
+        flags = [frames._SUBMIT.unpack_from(body)[3] for _, body in sent]
+        assert flags == [frames.SHARED, 0, 0]
         assert arena.slots == 1
-        inline = ipc.parse_submit(frames[1][1])
+        inline = frames.parse_submit(sent[1][1])
         assert inline.out_offset is None
         assert torch.equal(inline.x.tensor(), small)
         y = _expected(demo, small)
@@ -383,9 +383,9 @@ def test_http_process_without_an_arena_sends_everything_inline(demo: Layer) -> N
         client, transport, _ = _client(None)
         RemoteBatcher(demo, 0, client).submit(torch.randn(1, 16, 4, 4))
         ((kind, body),) = _sent(client, transport)
-        assert kind == ipc.SUBMIT
-        assert ipc._SUBMIT.unpack_from(body)[3] == 0
-        assert math.prod(ipc.parse_submit(body).x.shape) == 256
+        assert kind == frames.SUBMIT
+        assert frames._SUBMIT.unpack_from(body)[3] == 0
+        assert math.prod(frames.parse_submit(body).x.shape) == 256
 
     run(main())
 
@@ -394,7 +394,7 @@ def test_http_process_without_an_arena_sends_everything_inline(demo: Layer) -> N
 
 
 def _engine_connection(arena: memoryview) -> tuple[Any, _Transport]:
-    from service.engine import EngineConnection
+    from service.engine.process import EngineConnection
 
     conn = EngineConnection(SimpleNamespace(), arena)  # type: ignore[arg-type]
     transport = _Transport()
@@ -407,8 +407,8 @@ def test_engine_answers_slot_requests_in_their_slots_and_says_done_for_dropped_o
         arena = memoryview(bytearray(1 << 16))
         conn, transport = _engine_connection(arena)
         x = torch.randn(1, 16, 4, 4)
-        frame = b"".join(bytes(p) for p in ipc.submit_frame(5, 0, x, 0.0, None, (0, 1024)))
-        req = ipc.parse_submit(bytearray(frame[5:]), arena)
+        frame = b"".join(bytes(p) for p in frames.submit_frame(5, 0, x, 0.0, None, (0, 1024)))
+        req = frames.parse_submit(bytearray(frame[5:]), arena)
         slot = conn._slot(req, SimpleNamespace(layer=demo))
         assert slot.out.nbytes == 8 * 8 * 8 * 4
         assert slot.out.obj is arena.obj
@@ -426,15 +426,15 @@ def test_engine_answers_slot_requests_in_their_slots_and_says_done_for_dropped_o
             size, kind = struct.unpack_from("<IB", data)
             answers.append((kind, bytearray(data[5:4 + size])))
             data = data[4 + size:]
-        assert [k for k, _ in answers] == [ipc.RESULT, ipc.RESULT, ipc.DONE]
-        shared = ipc.parse_result(answers[0][1], torch.float32, slot.out)
-        inline = ipc.parse_result(answers[1][1], torch.float32, slot.out)
+        assert [k for k, _ in answers] == [frames.RESULT, frames.RESULT, frames.DONE]
+        shared = frames.parse_result(answers[0][1], torch.float32, slot.out)
+        inline = frames.parse_result(answers[1][1], torch.float32, slot.out)
         assert shared.shared
         assert not inline.shared
         assert len(answers[1][1]) - len(answers[0][1]) == y.numel() * 4
         assert torch.equal(shared.y.tensor(), y)
         assert torch.equal(inline.y.tensor(), y)
-        assert ipc.result_id(answers[2][1]) == 7
+        assert frames.result_id(answers[2][1]) == 7
 
     run(main())
 
@@ -444,9 +444,9 @@ def test_engine_refuses_an_output_slot_past_the_arena(demo: Layer) -> None:
         arena = memoryview(bytearray(4096))
         conn, _ = _engine_connection(arena)
         x = torch.randn(1, 16, 4, 4)  # 1 KiB in, 2 KiB out
-        frame = b"".join(bytes(p) for p in ipc.submit_frame(5, 0, x, 0.0, None, (0, 3072)))
-        req = ipc.parse_submit(bytearray(frame[5:]), arena)
-        with pytest.raises(ipc.ProtocolError, match=r"output slot \[3072, 5120\) is outside"):
+        frame = b"".join(bytes(p) for p in frames.submit_frame(5, 0, x, 0.0, None, (0, 3072)))
+        req = frames.parse_submit(bytearray(frame[5:]), arena)
+        with pytest.raises(frames.ProtocolError, match=r"output slot \[3072, 5120\) is outside"):
             conn._slot(req, SimpleNamespace(layer=demo))
 
     run(main())

@@ -1,4 +1,4 @@
-"""One write per HTTP response: ``service.server.CoalescingTransport`` under uvicorn's own protocol."""
+"""One write per HTTP response: ``service.http.server.CoalescingTransport`` under uvicorn's own protocol."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import uvicorn
 from uvicorn.server import ServerState
 
-from service.server import CoalescingTransport, HTTPProtocol
+from service.http.server import CoalescingTransport, HTTPProtocol
 
 from .conftest import REPO_ROOT
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from service.config import DEFAULT_LAYER_REPOSITORY
+from service.engine.registry import BatchLimits, Layer, load_repository
+from service.engine.worker import Worker, WorkerPool, kernel_forward, select_devices
 from service.errors import InternalError
 from service.metrics import Metrics
-from service.registry import BatchLimits, Layer, load_repository
-from service.worker import Worker, WorkerPool, kernel_forward, select_devices
 
 from .conftest import metric_value, run
 

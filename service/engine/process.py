@@ -1,9 +1,9 @@
 """The engine process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1): layers, batchers and workers.
 
-``python -m service.engine --socket PATH`` (started by ``service.supervisor``, never by hand) runs the same
+``python -m service.engine.process --socket PATH`` (started by ``service.supervisor``, never by hand) runs the same
 ``Service`` as a single-process server (repository check, kernels, self-tests, one batcher per layer, one worker
 per device) without HTTP: the HTTP processes connect to the Unix socket at PATH and send it the requests they
-decoded (``service.ipc``). Requests from every HTTP process share one queue per layer, so they batch together.
+decoded (``service.ipc.frames``). Requests from every HTTP process share one queue per layer, so they batch together.
 
 Signals: SIGTERM drains (queued requests run at once, new ones get 503), waits for the HTTP processes to hang
 up, and exits 0 when everything queued was answered (1 otherwise; 3 when the repository or devices are invalid).
@@ -23,29 +23,29 @@ import socket
 import sys
 import time
 
-from service import ipc, shm
-from service.batcher import Batcher, Pending, Result
 from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
-from service.core import Service
+from service.engine.batcher import Batcher, Pending, Result
+from service.engine.core import Service
+from service.engine.registry import RepositoryError
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
-from service.process import watch_parent
-from service.registry import RepositoryError
+from service.ipc import frames, shm
+from service.ipc.process import watch_parent
 
 log = logging.getLogger("deconv.service")
 
 GPU_SAMPLE_PERIOD_S = 1.0
-# Longest wait for a new connection's HELLO (service.shm) before it is closed.
+# Longest wait for a new connection's HELLO (service.ipc.shm) before it is closed.
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
-class EngineConnection(ipc.FrameProtocol):
+class EngineConnection(frames.FrameProtocol):
     """One HTTP process's connection: its requests in, their results out."""
 
     def __init__(self, engine: Engine, arena: memoryview | None = None) -> None:
         super().__init__()
         self.engine = engine
-        self.arena = arena  # the HTTP process's shared memory (service.shm), mapped here; None: tensors inline
+        self.arena = arena  # the HTTP process's shared memory (service.ipc.shm), mapped here; None: tensors inline
         self.pending: dict[int, tuple[Batcher, Pending]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -55,14 +55,14 @@ class EngineConnection(ipc.FrameProtocol):
         self.send(self.engine.state_frame())
 
     def frame_received(self, kind: int, body: bytearray) -> None:
-        if kind == ipc.SUBMIT:
-            self._submit(ipc.parse_submit(body, self.arena))
-        elif kind == ipc.DROP:
-            self._drop(*ipc.parse_drop(body))
+        if kind == frames.SUBMIT:
+            self._submit(frames.parse_submit(body, self.arena))
+        elif kind == frames.DROP:
+            self._drop(*frames.parse_drop(body))
         else:
-            raise ipc.ProtocolError(f"unexpected frame kind {kind} from an HTTP process")
+            raise frames.ProtocolError(f"unexpected frame kind {kind} from an HTTP process")
 
-    def _submit(self, req: ipc.Submit) -> None:
+    def _submit(self, req: frames.Submit) -> None:
         service = self.engine.service
         try:
             names = self.engine.layers
@@ -74,18 +74,18 @@ class EngineConnection(ipc.FrameProtocol):
             item = batcher.submit(x, received=req.received, deadline=req.deadline, on_done=self._answer,
                                   key=req.request_id)
         except ServiceError as exc:
-            self.send(ipc.error_frame(req.request_id, exc))
+            self.send(frames.error_frame(req.request_id, exc))
             return
         self.pending[req.request_id] = (batcher, item)
 
-    def _slot(self, req: ipc.Submit, batcher: Batcher) -> SlotTensor:
+    def _slot(self, req: frames.Submit, batcher: Batcher) -> SlotTensor:
         """The input of a ``SUBMIT`` with a slot, with the place of its output in the arena."""
         assert self.arena is not None  # parse_submit checked both
         assert req.out_offset is not None
         n, _, h, w = req.x.shape
         end = req.out_offset + batcher.layer.output_bytes(n, h, w)
         if end > self.arena.nbytes:
-            raise ipc.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
+            raise frames.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
                                     "arena")
         return SlotTensor.of(req.x, self.arena[req.out_offset:end])
 
@@ -95,15 +95,15 @@ class EngineConnection(ipc.FrameProtocol):
         x = entry[1].x if entry is not None else None
         if outcome is None:  # dropped at its caller's request: nobody waits for it
             if isinstance(x, SlotTensor):
-                self.send(ipc.done_frame(request_id))  # the slot is the HTTP process's again
+                self.send(frames.done_frame(request_id))  # the slot is the HTTP process's again
             return
         if isinstance(outcome, BaseException):
             error = outcome if isinstance(outcome, ServiceError) else InternalError("batch execution failed")
-            self.send(ipc.error_frame(request_id, error))
+            self.send(frames.error_frame(request_id, error))
             return
         r = outcome
         shared = isinstance(x, SlotTensor) and isinstance(r.output, RawTensor) and r.output.data is x.out
-        self.send(ipc.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
+        self.send(frames.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
                                    shared))
 
     def _drop(self, request_id: int, reason: str) -> None:
@@ -113,7 +113,7 @@ class EngineConnection(ipc.FrameProtocol):
         batcher, item = entry
         if batcher.drop(item, reason) and reason == "deadline":
             deadline_ms = 1e3 * ((item.deadline or item.enqueued) - item.enqueued)
-            self.send(ipc.error_frame(request_id, DeadlineExceededError.before_execution(deadline_ms)))
+            self.send(frames.error_frame(request_id, DeadlineExceededError.before_execution(deadline_ms)))
 
     def lost(self, exc: Exception | None) -> None:
         self.engine.connections.discard(self)
@@ -139,7 +139,7 @@ class Engine:
     def state_frame(self) -> list[bytes | memoryview]:
         """The ``STATE`` frame for the service as it is now."""
         s = self.service
-        return ipc.state_frame(s.state, s.reason, s.backend, self.layers)
+        return frames.state_frame(s.state, s.reason, s.backend, self.layers)
 
     def _broadcast(self) -> None:
         frame = self.state_frame()
@@ -234,8 +234,8 @@ class Engine:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m service.engine --socket PATH``."""
-    parser = argparse.ArgumentParser(prog="python -m service.engine",
+    """``python -m service.engine.process --socket PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m service.engine.process",
                                      description="The engine process of a multi-process deconv server.")
     parser.add_argument("--socket", required=True, help="Unix socket path to serve the HTTP processes on")
     args = parser.parse_args(argv)

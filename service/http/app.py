@@ -1,5 +1,5 @@
-"""The app factory: ``create_app(settings)`` builds the FastAPI app (``service.asgi.App``) around one
-``service.core.Service``, whose life cycle the app's lifespan runs: started before the first request, drained and
+"""The app factory: ``create_app(settings)`` builds the FastAPI app (``service.http.asgi.App``) around one
+``service.engine.core.Service``, whose life cycle the app's lifespan runs: started before the first request, drained and
 stopped at shutdown.
 """
 
@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from service import routes
-from service.asgi import App
 from service.config import VERSION, Settings
-from service.core import Service
+from service.engine.core import Service
 from service.errors import install_error_handlers
+from service.http import routes
+from service.http.asgi import App
 
 
 @contextlib.asynccontextmanager
@@ -49,7 +49,7 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     read here.
 
     ``service``: the ``Service`` the app serves, by default a new one of ``settings``. An HTTP process of a
-    multi-process server passes its ``service.frontend.FrontendService``, whose requests go to the engine process
+    multi-process server passes its ``service.http.frontend.FrontendService``, whose requests go to the engine process
     instead of batchers and workers of its own.
     """
     if settings is None:

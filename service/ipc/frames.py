@@ -8,7 +8,7 @@ HTTP process -> engine:
 
 * ``SUBMIT``: ``u64 id | u16 layer | u8 dtype | u8 flags | u32 N, C, H, W | f64 received | f64 deadline`` + the
   input bytes, or, with flag ``SHARED``, ``u64 input offset | u64 output offset`` in the HTTP process's shared
-  arena (``service.shm``): the input is there and the output is to be written there. ``received`` and
+  arena (``service.ipc.shm``): the input is there and the output is to be written there. ``received`` and
   ``deadline`` are ``time.monotonic()`` values (one clock for every process on the machine); deadline NaN means
   none. ``layer`` indexes the layer names of the engine's ``STATE`` frame.
 * ``DROP``: ``u64 id | u8 reason``: the caller gave up on a queued request (reason: ``DROP_REASONS``). The

@@ -4,7 +4,7 @@ Each HTTP process owns one arena, an anonymous memory file (``memfd_create``) of
 and passes its file descriptor to the engine over the engine socket when it connects (``SCM_RIGHTS``, in the
 ``HELLO`` message). Both map it. For a request, the HTTP process takes one slot (``Arena.alloc``) for the input
 followed by room for the output, copies the input there and sends a ``SUBMIT`` frame that names the slot instead
-of carrying the bytes (``service.ipc``); the engine's worker reads the input from the slot and writes the output
+of carrying the bytes (``service.ipc.frames``); the engine's worker reads the input from the slot and writes the output
 into it, and the ``RESULT`` frame says so. The tensor bytes then cross no socket: the engine's event loop, the one
 serial stage of the server, neither reads nor writes them.
 

@@ -31,24 +31,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_transpose2d
-from kernels.functional import (
-    HostPart,
-    WeightPacks,
-    conv_transpose2d_gathered,
-    conv_transpose2d_staged,
-    resolve_precision,
-)
+from kernels.functional import resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
 from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, split_rows, tensor_bytes
+from service.engine.ops import HostPart, WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged
+from service.engine.registry import Layer
 from service.errors import InternalError
 from service.faults import Faults
 from service.metrics import Metrics
-from service.registry import Layer
 
 log = logging.getLogger("deconv.service")
 
 # Batches one worker holds at once: one executing and one waiting in its thread's queue, so that the thread need
-# not idle for an event-loop round trip between batches. A layer's batcher packs late (service.batcher) and keeps
+# not idle for an event-loop round trip between batches. A layer's batcher packs late (service.engine.batcher) and keeps
 # at most one of its batches per worker; the second slot serves other layers and layers of one-sample batches.
 MAX_INFLIGHT_BATCHES = 2
 

@@ -3,7 +3,7 @@
 Every inference request, native or KServe, takes the same path: read the body (size-checked), decode it without
 copies, validate it against the layer, submit it to the layer's batcher, wait for its result while watching
 for the client going away and for its deadline, encode the output. Those handlers (``deconv_call``,
-``v2_infer_call``) take a ``service.asgi.Call``: ``service.asgi.App`` runs them straight from ASGI
+``v2_infer_call``) take a ``service.http.asgi.Call``: ``service.http.asgi.App`` runs them straight from ASGI
 (``match_inference``), and the FastAPI routes of the same paths, which document them, adapt to them.
 """
 
@@ -24,10 +24,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from service import codec
-from service.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
-from service.batcher import Queue, Result, Ticket
 from service.codec import AnyTensor, RawTensor
 from service.config import VERSION
+from service.engine.batcher import Queue, Result, Ticket
+from service.engine.registry import Layer
 from service.errors import (
     ClientGoneError,
     DeadlineExceededError,
@@ -40,13 +40,13 @@ from service.errors import (
     UnknownLayerError,
     UnsupportedMediaTypeError,
 )
+from service.http.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.registry import Layer
 
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-    from service.core import Service
+    from service.engine.core import Service
 
 router = APIRouter()
 
@@ -855,7 +855,7 @@ async def v2_infer_version(request: Request) -> Response:
 
 
 def match_inference(path: str) -> tuple[Handler, dict[str, str]] | None:
-    """The handler and path parameters of the inference route at ``path`` (``service.asgi.App`` answers these
+    """The handler and path parameters of the inference route at ``path`` (``service.http.asgi.App`` answers these
     itself), or None. Matches as Starlette would the three POST routes above: a parameter is one path segment."""
     if path == "/deconv":
         return deconv_call, {}

@@ -3,7 +3,7 @@
 ``POST /deconv`` and the KServe infer routes are the service's hot path. At thousands of requests per second per
 HTTP process, FastAPI's and Starlette's middleware stack, router, ``Request`` and ``Response`` cost about as much
 CPU as decoding, submitting and encoding a request together (docs/operations.md, "Throughput"). ``App``, the
-FastAPI app that ``service.app.create_app`` builds, answers those routes straight from the ASGI scope; every
+FastAPI app that ``service.http.app.create_app`` builds, answers those routes straight from the ASGI scope; every
 other request, and any other method on those paths, goes through FastAPI as usual.
 
 The inference handlers take a ``Call`` and return a ``Reply`` (or raise a ``ServiceError``) whichever way the
@@ -34,11 +34,11 @@ from service.errors import (
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from service.core import Service
+    from service.engine.core import Service
 
 log = logging.getLogger("deconv.service")
 
-# Set in a request's scope by the connection (service.server.HTTPProtocol) when its body did not arrive in time:
+# Set in a request's scope by the connection (service.http.server.HTTPProtocol) when its body did not arrive in time:
 # the disconnect the application then receives is a 408, already written to the client.
 BODY_TIMED_OUT = "deconv.body_timed_out"
 CLOSE = (b"connection", b"close")

@@ -1,5 +1,5 @@
 """uvicorn, run so that a shutdown drains: shared by ``python -m service`` and the HTTP processes of a
-multi-process server (``service.frontend``)."""
+multi-process server (``service.http.frontend``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.asgi import BODY_TIMED_OUT, error_reply
 from service.config import Settings
-from service.core import Service
+from service.engine.core import Service
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
-from service.process import SERVING
+from service.http.asgi import BODY_TIMED_OUT, error_reply
+from service.ipc.process import SERVING
 
 log = logging.getLogger("deconv.service")
 MAX_FDS_PER_MESSAGE = 16
@@ -326,7 +326,7 @@ class DrainingServer(uvicorn.Server):
 
     def _drain_connections(self) -> None:
         """Close the connections between requests; the others close after their current answer (every answer
-        from now on says ``Connection: close``: ``service.asgi.App``)."""
+        from now on says ``Connection: close``: ``service.http.asgi.App``)."""
         for connection in list(self.server_state.connections):
             if isinstance(connection, HTTPProtocol):
                 connection.begin_drain()

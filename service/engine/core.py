@@ -5,7 +5,7 @@ and the readiness state, and runs their life cycle.
 starts the batchers, and starts a background task that builds the kernels (GPU) and self-tests every layer, so
 that ``/health/live`` answers at once while ``/health/ready`` says 503 until the self-tests pass. ``stop()`` (on
 SIGTERM) refuses new work, lets every queued request finish, then stops the workers. The HTTP app
-(``service.app``) and the engine process of a multi-process server (``service.engine``) each run one.
+(``service.http.app``) and the engine process of a multi-process server (``service.engine.process``) each run one.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from service.batcher import Batcher, Queue
 from service.budget import Budget
 from service.config import Settings, inflight_limit, parse_devices
+from service.engine.batcher import Batcher, Queue
+from service.engine.registry import BatchLimits, Registry, RepositoryError, load_repository
+from service.engine.worker import Worker, WorkerPool, select_devices
 from service.errors import NotReadyError
 from service.faults import Faults
 from service.metrics import Metrics
-from service.registry import BatchLimits, Registry, RepositoryError, load_repository
-from service.worker import Worker, WorkerPool, select_devices
 
 log = logging.getLogger("deconv.service")
 
@@ -73,7 +73,8 @@ class Service:
 
     def begin_drain(self) -> None:
         """Stop accepting work (503 from now on); queued requests still finish. Never from a signal handler: it
-        writes a metric, whose lock the interrupted code may hold (``service.server.DrainingServer.handle_exit``)."""
+        writes a metric, whose lock the interrupted code may hold
+        (``service.http.server.DrainingServer.handle_exit``)."""
         if self.state != "draining":
             self.state = "draining"
             self.reason = "draining: the server is shutting down"

@@ -1,10 +1,10 @@
 """An HTTP process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1).
 
-``python -m service.frontend --engine-socket PATH --connections-fd N`` (started by ``service.supervisor``) serves
+``python -m service.http.frontend --engine-socket PATH --connections-fd N`` (started by ``service.supervisor``) serves
 the same FastAPI app as a single-process server, on the connections the supervisor accepts and passes over the Unix
 socket it inherited as file descriptor N. It parses HTTP, decodes and validates tensors, and hands each request to
-the engine process over the Unix socket at PATH (``service.ipc``) instead of batching and computing it itself:
-``RemoteBatcher`` stands in for ``service.batcher.Batcher`` and the routes do not know the difference.
+the engine process over the Unix socket at PATH (``service.ipc.frames``) instead of batching and computing it itself:
+``RemoteBatcher`` stands in for ``service.engine.batcher.Batcher`` and the routes do not know the difference.
 
 Readiness mirrors the engine's (its ``STATE`` frames), so ``/health/ready`` is 200 only once the engine's
 self-tests passed. SIGTERM: 503 for new requests, every request sent to the engine is still answered, then exit.
@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from service import ipc, shm
-from service.app import create_app
-from service.batcher import Result
 from service.codec import AnyTensor, RawTensor, bytes_of
 from service.config import Settings, configure_logging, load_settings
-from service.core import Service, freeze_heap
+from service.engine.batcher import Result
+from service.engine.core import Service, freeze_heap
+from service.engine.registry import Layer
 from service.errors import InternalError, NotReadyError
+from service.http.app import create_app
+from service.http.server import serve
+from service.ipc import frames, shm
+from service.ipc.process import watch_parent
 from service.metrics import update_lock
-from service.process import watch_parent
-from service.registry import Layer
-from service.server import serve
 
 log = logging.getLogger("deconv.service")
 
@@ -60,7 +60,7 @@ class RemotePending:
         return self.state != "queued"
 
 
-class EngineClient(ipc.FrameProtocol):
+class EngineClient(frames.FrameProtocol):
     """This process's connection to the engine: requests out, results and state in."""
 
     def __init__(self, service: FrontendService, arena: shm.Arena | None = None) -> None:
@@ -70,19 +70,19 @@ class EngineClient(ipc.FrameProtocol):
         self.ids = itertools.count(1)
         self.arena = arena  # this process's shared memory, mapped by the engine too (None: tensors inline)
         # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
-        # output bytes). A request given up on keeps its slot here until then (service.shm).
+        # output bytes). A request given up on keeps its slot here until then (service.ipc.shm).
         self.slots: dict[int, tuple[int, int, int]] = {}
         paths = service.metrics.ipc_requests
         self.sent_shared, self.sent_inline = paths.labels("shared"), paths.labels("inline")
 
     def frame_received(self, kind: int, body: bytearray) -> None:
-        if kind == ipc.RESULT:
-            request_id = ipc.result_id(body)
+        if kind == frames.RESULT:
+            request_id = frames.result_id(body)
             entry = self.pending.pop(request_id, None)
             slot = self.slots.pop(request_id, None)
             try:
                 if entry is not None and not entry[0].future.done():
-                    out = ipc.parse_result(body, entry[1], None if slot is None else self._output_view(slot))
+                    out = frames.parse_result(body, entry[1], None if slot is None else self._output_view(slot))
                     y = out.y
                     if out.shared:  # a copy: the slot serves the next request at once
                         y = RawTensor(memoryview(bytearray(y.data)), y.dtype, y.shape)
@@ -91,18 +91,18 @@ class EngineClient(ipc.FrameProtocol):
                                                       out.worker))
             finally:
                 self._release(slot)
-        elif kind == ipc.ERROR:
-            request_id, error = ipc.parse_error(body)
+        elif kind == frames.ERROR:
+            request_id, error = frames.parse_error(body)
             self._release(self.slots.pop(request_id, None))
             entry = self.pending.pop(request_id, None)
             if entry is not None and not entry[0].future.done():
                 entry[0].future.set_exception(error)
-        elif kind == ipc.DONE:
-            self._release(self.slots.pop(ipc.result_id(body), None))
-        elif kind == ipc.STATE:
-            self.service.engine_state(ipc.parse_state(body))
+        elif kind == frames.DONE:
+            self._release(self.slots.pop(frames.result_id(body), None))
+        elif kind == frames.STATE:
+            self.service.engine_state(frames.parse_state(body))
         else:
-            raise ipc.ProtocolError(f"unexpected frame kind {kind} from the engine")
+            raise frames.ProtocolError(f"unexpected frame kind {kind} from the engine")
 
     def _output_view(self, slot: tuple[int, int, int]) -> memoryview:
         assert self.arena is not None
@@ -125,13 +125,13 @@ class EngineClient(ipc.FrameProtocol):
             if start is not None:
                 arena.view[start:start + data.nbytes] = data
                 self.slots[request_id] = (start, start + in_bytes, out_bytes)
-                self.send(ipc.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
+                self.send(frames.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
                 self.sent_shared.inc()
                 return
-        self.send(ipc.submit_frame(request_id, index, x, received, deadline))
+        self.send(frames.submit_frame(request_id, index, x, received, deadline))
         self.sent_inline.inc()
 
-    def protocol_error(self, exc: ipc.ProtocolError) -> None:
+    def protocol_error(self, exc: frames.ProtocolError) -> None:
         log.error("engine connection: %s", exc)
         super().protocol_error(exc)
 
@@ -191,7 +191,7 @@ class RemoteBatcher:
         """
         if item.state != "queued" or item.future.done():
             return False
-        self.client.send(ipc.drop_frame(item.request_id, reason))
+        self.client.send(frames.drop_frame(item.request_id, reason))
         if reason == "deadline":
             item.state = "dropping"
             return False
@@ -334,8 +334,8 @@ def _terminate() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m service.frontend --engine-socket PATH --connections-fd N``."""
-    parser = argparse.ArgumentParser(prog="python -m service.frontend",
+    """``python -m service.http.frontend --engine-socket PATH --connections-fd N``."""
+    parser = argparse.ArgumentParser(prog="python -m service.http.frontend",
                                      description="An HTTP process of a multi-process deconv server.")
     parser.add_argument("--engine-socket", required=True, help="the engine's Unix socket")
     parser.add_argument("--connections-fd", type=int, required=True,

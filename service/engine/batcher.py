@@ -35,15 +35,15 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from service.codec import AnyTensor
+from service.engine.registry import Layer
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
 from service.metrics import Metrics
-from service.registry import Layer
 
 log = logging.getLogger("deconv.service")
 
 
 class Executor(Protocol):
-    """What the batcher needs from the workers (``service.worker.WorkerPool`` is one)."""
+    """What the batcher needs from the workers (``service.engine.worker.WorkerPool`` is one)."""
 
     @property
     def parallelism(self) -> int:
@@ -76,7 +76,7 @@ class Ticket(Protocol):
 
 
 class Queue(Protocol):
-    """What the routes need from a layer's batcher (``Batcher``, or ``service.frontend.RemoteBatcher`` in an HTTP
+    """What the routes need from a layer's batcher (``Batcher``, or ``service.http.frontend.RemoteBatcher`` in an HTTP
     process of a multi-process server)."""
 
     @property

@@ -1,4 +1,4 @@
-"""What the processes of a multi-process server tell each other outside the frame protocol (``service.ipc``):
+"""What the processes of a multi-process server tell each other outside the frame protocol (``service.ipc.frames``):
 an HTTP process's word to the supervisor that it serves, and a child's watch on its supervisor.
 """
 

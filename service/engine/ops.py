@@ -1,0 +1,168 @@
+"""The kernels' batch calls for serving: host memory in, host memory out, the GIL released once per batch.
+
+``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived) and
+``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers (``service.engine.worker``)
+run; ``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal
+layer (``kernels._ops``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from kernels._ops import (
+    FORCE_PATHS,
+    KERNEL_PATHS,
+    SUPPORTED_DTYPES,
+    ConvArgs,
+    ConvTranspose2dArgumentError,
+    _ext_packs,
+    _load_extension,
+    _out_hw,
+    check_shapes,
+    check_tensors,
+    resolve_precision,
+)
+from kernels.tuning import DEFAULT, KernelChoice
+
+
+class WeightPacks:
+    """Packed copies of one CUDA weight tensor for the tensor-core kernels, made on first use (one per tile layout)
+    and kept.
+
+    A tensor-core call packs its weights (channel words in the tile layout, TF32-rounded for TF32) with a kernel of
+    its own before the convolution: 1.6-2.7 us on an H100, a large share of a small layer's call. A call given
+    ``packs`` runs that kernel only the first time a layout is needed. For weights that do not change while the
+    packs live, such as a served layer's: a later write to ``weight`` is not seen by the packed copies.
+
+    Raises:
+        ConvTranspose2dArgumentError: ``weight`` is not a contiguous 4-D CUDA tensor.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_cuda or weight.dim() != 4 \
+                or not weight.is_contiguous():
+            raise ConvTranspose2dArgumentError("WeightPacks takes a contiguous 4-D CUDA weight tensor")
+        self.weight = weight
+        self._ext = _load_extension().WeightPacks(weight)
+
+    def __len__(self) -> int:
+        """Packed layouts made so far."""
+        return len(self._ext)
+
+
+def _forced(choice: KernelChoice) -> tuple[int, int, int]:
+    """The extension's (force_path, force_config, force_split) for a kernel choice."""
+    if choice is DEFAULT:
+        return -1, -1, -1
+    return (FORCE_PATHS[choice.path], -1 if choice.config is None else choice.config,
+            -1 if choice.split is None else choice.split)
+
+
+def conv_transpose2d_staged(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    out: torch.Tensor,
+    choice: KernelChoice = DEFAULT,
+    packs: WeightPacks | None = None,
+) -> str:
+    """``conv_transpose2d`` from host memory into host memory, for a thread that serves batches.
+
+    Uploads ``input`` ([N, C_in, H, W] on the CPU; pinned memory makes the copy asynchronous) to ``weight``'s GPU,
+    runs the kernels, writes the output into ``out`` ([N, C_out, H_out, W_out], contiguous, on the CPU) and waits
+    for the current CUDA stream, releasing the GIL once for all of it rather than once per tensor operation. No
+    autograd. ``choice`` asks for a kernel (kernels.tuning); the default lets the dispatcher choose. ``packs``:
+    ``weight``'s packed copies (``WeightPacks``). Returns the kernel family that ran.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
+    """
+    if input.dim() != 4 or input.device.type != "cpu" or out.device.type != "cpu" or not weight.is_cuda:
+        raise ConvTranspose2dArgumentError("conv_transpose2d_staged takes a 4-D CPU input and output and CUDA weights")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    check_tensors(input, weight, bias, args, device=weight.device)
+    if out.dtype != input.dtype:
+        raise ConvTranspose2dArgumentError(f"out dtype {out.dtype} differs from input dtype {input.dtype}")
+    n, c_out = input.shape[0], weight.shape[1] * args.groups
+    h_out, w_out = _out_hw(input.shape, weight, args)
+    if out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
+        raise ConvTranspose2dArgumentError(f"out must be a contiguous [{n}, {c_out}, {h_out}, {w_out}] tensor for "
+                                           f"input {list(input.shape)}, got {list(out.shape)}")
+    mode = resolve_precision(input.dtype, precision)
+    path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
+                                            list(args.output_padding), list(args.dilation), args.groups, mode, out,
+                                            *_forced(choice), _ext_packs(packs, weight))
+    return KERNEL_PATHS[path]
+
+
+HostPart = torch.Tensor | memoryview | bytes | bytearray
+"""Host memory holding whole samples of a gathered input: a contiguous CPU tensor or a C-contiguous buffer."""
+
+
+def conv_transpose2d_gathered(
+    parts: Sequence[HostPart],
+    shape: Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    choice: KernelChoice = DEFAULT,
+    packs: WeightPacks | None = None,
+) -> torch.Tensor:
+    """``conv_transpose2d`` of an input given as host memory in parts, into a new pinned host tensor.
+
+    The input ``shape`` ([N, C_in, H, W], N >= 1, ``weight``'s dtype) is the parts' bytes one after the other (a
+    serving batch: each request's samples where they arrived). In one extension call that releases the GIL once,
+    the parts are copied into pinned staging memory, uploaded to ``weight``'s GPU, run through the kernels on the
+    current stream, downloaded into a new pinned ``[N, C_out, H_out, W_out]`` tensor, and the stream is waited for.
+    No autograd; every check runs here, before the call, without tensor operations. ``choice`` asks for a kernel
+    (kernels.tuning); the default lets the dispatcher choose. ``packs``: ``weight``'s packed copies
+    (``WeightPacks``).
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, or parts that do not add up to
+            ``shape``.
+    """
+    if not isinstance(weight, torch.Tensor) or not weight.is_cuda:
+        raise ConvTranspose2dArgumentError("conv_transpose2d_gathered takes CUDA weights")
+    dims = tuple(operator.index(d) for d in shape)
+    if len(dims) != 4 or dims[0] <= 0:
+        raise ConvTranspose2dArgumentError(f"shape must be [N, C_in, H, W] with N >= 1, got {list(dims)}")
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {weight.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
+    itemsize = weight.dtype.itemsize
+    total = 0
+    for i, part in enumerate(parts):
+        if type(part) is memoryview and part.c_contiguous:  # a request's bytes as served: the common case, first
+            total += part.nbytes
+        elif isinstance(part, torch.Tensor):
+            if part.device.type != "cpu" or part.dtype != weight.dtype or not part.is_contiguous():
+                raise ConvTranspose2dArgumentError(
+                    f"part {i}: a tensor part must be a contiguous CPU tensor of dtype {weight.dtype}, got "
+                    f"{part.dtype} on {part.device}{'' if part.is_contiguous() else ', not contiguous'}")
+            total += part.numel() * itemsize
+        else:
+            view = memoryview(part)
+            if not view.c_contiguous:
+                raise ConvTranspose2dArgumentError(f"part {i}: the buffer is not C-contiguous")
+            total += view.nbytes
+    want = dims[0] * dims[1] * dims[2] * dims[3] * itemsize
+    if total != want:
+        raise ConvTranspose2dArgumentError(
+            f"the parts hold {total} bytes; a {list(dims)} {weight.dtype} input is {want}")
+    mode = resolve_precision(weight.dtype, precision)
+    return _load_extension().forward_gathered(  # type: ignore[no-any-return]
+        list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
+        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
