@@ -39,7 +39,7 @@ from service.metrics import Metrics  # noqa: E402
 
 
 class InstantExecutor:
-    """One slot; a batch's outputs are its requests' slots, answered after one loop iteration."""
+    """One reservation; a batch's outputs are its requests' slots, answered after one loop iteration."""
 
     parallelism = 1
 
@@ -54,11 +54,11 @@ class InstantExecutor:
         self.busy = True
         return "instant"
 
-    def release(self, slot: Any) -> None:
+    def release(self, reservation: Any) -> None:
         self.busy = False
         self.free.set()
 
-    async def run(self, slot: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
+    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         try:
             await asyncio.sleep(0)
             outputs: list[AnyTensor] = []
@@ -68,7 +68,7 @@ class InstantExecutor:
                 outputs.append(RawTensor(x.out, x.dtype, (n, layer.config.out_channels, *layer.output_hw(h, w))))
             return outputs
         finally:
-            self.release(slot)
+            self.release(reservation)
 
 
 class CountingTransport:

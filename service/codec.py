@@ -97,7 +97,7 @@ class RawTensor:
     Requests travel as these from the HTTP body to the worker (through the engine link in a multi-process
     server): a torch tensor per request would cost an event loop more than the rest of the request's handling.
     The worker copies a batch's inputs into one staging tensor (``copy_into``) and hands back each request's
-    output as a slice of the batch's output (``split_rows``).
+    output as a slice of the batch's output (``Worker._deliver``).
     """
 
     __slots__ = ("data", "dtype", "shape")
@@ -165,24 +165,6 @@ def copy_into(dst: torch.Tensor, parts: Sequence[RawTensor]) -> None:
         offset = end
     if offset != out.nbytes:
         raise ValueError(f"the parts hold {offset} bytes, the destination {out.nbytes}")
-
-
-def split_rows(y: torch.Tensor, sizes: Sequence[int]) -> list[RawTensor]:
-    """``y`` [sum(sizes), ...] as one ``RawTensor`` per ``sizes`` entry of rows.
-
-    The parts are views of ``y``'s memory when ``y`` is contiguous on the CPU (else of a contiguous copy), which
-    stays allocated as long as any of them lives.
-    """
-    data = tensor_bytes(y)
-    row_shape = tuple(int(d) for d in y.shape[1:])
-    row_bytes = math.prod(row_shape) * y.element_size()
-    parts = []
-    offset = 0
-    for n in sizes:
-        end = offset + n * row_bytes
-        parts.append(RawTensor(data[offset:end], y.dtype, (n, *row_shape)))
-        offset = end
-    return parts
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -2,7 +2,7 @@
 
 A batch is executed when the group of the oldest queued request holds ``max_batch_size`` samples or
 ``max_batch_bytes`` output bytes, or when that request has waited ``max_queue_delay_ms``, whichever comes
-first, and a worker has a free slot (while every worker is busy the queue keeps filling, so batches grow with
+first, and a worker has room for another batch (while every worker is busy the queue keeps filling, so batches grow with
 load). Requests are packed first come, first served.
 
 Batches are packed late: while a layer's batches occupy every worker (``Executor.parallelism``), its next batch
@@ -51,15 +51,15 @@ class Executor(Protocol):
         ...
 
     async def acquire(self) -> Any:
-        """Wait for and reserve a slot on some worker."""
+        """Wait for and reserve room for a batch on some worker (a reservation)."""
         ...
 
-    def release(self, slot: Any) -> None:
-        """Give back an unused slot."""
+    def release(self, reservation: Any) -> None:
+        """Give back an unused reservation."""
         ...
 
-    async def run(self, slot: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
-        """Execute one batch on the reserved slot (released when done); one output per input."""
+    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
+        """Execute one batch on the reservation (released when done); one output per input."""
         ...
 
 
@@ -362,13 +362,13 @@ class Batcher:
                 continue
             if self.layer.limits.max_batch_size > 1:  # pack late (module docstring)
                 await self._wait_for_room()
-            slot = await self.executor.acquire()  # requests keep joining the queue while workers are busy
+            reservation = await self.executor.acquire()  # requests keep joining the queue while workers are busy
             batch = self._pack()
             if not batch:
-                self.executor.release(slot)
+                self.executor.release(reservation)
                 continue
             self._executing += 1
-            task = asyncio.create_task(self._execute(slot, batch))
+            task = asyncio.create_task(self._execute(reservation, batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             return True
@@ -430,7 +430,7 @@ class Batcher:
         if self.metrics is not None:
             self._depth.set(len(self._queue))
 
-    async def _execute(self, slot: Any, batch: list[Pending]) -> None:
+    async def _execute(self, reservation: Any, batch: list[Pending]) -> None:
         start = time.monotonic()
         samples = sum(i.samples for i in batch)
         name = self.layer.name
@@ -442,7 +442,7 @@ class Batcher:
                     self._queue_time.observe(start - item.enqueued)
         try:
             try:
-                outputs = await self.executor.run(slot, self.layer, [i.x for i in batch])
+                outputs = await self.executor.run(reservation, self.layer, [i.x for i in batch])
             finally:
                 self._left_worker()
             if self.metrics is not None:
@@ -458,7 +458,7 @@ class Batcher:
         # The batcher packs the next batch (already woken) before this one's results go out: one event-loop
         # iteration here instead of a batch's worth of answers between a worker's batches.
         await asyncio.sleep(0)
-        worker = getattr(slot, "name", str(slot))
+        worker = getattr(reservation, "name", str(reservation))
         for item, y in zip(batch, outputs, strict=True):
             if not item.future.done():
                 item.future.set_result(Result(y, samples, len(batch), start - item.enqueued, worker))

@@ -13,8 +13,25 @@ held fails with ``InternalError``, so that no request waits on a thread that wil
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
 
-``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) with a free slot. Nothing
-here imports FastAPI.
+``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) that has room for another
+batch (a *reservation*: ``acquire``, given back when the batch is done). Nothing here imports FastAPI. A *slot*,
+here as everywhere in the service, is a request's range of shared memory (``service.codec.SlotTensor``).
+
+Threads and locks
+-----------------
+A worker's state is touched from two sides: the event loop (``submit``, ``restart``, ``WorkerPool``) and the
+worker's thread (``_serve``). Everything the loop alone uses (``inflight_batches``, ``inflight_samples``,
+``WorkerPool._freed``) takes no lock. Two locks cover the rest, and nothing else here locks:
+
+* ``_lock`` guards the thread's *generation*: ``_thread``, its job queue ``_jobs``, the batches it holds
+  ``_held``, ``_generation`` and ``_stopping``. ``submit`` queues a batch and ``_replace`` starts a new generation
+  (``restart``, the watchdog's ``WorkerPool.watch``, or a thread that died) under it, so a batch is either held by
+  the generation that will run it or failed by the replacement, never lost between them.
+* ``_slot_lock`` makes ``_deliver``'s check "am I still the current generation?" and its writes into the
+  requests' slots one step with respect to ``_replace``: once a replacement has failed a batch, its slots may
+  serve other requests, and a replaced thread that comes back late must not write into them.
+
+``busy_since`` is written by the thread and read by the watchdog without a lock (a float, replaced whole).
 """
 
 from __future__ import annotations
@@ -33,7 +50,7 @@ import torch.nn.functional as F
 from kernels import conv_transpose2d
 from kernels.functional import resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
-from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, split_rows, tensor_bytes
+from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, tensor_bytes
 from service.engine.ops import HostPart, WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged
 from service.engine.registry import Layer
 from service.errors import InternalError
@@ -44,7 +61,7 @@ log = logging.getLogger("deconv.service")
 
 # Batches one worker holds at once: one executing and one waiting in its thread's queue, so that the thread need
 # not idle for an event-loop round trip between batches. A layer's batcher packs late (service.engine.batcher) and keeps
-# at most one of its batches per worker; the second slot serves other layers and layers of one-sample batches.
+# at most one of its batches per worker; the second place serves other layers and layers of one-sample batches.
 MAX_INFLIGHT_BATCHES = 2
 
 # Default longest execution of one batch before its worker thread counts as stalled (Settings.worker_timeout_s).
@@ -126,7 +143,8 @@ def _settle(future: Future[list[AnyTensor]], result: list[AnyTensor] | None = No
 
 
 class Worker:
-    """One device, one thread. ``run_batch`` runs on that thread; everything else on the event loop.
+    """One device, one thread. ``_serve`` (``_batch_output``, then ``_deliver``) runs on that thread; everything
+    else on the event loop (see the module's "Threads and locks").
 
     Batches reach the thread through ``submit`` (a queue; each batch owns a ``concurrent.futures.Future``).
     ``restart`` replaces the thread: the batches the old one held fail, later ones go to the new one.
@@ -147,8 +165,8 @@ class Worker:
         self.inflight_samples = 0
         self.restarts = 0
         self.busy_since: float | None = None  # time.monotonic() when the current batch started executing
-        self._lock = threading.Lock()
-        self._slot_lock = threading.Lock()  # see _deliver
+        self._lock = threading.Lock()  # the thread's generation (module docstring: "Threads and locks")
+        self._slot_lock = threading.Lock()  # _deliver's slot writes vs _replace (same section)
         self._stopping = False
         self._generation = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -290,24 +308,8 @@ class Worker:
         # The served weights never change: their packed copies are made once per tile layout and kept.
         self._weights[layer.name] = (w, b, WeightPacks(w) if self.is_cuda else None)
 
-    def run_batch(self, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
-        """Execute one batch (on the worker thread): inputs ``[n_i, C_in, H, W]`` -> outputs ``[n_i, C_out, ...]``.
-
-        Inputs that are ``RawTensor`` (requests as they arrived) get ``RawTensor`` outputs: views of the batch's
-        output, so that the event loop handles no torch tensor per request. (The worker thread itself writes the
-        outputs of inputs with a slot into their slots instead: ``_deliver``.)
-
-        Raises:
-            InternalError: the kernel failed, or even one sample does not fit in GPU memory.
-        """
-        y = self._batch_output(layer, inputs)
-        sizes = [int(x.shape[0]) for x in inputs]
-        if isinstance(inputs[0], RawTensor):
-            return split_rows(y, sizes)
-        return list(y.split(sizes))
-
     def _batch_output(self, layer: Layer, inputs: list[AnyTensor]) -> torch.Tensor:
-        """The whole batch's output ``[N, C_out, H_out, W_out]`` on the host (``run_batch`` before the split)."""
+        """The whole batch's output ``[N, C_out, H_out, W_out]`` on the host (``_deliver`` splits it)."""
         weight, bias, packs = self._weights[layer.name]
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
@@ -459,7 +461,7 @@ class WorkerPool:
             w.load(layer)
 
     async def acquire(self) -> Worker:
-        """Wait for a worker with a free slot and reserve it: the one with the fewest samples in flight."""
+        """Wait for a worker with room for another batch and reserve it: the one with the fewest samples in flight."""
         if self._freed is None:
             self._freed = asyncio.Event()
         while True:
@@ -472,7 +474,7 @@ class WorkerPool:
             await self._freed.wait()
 
     def release(self, worker: Worker) -> None:
-        """Give back a slot reserved with ``acquire`` (after its batch finished, or when it was not used)."""
+        """Give back a reservation made with ``acquire`` (after its batch finished, or when it was not used)."""
         worker.inflight_batches -= 1
         if self._freed is not None:
             self._freed.set()
@@ -549,7 +551,7 @@ class WorkerPool:
         return runs
 
     async def acquire_specific(self, worker: Worker) -> Worker:
-        """Reserve a slot on this particular worker (self-tests check every device)."""
+        """Reserve room for a batch on this particular worker (self-tests check every device)."""
         if self._freed is None:
             self._freed = asyncio.Event()
         while worker.inflight_batches >= self.max_inflight_batches:

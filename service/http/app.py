@@ -8,26 +8,32 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI
 
 from service.config import VERSION, Settings
 from service.engine.core import Service
 from service.errors import install_error_handlers
-from service.http import routes
+from service.http import routes, shm_routes
 from service.http.asgi import App
+from service.http.shm_regions import RegionTable
 
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start the service before the first request; drain and stop it at shutdown."""
+    """Start the service before the first request; drain and stop it at shutdown, then close the shared-memory
+    regions this process opened."""
     service: Service = app.state.service
     service.budget.publish()
     await service.start()
     try:
         yield
     finally:
-        await service.stop()
+        try:
+            await service.stop()
+        finally:
+            app.state.regions.close()
 
 
 DESCRIPTION = """\
@@ -44,13 +50,17 @@ says which).
 """
 
 
-def create_app(settings: Settings | None = None, service: Service | None = None) -> App:
+def create_app(settings: Settings | None = None, service: Service | None = None,
+               regions_dir: Path | None = None) -> App:
     """Build the app. ``settings`` default to ``service``'s, else to ``Settings()`` (the ``DECONV_*`` environment),
     read here.
 
     ``service``: the ``Service`` the app serves, by default a new one of ``settings``. An HTTP process of a
     multi-process server passes its ``service.http.frontend.FrontendService``, whose requests go to the engine process
     instead of batchers and workers of its own.
+
+    ``regions_dir``: where the system shared-memory regions are kept for every HTTP process of a multi-process
+    server (``service.http.shm_regions.DirectoryStore``); None keeps them in this process.
     """
     if settings is None:
         settings = service.settings if service is not None else Settings()
@@ -58,6 +68,8 @@ def create_app(settings: Settings | None = None, service: Service | None = None)
     app = App(fast_routes=routes.match_inference, title="deconv", version=VERSION, description=DESCRIPTION,
               lifespan=lifespan)
     app.state.service = service if service is not None else Service(settings)
+    app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir)
     install_error_handlers(app)
     app.include_router(routes.router)
+    app.include_router(shm_routes.router)
     return app

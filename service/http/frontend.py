@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -343,7 +344,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = load_settings()
     configure_logging(settings, "http %(process)d")
-    app = create_app(settings, FrontendService(settings, args.engine_socket))
+    # The supervisor's private working directory holds the engine socket; the system shared-memory regions are kept
+    # beside it, where every HTTP process sees them (service.http.shm_regions).
+    regions_dir = Path(args.engine_socket).parent / "shm-regions"
+    app = create_app(settings, FrontendService(settings, args.engine_socket), regions_dir)
     app.state.service.freeze_gc = True
     sys.exit(serve(app, settings, connections=socket.socket(fileno=args.connections_fd)))
 

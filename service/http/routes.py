@@ -15,7 +15,7 @@ import json
 import math
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
+from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -460,9 +461,12 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/v2", tags=["kserve"], summary="Server metadata")
-async def v2_server_metadata() -> dict[str, Any]:
+async def v2_server_metadata(request: Request) -> dict[str, Any]:
     """Name, version and protocol extensions."""
-    return {"name": "deconv", "version": VERSION, "extensions": ["binary_tensor_data"]}
+    extensions = ["binary_tensor_data"]
+    if request.app.state.regions.enabled:
+        extensions.append("system_shared_memory")
+    return {"name": "deconv", "version": VERSION, "extensions": extensions}
 
 
 @router.get("/v2/health/live", tags=["kserve"], summary="Server liveness")
@@ -563,8 +567,16 @@ PARSED_BYTES_PER_JSON_BYTE = 16
 JSON_INLINE_BYTES = 64 * 2**10
 
 
+class RegionInput(NamedTuple):
+    """An input that names a system shared-memory region: read on the event loop once the request is parsed."""
+
+    ref: TensorRef
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
 async def _parse_kserve_input(service: Service, body: bytearray, header_length: str | None,
-                              limit: int) -> tuple[dict[str, Any], AnyTensor]:
+                              limit: int) -> tuple[dict[str, Any], AnyTensor | RegionInput]:
     """The KServe request in ``body`` and its input tensor.
 
     A large JSON part becomes many times its size in Python objects before the output's size can be checked, and
@@ -580,7 +592,7 @@ async def _parse_kserve_input(service: Service, body: bytearray, header_length: 
     parsed_bytes = PARSED_BYTES_PER_JSON_BYTE * json_bytes
     service.budget.take(parsed_bytes)
     try:
-        def parse() -> tuple[dict[str, Any], AnyTensor]:
+        def parse() -> tuple[dict[str, Any], AnyTensor | RegionInput]:
             req, binary = _parse_kserve(body, header_length)
             return req, _kserve_input(req, binary, limit)
 
@@ -598,7 +610,8 @@ def _header_length(header_length: str) -> int:
         return 0
 
 
-def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | None = None) -> AnyTensor:
+def _kserve_input(request: dict[str, Any], binary: memoryview,
+                  max_bytes: int | None = None) -> AnyTensor | RegionInput:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise MalformedBodyError(f"'inputs' must list exactly one tensor (named {KSERVE_INPUT!r})")
@@ -621,6 +634,15 @@ def _kserve_input(request: dict[str, Any], binary: memoryview, max_bytes: int | 
     if not isinstance(params, dict):
         raise MalformedBodyError("input 'parameters' must be an object")
     size = params.get("binary_data_size")
+    ref = tensor_ref(params, "input")
+    if ref is not None:
+        if size is not None or "data" in spec:
+            raise MalformedBodyError("an input in shared memory carries neither 'data' nor binary_data_size")
+        need = codec.check_size(shape, itemsize, "input", max_bytes)
+        if ref.byte_size != need:
+            raise RegionError(f"input shared_memory_byte_size is {ref.byte_size}; shape {shape} of {datatype} "
+                              f"needs {need} bytes")
+        return RegionInput(ref, dtype, tuple(shape))
     # 413 for a huge claim before anything is allocated (JSON data is bounded by its own length instead).
     codec.check_size(shape, itemsize, "input", max_bytes if size is not None else None)
     count = math.prod(shape)
@@ -686,6 +708,23 @@ def _wants_binary(request: dict[str, Any]) -> bool:
         if isinstance(oparams, dict) and "binary_data" in oparams:
             binary = bool(oparams["binary_data"])
     return binary
+
+
+def _output_ref(request: dict[str, Any]) -> TensorRef | None:
+    """Where the output goes when its parameters name a system shared-memory region, else None (``outputs``
+    already checked by ``_wants_binary``)."""
+    for out in request.get("outputs") or []:
+        oparams = out.get("parameters") or {}
+        if isinstance(oparams, dict):
+            return tensor_ref(oparams, "output")
+    return None
+
+
+def _read_region_input(call: Call, regions: RegionTable, x: RegionInput) -> AnyTensor:
+    """The input's bytes, copied out of its region (the copy held in the bytes-in-flight budget)."""
+    call.hold(x.ref.byte_size)
+    data = regions.read(x.ref.region, x.ref.offset, x.ref.byte_size)
+    return RawTensor(memoryview(data), x.dtype, x.shape)
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
@@ -785,11 +824,21 @@ async def v2_infer_call(call: Call) -> Reply:
         body = _decompress(raw, call.headers.get("content-encoding"), limit)
         if body is not raw:
             call.hold(len(body))
-        req, x = await _parse_kserve_input(service, body, call.headers.get("inference-header-content-length"),
-                                           limit)
+        req, parsed = await _parse_kserve_input(service, body, call.headers.get("inference-header-content-length"),
+                                                limit)
+        regions: RegionTable = call.scope["app"].state.regions
+        x = _read_region_input(call, regions, parsed) if isinstance(parsed, RegionInput) else parsed
         binary_out = _wants_binary(req)
+        out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
-        if binary_out:
+        if out_ref is not None:
+            need = output_bytes(layer, x4)
+            if out_ref.byte_size < need:
+                raise RegionError(f"output shared_memory_byte_size is {out_ref.byte_size}; the output needs {need} "
+                                  "bytes")
+            regions.check(out_ref.region, out_ref.offset, out_ref.byte_size)
+            call.hold(need)
+        elif binary_out:
             call.hold(output_bytes(layer, x4))
         else:
             json_bytes = JSON_BYTES_PER_VALUE * output_values(layer, x4)
@@ -808,7 +857,14 @@ async def v2_infer_call(call: Call) -> Reply:
         if isinstance(req.get("id"), str):
             response["id"] = req["id"]
         headers = _batch_headers(result)
-        if binary_out:
+        if out_ref is not None:
+            data = codec.bytes_of(y)
+            regions.write(out_ref.region, out_ref.offset, data)
+            out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": data.nbytes}
+            if out_ref.offset:
+                out["parameters"]["shared_memory_offset"] = out_ref.offset
+            reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)
+        elif binary_out:
             data = codec.bytes_of(y)
             out["parameters"] = {"binary_data_size": len(data)}
             head = json.dumps(response, separators=(",", ":")).encode()

@@ -37,7 +37,7 @@ def test_cpu_worker_splits_the_batch_back_per_request(layers):
     worker = Worker(torch.device("cpu"))
     worker.load(layer)
     inputs = [torch.randn(n, 48, 5, 6) for n in (1, 3, 2)]
-    outputs = worker.run_batch(layer, inputs)
+    outputs = worker.submit(layer, inputs).result()
     assert [tuple(y.shape) for y in outputs] == [(n, 24, *layer.output_hw(5, 6)) for n in (1, 3, 2)]
     for x, y in zip(inputs, outputs, strict=True):
         ref = _reference(layer, x)
@@ -59,7 +59,7 @@ def test_out_of_memory_retries_in_halves(layers):
     worker = Worker(torch.device("cpu"), m, forward=tight)
     worker.load(layer)
     inputs = [torch.randn(3, 16, 4, 4), torch.randn(2, 16, 4, 4)]
-    outputs = worker.run_batch(layer, inputs)
+    outputs = worker.submit(layer, inputs).result()
     assert calls[0] == 5  # tried whole, then halves until they fit
     assert calls[1:] == [2, 3, 1, 2]  # 5 -> 2 + 3, 3 -> 1 + 2
     for x, y in zip(inputs, outputs, strict=True):
@@ -80,9 +80,9 @@ def test_out_of_memory_for_one_sample_fails_the_batch_and_the_worker_lives_on(la
     worker = Worker(torch.device("cpu"), forward=flaky)
     worker.load(layer)
     with pytest.raises(InternalError, match="out of GPU memory"):
-        worker.run_batch(layer, [torch.randn(2, 16, 4, 4)])
+        worker.submit(layer, [torch.randn(2, 16, 4, 4)]).result()
     budget["fail"] = False
-    (y,) = worker.run_batch(layer, [torch.randn(1, 16, 4, 4)])
+    (y,) = worker.submit(layer, [torch.randn(1, 16, 4, 4)]).result()
     assert y.shape == (1, 8, 8, 8)
     worker.shutdown()
 
@@ -97,7 +97,7 @@ def test_kernel_failure_gives_a_message_without_traceback(layers):
     worker = Worker(torch.device("cpu"), m, forward=broken)
     worker.load(layer)
     with pytest.raises(InternalError) as info:
-        worker.run_batch(layer, [torch.randn(1, 16, 4, 4)])
+        worker.submit(layer, [torch.randn(1, 16, 4, 4)]).result()
     assert "secret.py" not in info.value.message
     assert "RuntimeError" in info.value.message
     assert metric_value(m.render().decode(), "deconv_worker_failures_total", worker="cpu", kind="error") == 1
