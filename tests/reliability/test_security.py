@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
-from service.http import routes
+from service.http import routes, shm_routes
 from service.http.app import create_app
 from tests.service.conftest import NPY, npy_bytes, run, serve_app, write_layer
 
@@ -121,7 +121,11 @@ def _inference_requests() -> list[tuple[str, dict[str, Any]]]:
 def test_every_inference_route_needs_the_key(repo, monkeypatch):
     api = [r for r in routes.router.routes if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
-    assert {r.path for r in api} == set(documented)  # the router holds every route the app serves
+    # The router holds every route the app serves but the shared-memory ones, which check the key themselves,
+    # status included (tests/service/test_system_shm.py: test_every_route_needs_the_api_key).
+    shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]
+    assert {r.path for r in api + shm} == set(documented)
+    assert all(r.path.startswith("/v2/systemsharedmemory/") for r in shm)
     posts = {r.path for r in api if "POST" in r.methods}
     assert posts == {"/deconv", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
     for r in api:  # the app answers every POST route itself (with the key check), and only those
