@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
+from . import _shm
 from ._tensor import encode_input
 from ._version import __version__
 from .codec import Payload
@@ -170,6 +171,7 @@ class _BaseClient:
         api_key: str | None,
         retry: Retry | bool,
         headers: Mapping[str, str] | None,
+        shared_memory: bool = False,
     ) -> None:
         if retry is True:
             retry = Retry()
@@ -182,11 +184,18 @@ class _BaseClient:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._headers.update(headers or {})
+        self._regions = _shm.RegionPool() if shared_memory else None
+        self._layer_infos: dict[str, LayerInfo] = {}  # for the output shapes of shared-memory calls
 
     @property
     def retry(self) -> Retry:
         """The retry settings used by every call."""
         return self._retry
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether tensors travel through system shared memory (``shared_memory=True``)."""
+        return self._regions is not None
 
 
 class Client(_BaseClient):
@@ -208,6 +217,9 @@ class Client(_BaseClient):
         transport: an :class:`httpx.BaseTransport` to use instead of the network (tests: ``httpx.MockTransport``).
         limits: connection pool limits.
         headers: extra headers sent with every request.
+        shared_memory: send tensors through system shared memory (the KServe v2 ``systemsharedmemory`` extension)
+            instead of the socket: the server must run on the same host. The client registers its regions on first
+            use and unregisters them in :meth:`close`; ``wire_format`` has no effect.
     """
 
     def __init__(
@@ -220,8 +232,9 @@ class Client(_BaseClient):
         transport: httpx.BaseTransport | None = None,
         limits: httpx.Limits = DEFAULT_LIMITS,
         headers: Mapping[str, str] | None = None,
+        shared_memory: bool = False,
     ) -> None:
-        super().__init__(api_key=api_key, retry=retry, headers=headers)
+        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory)
         self._http = httpx.Client(
             base_url=base_url, headers=self._headers, timeout=timeout, transport=transport, limits=limits
         )
@@ -243,8 +256,14 @@ class Client(_BaseClient):
         self.close()
 
     def close(self) -> None:
-        """Close the pooled connections. The client cannot be used afterwards."""
-        self._http.close()
+        """Unregister and remove the shared-memory regions, close the pooled connections. The client cannot be
+        used afterwards."""
+        try:
+            if self._regions is not None:
+                for region in self._regions.close():
+                    self._retire(region)
+        finally:
+            self._http.close()
 
     def deconv(
         self,
@@ -275,9 +294,48 @@ class Client(_BaseClient):
             TransportError: the server could not be reached or the connection broke.
             CodecError: the tensor cannot be sent (unsupported dtype), or the response was not a valid tensor.
         """
+        if self._regions is not None:
+            return self._deconv_shm(layer, x, deadline_ms)  # type: ignore[no-any-return]
         encoded = encode_input(x, wire_format)
         body, headers = self._post_deconv(layer, encoded.payload, deadline_ms=deadline_ms)
         return encoded.restore(body, headers.get("content-type"))
+
+    def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._regions is not None
+        t = _shm.prepare(x)
+        info = self._layer_infos.get(layer)
+        if info is None:
+            info = self._layer_infos[layer] = self.layer(layer)
+        out_shape, size = _shm.output_shape(info, t.shape), _shm.itemsize(t.datatype)
+        region, retired = self._regions.acquire(_shm.region_bytes(t, out_shape, size))
+        for old in retired:
+            self._retire(old)
+        try:
+            if not region.registered:
+                self._request("POST", _shm.register_path(region), json_body=region.register_body(),
+                              retry=Retry.disabled())
+                region.registered = True
+            region.shm.buf[: t.raw.nbytes] = t.raw
+            _, body = self._request("POST", f"/v2/models/{quote(layer, safe='')}/infer",
+                                    json_body=_shm.infer_request(t, region, out_shape, size), deadline_ms=deadline_ms)
+            return _shm.read_output(t, region, _json(body, "shared-memory inference"))
+        finally:
+            self._regions.release(region)
+
+    def shared_memory_status(self) -> list[dict[str, Any]]:
+        """The system shared-memory regions registered on the server (``GET /v2/systemsharedmemory/status``): name,
+        key, offset and byte_size of each, this client's and others'."""
+        return self._get_json("/v2/systemsharedmemory/status")  # type: ignore[no-any-return]
+
+    def _retire(self, region: _shm.Region) -> None:
+        """Unregister ``region`` (best effort: the server may be gone) and remove it."""
+        try:
+            if region.registered:
+                self._request("POST", _shm.unregister_path(region), retry=Retry.disabled())
+        except (APIError, TransportError) as exc:
+            logger.warning("could not unregister shared-memory region %s: %s", region.name, exc)
+        finally:
+            region.destroy()
 
     def deconv_many(
         self,
@@ -358,6 +416,7 @@ class Client(_BaseClient):
         params: Mapping[str, str] | None = None,
         headers: Mapping[str, str] | None = None,
         content: list[bytes | memoryview] | None = None,
+        json_body: Any = None,
         deadline_ms: float | None = None,
         retry: Retry | None = None,
     ) -> tuple[httpx.Response, bytearray]:
@@ -369,6 +428,7 @@ class Client(_BaseClient):
                 params=params,
                 headers={**(headers or {}), **call.next_attempt_headers()},
                 content=content,  # type: ignore[arg-type]  # memoryview chunks are bytes-like
+                json=json_body,
             )
             error: APIError | None = None
             try:
@@ -416,8 +476,9 @@ class AsyncClient(_BaseClient):
         transport: httpx.AsyncBaseTransport | None = None,
         limits: httpx.Limits = DEFAULT_LIMITS,
         headers: Mapping[str, str] | None = None,
+        shared_memory: bool = False,
     ) -> None:
-        super().__init__(api_key=api_key, retry=retry, headers=headers)
+        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=self._headers, timeout=timeout, transport=transport, limits=limits
         )
@@ -439,8 +500,14 @@ class AsyncClient(_BaseClient):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the pooled connections. The client cannot be used afterwards."""
-        await self._http.aclose()
+        """Unregister and remove the shared-memory regions, close the pooled connections. The client cannot be
+        used afterwards."""
+        try:
+            if self._regions is not None:
+                for region in self._regions.close():
+                    await self._retire(region)
+        finally:
+            await self._http.aclose()
 
     async def deconv(
         self,
@@ -451,9 +518,48 @@ class AsyncClient(_BaseClient):
         wire_format: str | None = None,
     ) -> TensorT:
         """Run ``layer`` on one tensor; see :meth:`Client.deconv`."""
+        if self._regions is not None:
+            return await self._deconv_shm(layer, x, deadline_ms)  # type: ignore[no-any-return]
         encoded = encode_input(x, wire_format)
         body, headers = await self._post_deconv(layer, encoded.payload, deadline_ms=deadline_ms)
         return encoded.restore(body, headers.get("content-type"))
+
+    async def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._regions is not None
+        t = _shm.prepare(x)
+        info = self._layer_infos.get(layer)
+        if info is None:
+            info = self._layer_infos[layer] = await self.layer(layer)
+        out_shape, size = _shm.output_shape(info, t.shape), _shm.itemsize(t.datatype)
+        region, retired = self._regions.acquire(_shm.region_bytes(t, out_shape, size))
+        for old in retired:
+            await self._retire(old)
+        try:
+            if not region.registered:
+                await self._request("POST", _shm.register_path(region), json_body=region.register_body(),
+                                    retry=Retry.disabled())
+                region.registered = True
+            region.shm.buf[: t.raw.nbytes] = t.raw
+            _, body = await self._request("POST", f"/v2/models/{quote(layer, safe='')}/infer",
+                                          json_body=_shm.infer_request(t, region, out_shape, size),
+                                          deadline_ms=deadline_ms)
+            return _shm.read_output(t, region, _json(body, "shared-memory inference"))
+        finally:
+            self._regions.release(region)
+
+    async def shared_memory_status(self) -> list[dict[str, Any]]:
+        """The system shared-memory regions registered on the server; see :meth:`Client.shared_memory_status`."""
+        return await self._get_json("/v2/systemsharedmemory/status")  # type: ignore[no-any-return]
+
+    async def _retire(self, region: _shm.Region) -> None:
+        """Unregister ``region`` (best effort: the server may be gone) and remove it."""
+        try:
+            if region.registered:
+                await self._request("POST", _shm.unregister_path(region), retry=Retry.disabled())
+        except (APIError, TransportError) as exc:
+            logger.warning("could not unregister shared-memory region %s: %s", region.name, exc)
+        finally:
+            region.destroy()
 
     async def deconv_many(
         self,
@@ -533,6 +639,7 @@ class AsyncClient(_BaseClient):
         params: Mapping[str, str] | None = None,
         headers: Mapping[str, str] | None = None,
         content: _AsyncBody | None = None,
+        json_body: Any = None,
         deadline_ms: float | None = None,
         retry: Retry | None = None,
     ) -> tuple[httpx.Response, bytearray]:
@@ -544,6 +651,7 @@ class AsyncClient(_BaseClient):
                 params=params,
                 headers={**(headers or {}), **call.next_attempt_headers()},
                 content=content,
+                json=json_body,
             )
             error: APIError | None = None
             try:

@@ -255,6 +255,9 @@ def error_from_response(response: httpx.Response) -> APIError:
         if isinstance(error, dict):
             kind = error.get("type") if isinstance(error.get("type"), str) else None
             message = error.get("message") if isinstance(error.get("message"), str) else None
+        elif isinstance(error, str):  # KServe v2 routes: {"error": message, "type": type}
+            message = error
+            kind = payload.get("type") if isinstance(payload.get("type"), str) else None
         elif "detail" in payload:  # a framework-level error that bypassed the service's handler
             message = str(payload["detail"])
     if message is None:
