@@ -2,19 +2,21 @@
 // for the channel-heavy layers of real decoders: many channels, few pixels (docs/architecture.md, "Kernels").
 //
 // Per stride phase (conv_transpose2d.cu) and group the problem is a GEMM with
-//   M = N * rows_in_phase * cols_in_phase (output pixels), N = C_out / groups, K = taps * C_in / groups,
-// A[m, (tap, ci)] = x[n, hi, wi, ci] read from a channels-last (NHWC) input, so that every row of an A tile is a
+//   M = N * rows_in_phase * cols_in_phase (output positions), N = C_out / groups, K = taps * C_in / groups,
+// A[m, (tap, ci)] = x[n, hi, wi, ci] read from a channels-last (NHWC) input, so that every row of an A stage is a
 // contiguous run of channels whatever the image size, and B[(tap, ci), co] = w[ci, co, a, b] packed once into
 // [group][a][b][co][ci] (ci padded to a whole stage, TF32-rounded for TF32). Unlike the halo tiles, which cover a
-// 2-D window of one image's pixels, a 128-row M tile runs across images: a 4 x 4 input fills it as well as a 64 x 64.
+// 2-D window of one image's pixels, an M tile is a box of the phase's positions across images (GemmTiles): a 4 x 4
+// input fills it as well as a 64 x 64.
 //
-// One block computes a 128 x BN tile with 256 threads: two warpgroups, each an m64 x BN wgmma accumulator in
-// registers, both operands read from shared memory by descriptor. A stage is 128 bytes of K (32 fp32 or 64 16-bit
-// channels of one tap) for the 128 A rows and the BN B rows, laid out as wgmma's 128-byte swizzle (16-byte chunk
-// c of row r at chunk c ^ (r % 8)): every 16-byte cp.async of a warp lands in a different bank group, and a row is
-// one 128-byte global line. A ring of kStages buffers keeps kStages - 2 stages of copies in flight ahead of the
-// multiplies; wgmma of stage i overlaps the copies of i + 1 .. i + kStages - 2, and a buffer is refilled only once
-// both warpgroups have waited for the wgmma that read it (the barrier at the top of each iteration).
+// A block of 384 threads computes 128 x BN tiles, persistent over them: warpgroup 0 loads, warpgroups 1 and 2 each
+// hold an m64 x BN wgmma accumulator in registers and read both operands from shared memory by descriptor. A stage
+// is 128 bytes of K (32 fp32 or 64 16-bit channels of one tap) for the 128 A rows and the BN B rows, in wgmma's
+// 128-byte swizzle, brought by two bulk tensor copies (TMA) that one loader thread issues: the input box of the
+// stage's tap at its shifted origin (zero-filled past every border, which does the padding, the halo and the
+// channel tail) and a box of packed weights. A ring of kStages buffers with full / empty mbarriers lets the loader
+// run up to kStages stages ahead, across tile boundaries; for TF32 three loader warps round each landed A box to
+// TF32 in place before the multipliers may read it (a third barrier, ready).
 //
 // Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K into an fp32 workspace,
 // summed by a second kernel that adds the bias and writes the output; otherwise the epilogue adds the bias and
