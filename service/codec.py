@@ -1,11 +1,12 @@
-"""Tensor wire formats: ``.npy`` and safetensors, decoded without copies and never unpickled.
+"""Tensor wire formats for the service: ``.npy`` and safetensors, decoded without copies and never unpickled.
 
-Decoding parses the header by hand (``ast.literal_eval`` for .npy's dict literal, ``json`` for safetensors), checks
-dtype, shape and that the byte count matches exactly *before* anything is allocated (a header claiming more data
-than ``max_bytes``, or a shape beyond ``MAX_ELEMENTS``, is refused with 413), then views the request
-buffer in place: as a ``RawTensor`` (``decode_raw``, the service's request path) or a torch tensor
-(``decode``, ``torch.frombuffer``). Pass a writable buffer (``bytearray``) to share it; a read-only one
-(``bytes``) is shared too, and the tensor must then be treated as read-only.
+The formats themselves (header parsing, the dtype table, size checks, error messages) have one implementation,
+``deconv_client.wire``, which the client SDK shares; this module adds the service's side: the dtypes it computes
+in, its errors (400/413), and views of the request buffer in place: as a ``RawTensor`` (``decode_raw``, the
+service's request path) or a torch tensor (``decode``, ``torch.frombuffer``). Headers claiming more data than
+``max_bytes``, or a shape beyond ``MAX_ELEMENTS``, are refused with 413 before anything is allocated. Pass a
+writable buffer (``bytearray``) to share it; a read-only one (``bytes``) is shared too, and the tensor must then be
+treated as read-only.
 
 Encoding writes a small header followed by the tensor's bytes (one copy, into the response body).
 bfloat16 travels only as safetensors: .npy has no bf16 dtype.
@@ -13,62 +14,73 @@ bfloat16 travels only as safetensors: .npy has no bf16 dtype.
 
 from __future__ import annotations
 
-import ast
-import json
 import math
-import re
-import struct
 import warnings
 from collections.abc import Sequence
 
 import torch
+from deconv_client import wire
+from deconv_client.wire import (
+    MAX_ELEMENTS,
+    MAX_HEADER_BYTES,
+    NPY_MAGIC,
+    WireError,
+    npy_header,
+    read_npy,
+    read_safetensors,
+    safetensors_header,
+)
 
-from service.errors import InvalidInputError, MalformedBodyError, PayloadTooLargeError, UnsupportedMediaTypeError
+from service.errors import (
+    InvalidInputError,
+    MalformedBodyError,
+    PayloadTooLargeError,
+    ServiceError,
+    UnsupportedMediaTypeError,
+)
 
-NPY = "application/x-npy"
-SAFETENSORS = "application/vnd.safetensors"
+__all__ = ["MAX_ELEMENTS", "MAX_HEADER_BYTES", "NPY_MAGIC"]  # the wire's limits, re-exported for the service
+
+NPY = wire.NPY_MEDIA_TYPE
+SAFETENSORS = wire.SAFETENSORS_MEDIA_TYPE
 MEDIA_TYPES = (NPY, SAFETENSORS)
 
-NPY_MAGIC = b"\x93NUMPY"
-MAX_HEADER_BYTES = 1 << 16  # a one-tensor header is a few hundred bytes; refuse to parse anything huge
-# Most elements a shape may span, counting a zero dimension as 1: keeps torch's stride arithmetic (int64) far
-# from overflowing even for empty tensors such as [0, 16, 10**18, 10**18].
-MAX_ELEMENTS = 1 << 48
-
-_NPY_DTYPES = {"f2": torch.float16, "f4": torch.float32, "f8": torch.float64}
-_NPY_DESCR = {torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
-ST_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# The dtypes the service computes in, out of the wire's table (deconv_client.wire.DTYPES).
+ST_DTYPES = {code: getattr(torch, wire.DTYPES[code].name) for code in ("F16", "BF16", "F32", "F64")}
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+_NPY_DESCR = {dtype: wire.DTYPES[code].descr for code, dtype in ST_DTYPES.items() if wire.DTYPES[code].descr}
+_NPY_DTYPES = {order + descr[1:]: dtype for dtype, descr in _NPY_DESCR.items() for order in "<="}
 BufferLike = bytes | bytearray | memoryview
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-               torch.float64: "float64"}
+DTYPE_NAMES = {dtype: wire.DTYPES[code].name for code, dtype in ST_DTYPES.items()}
+
+_ERRORS: dict[str, type[ServiceError]] = {
+    "malformed": MalformedBodyError, "dtype": InvalidInputError, "too_large": PayloadTooLargeError,
+}
 
 
-def _check_shape(shape: object, where: str) -> tuple[int, ...]:
-    if not isinstance(shape, list | tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
-        raise MalformedBodyError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+def _service_error(exc: WireError) -> ServiceError:
+    """The service's error (400, 400 or 413) for a refusal of the wire format."""
+    return _ERRORS[exc.kind](str(exc))
+
+
+def _check_rank(shape: tuple[int, ...], where: str) -> tuple[int, ...]:
     if len(shape) > 8:
         raise InvalidInputError(f"{where}: a tensor of rank {len(shape)}; expected [N, C, H, W] or [C, H, W]")
-    return tuple(shape)
+    return shape
 
 
 def check_size(shape: Sequence[int], itemsize: int, where: str, max_bytes: int | None = None) -> int:
-    """The data bytes a tensor of ``shape`` needs, checked before anything is allocated.
+    """The data bytes a tensor of ``shape`` needs, checked before anything is allocated (``wire.check_size``).
 
     Raises:
         PayloadTooLargeError: the shape spans more than ``MAX_ELEMENTS`` elements, or needs more than
             ``max_bytes`` bytes (413).
     """
-    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
-        raise PayloadTooLargeError(f"{where}: shape {list(shape)} is larger than any tensor this server accepts")
-    need = math.prod(shape) * itemsize
-    if max_bytes is not None and need > max_bytes:
-        raise PayloadTooLargeError(f"{where}: shape {list(shape)} needs {need} bytes, over the limit of "
-                                   f"{max_bytes} bytes")
-    return need
+    try:
+        return wire.check_size(shape, itemsize, where, max_bytes)
+    except WireError as exc:
+        raise _service_error(exc) from None
 
 
 def view_tensor(buf: BufferLike, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -181,52 +193,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 # --- .npy -----------------------------------------------------------------------------------------------------
 
 
-# The header exactly as numpy (and every writer copying it, ours included) lays it out, e.g.
-# "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 16, 16, 16), }" plus padding. Matching it is about 30x
-# cheaper than ast.literal_eval, which costs ~30 us per request; any other spelling still goes to literal_eval.
-_NPY_CANONICAL = re.compile(
-    r"\{'descr': '([^'\\]*)', 'fortran_order': (True|False), "
-    r"'shape': \((|(?:0|[1-9][0-9]*),|(?:0|[1-9][0-9]*)(?:, (?:0|[1-9][0-9]*))+)\), \}[ \n]*")
-
-
-def _npy_canonical_header(text: str) -> dict[str, object] | None:
-    # The same dict as ast.literal_eval(text) when text is in numpy's canonical layout, else None.
-    m = _NPY_CANONICAL.fullmatch(text)
-    if m is None:
-        return None
-    descr, fortran, dims = m.groups()
-    shape = tuple(int(d) for d in dims.split(",") if d)
-    return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
-
-
-def _npy_header(buf: memoryview) -> tuple[dict[str, object], int]:
-    if len(buf) < 10 or bytes(buf[:6]) != NPY_MAGIC:
-        raise MalformedBodyError("body is not a .npy file (missing the \\x93NUMPY magic)")
-    major = buf[6]
-    if major == 1:
-        (hlen,), start = struct.unpack_from("<H", buf, 8), 10
-    elif major in (2, 3):
-        if len(buf) < 12:
-            raise MalformedBodyError(".npy header is truncated")
-        (hlen,), start = struct.unpack_from("<I", buf, 8), 12
-    else:
-        raise MalformedBodyError(f".npy format version {major}.{buf[7]} is not supported (1.0, 2.0, 3.0 are)")
-    if hlen > MAX_HEADER_BYTES:
-        raise MalformedBodyError(f".npy header of {hlen} bytes is too large")
-    if start + hlen > len(buf):
-        raise MalformedBodyError(".npy header is truncated")
-    try:
-        text = bytes(buf[start : start + hlen]).decode("utf-8" if major == 3 else "latin1")
-        header = _npy_canonical_header(text)
-        if header is None:
-            header = ast.literal_eval(text)  # literals only: no names, no calls, no unpickling
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-        raise MalformedBodyError(".npy header is not a valid dict literal") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise MalformedBodyError(".npy header must be a dict with exactly 'descr', 'fortran_order' and 'shape'")
-    return header, start + hlen
-
-
 def decode_npy(body: BufferLike, max_bytes: int | None = None) -> torch.Tensor:
     """Decode a ``.npy`` body (format 1.0, 2.0 or 3.0) into a tensor that shares ``body``'s memory (see
     ``decode_npy_raw``)."""
@@ -237,52 +203,36 @@ def decode_npy_raw(body: BufferLike, max_bytes: int | None = None) -> AnyTensor:
     """Decode a ``.npy`` body (format 1.0, 2.0 or 3.0) into a ``RawTensor`` over ``body``'s bytes (a Fortran-order
     array of rank 2 or more: a transposed torch view of them).
 
-    Accepts little-endian float16, float32 and float64 in C or Fortran order; object arrays (which would need
-    pickle) and every other dtype are refused.
+    The wire format is read by ``deconv_client.wire.read_npy``; the service takes little-endian float16, float32
+    and float64 in C or Fortran order, and refuses object arrays (which would need pickle) and every other dtype.
 
     Raises:
         MalformedBodyError: not a .npy file, truncated, or the byte count does not match the shape.
         InvalidInputError: a dtype the service does not compute in.
         PayloadTooLargeError: the header claims more than ``max_bytes`` of data (see ``check_size``).
     """
-    buf = memoryview(body).cast("B")
-    header, data_start = _npy_header(buf)
-    descr = header["descr"]
-    if not isinstance(descr, str):
-        raise InvalidInputError("structured .npy arrays are not supported; send one float16/float32/float64 array")
-    if descr.endswith("O"):
-        raise InvalidInputError(".npy object arrays are refused (they would need unpickling); send a float array")
-    order, code = descr[:1], descr[1:]
-    if order not in ("<", "=") or code not in _NPY_DTYPES:
+    try:
+        descr, fortran, shape, _, data = read_npy(body, max_bytes)
+    except WireError as exc:
+        raise _service_error(exc) from None
+    dtype = _NPY_DTYPES.get(descr)
+    if dtype is None:
         raise InvalidInputError(f".npy dtype {descr!r} is not supported; send little-endian float16, float32 "
                                 "or float64 (bfloat16: use safetensors)")
-    dtype = _NPY_DTYPES[code]
-    fortran = header["fortran_order"]
-    if not isinstance(fortran, bool):
-        raise MalformedBodyError(".npy header's fortran_order must be True or False")
-    shape = _check_shape(header["shape"], ".npy")
-    need = check_size(shape, dtype.itemsize, ".npy", max_bytes)
-    have = len(buf) - data_start
-    if have != need:
-        raise MalformedBodyError(f".npy data holds {have} bytes but shape {list(shape)} of {descr} needs {need}")
+    _check_rank(shape, ".npy")
     if not fortran or len(shape) < 2:  # a 0-d or 1-d array lies the same in both orders
-        return RawTensor(buf[data_start:], dtype, shape)
+        return RawTensor(data, dtype, shape)
     # Fortran order: the data is the transpose laid out in C order; a transposed view, still no copy.
-    return view_tensor(buf, data_start, dtype, shape[::-1]).permute(*reversed(range(len(shape))))
+    return view_tensor(data, 0, dtype, shape[::-1]).permute(*reversed(range(len(shape))))
 
 
 def encode_npy(t: AnyTensor) -> bytes:
-    """``t`` as a version 1.0 ``.npy`` file (C order, little-endian). float16/32/64 only."""
+    """``t`` as a ``.npy`` file (C order, little-endian, ``wire.npy_header``). float16/32/64 only."""
     descr = _NPY_DESCR.get(t.dtype)
     if descr is None:
         raise UnsupportedMediaTypeError(f"{DTYPE_NAMES.get(t.dtype, t.dtype)} cannot be written as .npy; "
-                                   f"accept {SAFETENSORS} instead")
-    shape = tuple(t.shape)
-    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape!r}, }}"
-    # Pad so that magic + length + header + newline is a multiple of 64 (numpy's alignment).
-    pad = -(10 + len(text) + 1) % 64
-    header = NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(text) + pad + 1) + text.encode() + b" " * pad + b"\n"
-    return b"".join((header, bytes_of(t)))
+                                        f"accept {SAFETENSORS} instead")
+    return b"".join((npy_header(descr, t.shape), bytes_of(t)))
 
 
 # --- safetensors ----------------------------------------------------------------------------------------------
@@ -296,58 +246,27 @@ def decode_safetensors(body: BufferLike, max_bytes: int | None = None) -> torch.
 
 def decode_safetensors_raw(body: BufferLike, max_bytes: int | None = None) -> RawTensor:
     """Decode a safetensors body holding exactly one tensor (F16, BF16, F32, F64) into a ``RawTensor`` over
-    ``body``'s bytes.
+    ``body``'s bytes (the format is read by ``deconv_client.wire.read_safetensors``).
 
     Raises:
         MalformedBodyError: not safetensors, truncated, inconsistent offsets, or not exactly one tensor.
         InvalidInputError: a dtype the service does not compute in.
         PayloadTooLargeError: the header claims more than ``max_bytes`` of data (see ``check_size``).
     """
-    buf = memoryview(body).cast("B")
-    if len(buf) < 8:
-        raise MalformedBodyError("body is not safetensors (shorter than its 8-byte header length)")
-    (hlen,) = struct.unpack_from("<Q", buf, 0)
-    if len(buf) > 8 and buf[8] != ord("{"):
-        raise MalformedBodyError("body is not safetensors (its JSON header does not follow the 8-byte length)")
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(buf):
-        raise MalformedBodyError(f"safetensors header length {hlen} is invalid for a body of {len(buf)} bytes")
     try:
-        header = json.loads(bytes(buf[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise MalformedBodyError("safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise MalformedBodyError("safetensors header must be a JSON object")
-    header.pop("__metadata__", None)
-    if len(header) != 1:
-        raise MalformedBodyError(f"safetensors body holds {len(header)} tensors; send exactly one")
-    (name, info), = header.items()
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-        raise MalformedBodyError(f"safetensors tensor {name!r} needs dtype, shape and data_offsets")
-    dtype = ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        name, wire_dtype, shape, data = read_safetensors(body, max_bytes)
+    except WireError as exc:
+        raise _service_error(exc) from None
+    dtype = ST_DTYPES.get(wire_dtype.code)
     if dtype is None:
-        raise InvalidInputError(f"safetensors dtype {info['dtype']!r} is not supported; send F16, BF16, F32 or F64")
-    shape = _check_shape(info["shape"], f"safetensors tensor {name!r}")
-    offsets = info["data_offsets"]
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-        raise MalformedBodyError(f"safetensors tensor {name!r}: data_offsets must be [begin, end], got {offsets!r}")
-    begin, end = offsets
-    need = check_size(shape, dtype.itemsize, f"safetensors tensor {name!r}", max_bytes)
-    if end - begin != need:
-        raise MalformedBodyError(f"safetensors tensor {name!r}: {end - begin} bytes, shape {list(shape)} needs {need}")
-    data_start = 8 + hlen
-    if data_start + end != len(buf):
-        raise MalformedBodyError(f"safetensors body is {len(buf)} bytes, the header describes {data_start + end}")
-    return RawTensor(buf[data_start + begin:data_start + end], dtype, shape)
+        raise InvalidInputError(f"safetensors dtype {wire_dtype.code!r} is not supported; send F16, BF16, F32 or F64")
+    return RawTensor(data, dtype, _check_rank(shape, f"safetensors tensor {name!r}"))
 
 
 def encode_safetensors(t: AnyTensor, name: str = "output") -> bytes:
-    """``t`` as a safetensors file holding one tensor called ``name``."""
+    """``t`` as a safetensors file holding one tensor called ``name`` (``wire.safetensors_header``)."""
     data = bytes_of(t)
-    header = {name: {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [0, len(data)]}}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned
-    return b"".join((struct.pack("<Q", len(text)), text, data))
+    return b"".join((safetensors_header(name, _ST_NAMES[t.dtype], t.shape, data.nbytes), data))
 
 
 # --- dispatch by media type -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import wire
 from .codec import (
     NPY_MEDIA_TYPE,
     SAFETENSORS_MEDIA_TYPE,
@@ -89,12 +90,8 @@ def _encode_numpy(x: np.ndarray, wire_format: str | None) -> EncodedInput:
 def _torch_dtypes() -> dict[str, Any]:
     import torch
 
-    names = {
-        "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
-        "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
-        "F32": "float32", "F64": "float64",
-    }  # fmt: skip
-    return {code: getattr(torch, name) for code, name in names.items() if hasattr(torch, name)}
+    # The wire's dtype table names each dtype as numpy and torch do.
+    return {code: getattr(torch, d.name) for code, d in wire.DTYPES.items() if hasattr(torch, d.name)}
 
 
 def _encode_torch(x: Any, wire_format: str | None) -> EncodedInput:

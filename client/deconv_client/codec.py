@@ -1,28 +1,24 @@
-"""The service's two tensor wire formats, written and read by hand: ``.npy`` and safetensors.
+"""The service's two tensor wire formats on the client's side: ``.npy`` and safetensors, as numpy arrays.
 
-Neither direction copies the tensor's data in Python: encoding yields the small header followed by
-``memoryview`` slices of the array's own buffer, and decoding wraps the received buffer with
-``numpy.frombuffer`` after checking the header's size against the bytes actually there. Decode from a
-``bytearray`` and the arrays you get back are writable; decode from ``bytes`` and they are read-only views.
-
-Nothing here ever unpickles: ``.npy`` headers are parsed with :func:`ast.literal_eval` (literals only) and object,
-structured, string and datetime dtypes are refused. Only the ``safetensors`` *format* is implemented, not the
-package: an 8-byte little-endian header length, a JSON header, then the raw little-endian bytes.
+The formats themselves (header parsing, the dtype table, size checks, error messages) are implemented once, in
+:mod:`deconv_client.wire`, which the server shares; this module views the data with numpy. Neither direction
+copies the tensor's data in Python: encoding yields the small header followed by ``memoryview`` slices of the
+array's own buffer, and decoding wraps the received buffer with ``numpy.frombuffer`` after the header was checked
+against the bytes actually there. Decode from a ``bytearray`` and the arrays you get back are writable; decode
+from ``bytes`` and they are read-only views. Nothing here ever unpickles.
 """
 
 from __future__ import annotations
 
-import ast
-import json
 import math
-import struct
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import wire
 from .errors import CodecError
+from .wire import NPY_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE, WireError
 
 __all__ = [
     "NPY_MEDIA_TYPE",
@@ -39,38 +35,11 @@ __all__ = [
     "safetensors_dtype_for",
 ]
 
-NPY_MEDIA_TYPE = "application/x-npy"
-SAFETENSORS_MEDIA_TYPE = "application/vnd.safetensors"
-
-_NPY_MAGIC = b"\x93NUMPY"
-# numpy's own default limit for a header it is willing to parse (numpy.lib.format, max_header_size).
-_NPY_MAX_HEADER = 10_000
-_NPY_ALIGN = 64
-# safetensors' reference implementation refuses headers over 100 MB; one tensor needs far less.
-_ST_MAX_HEADER = 1 << 20
-_ST_ALIGN = 8
 # Bodies go out in slices of this size: zero-copy views, and a bound on what a transport copies at once.
 _CHUNK = 1 << 20
 # numpy dtype kinds that have a plain little-endian byte layout: bool, signed, unsigned, float, complex.
 _PLAIN_KINDS = "biufc"
-
-_ST_TO_NUMPY: dict[str, str | None] = {
-    "BOOL": "|b1",
-    "U8": "|u1",
-    "I8": "|i1",
-    "U16": "<u2",
-    "I16": "<i2",
-    "U32": "<u4",
-    "I32": "<i4",
-    "U64": "<u8",
-    "I64": "<i8",
-    "F16": "<f2",
-    "BF16": None,  # no numpy dtype; torch decodes it
-    "F32": "<f4",
-    "F64": "<f8",
-}
-_ST_ITEMSIZE = {code: 2 if descr is None else np.dtype(descr).itemsize for code, descr in _ST_TO_NUMPY.items()}
-_NUMPY_TO_ST = {np.dtype(v): k for k, v in _ST_TO_NUMPY.items() if v is not None}
+_NUMPY_TO_ST = {np.dtype(d.descr): d.code for d in wire.DTYPES.values() if d.descr is not None}
 
 
 @dataclass(frozen=True)
@@ -118,12 +87,12 @@ class RawTensor:
 
 def numpy_dtype_for(code: str) -> np.dtype:
     """The little-endian numpy dtype of a safetensors dtype code (:class:`CodecError` if there is none)."""
-    if code not in _ST_TO_NUMPY:
+    dtype = wire.DTYPES.get(code)
+    if dtype is None:
         raise CodecError(f"unsupported safetensors dtype {code!r}")
-    descr = _ST_TO_NUMPY[code]
-    if descr is None:
+    if dtype.descr is None:
         raise CodecError(f"safetensors dtype {code} has no numpy equivalent; use torch tensors for it")
-    return np.dtype(descr)
+    return np.dtype(dtype.descr)
 
 
 def safetensors_dtype_for(dtype: np.dtype) -> str:
@@ -140,7 +109,7 @@ def media_type_of(content_type: str | None, body: bytes | bytearray | memoryview
         base = content_type.split(";", 1)[0].strip().lower()
         if base in (NPY_MEDIA_TYPE, SAFETENSORS_MEDIA_TYPE):
             return base
-    if bytes(memoryview(body)[: len(_NPY_MAGIC)]) == _NPY_MAGIC:
+    if bytes(memoryview(body)[: len(wire.NPY_MAGIC)]) == wire.NPY_MAGIC:
         return NPY_MEDIA_TYPE
     if content_type and content_type.split(";", 1)[0].strip().lower() != "application/octet-stream":
         raise CodecError(f"expected a tensor body, got Content-Type {content_type!r}")
@@ -165,101 +134,42 @@ def _byte_views(array: np.ndarray) -> list[memoryview]:
 
 
 def encode_npy(array: np.ndarray) -> Payload:
-    """Encode an array as ``.npy`` (version 1.0, or 2.0 for a huge header): header bytes + views of its buffer.
+    """Encode an array as ``.npy`` (``wire.npy_header``): header bytes + views of its buffer.
 
     Non-contiguous or big-endian arrays are converted first (the only case that copies).
     """
     array = _plain(np.asarray(array))
-    descr = array.dtype.str  # '<f4', '|b1', ...: _plain made it little-endian
-    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {tuple(array.shape)!r}, }}"
-    head = header.encode("latin1")
-    # Pad with spaces so that the data starts on a 64-byte boundary, as numpy does; the header ends in '\n'.
-    # Version 1.0 has a 2-byte header length; 2.0 (4 bytes) only for a header that does not fit in that.
-    version, fmt = (1, "<H") if 10 + len(head) + _NPY_ALIGN < 1 << 16 else (2, "<I")
-    prefix_len = 8 + struct.calcsize(fmt)
-    pad = -(prefix_len + len(head) + 1) % _NPY_ALIGN
-    hlen = len(head) + pad + 1
-    prefix = _NPY_MAGIC + bytes([version, 0]) + struct.pack(fmt, hlen)
-    first = prefix + head + b" " * pad + b"\n"
-    views = _byte_views(array)
-    return Payload((first, *views), NPY_MEDIA_TYPE, len(first) + array.nbytes)
-
-
-# CPython 3.11 before 3.11.8 builds ASTs with interpreter-wide recursion bookkeeping, so ast.literal_eval in two
-# threads at once can fail with "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905); the
-# SDK decodes from several threads (the CLI's bench, callers' pools), so header parsing takes turns.
-_LITERAL_EVAL_LOCK = threading.Lock()
+    first = wire.npy_header(array.dtype.str, array.shape)  # '<f4', '|b1', ...: _plain made it little-endian
+    return Payload((first, *_byte_views(array)), NPY_MEDIA_TYPE, len(first) + array.nbytes)
 
 
 def decode_npy(buffer: bytes | bytearray | memoryview) -> np.ndarray:
-    """Decode a ``.npy`` payload into an array that views ``buffer`` (no copy), validating it first.
+    """Decode a ``.npy`` payload into an array that views ``buffer`` (no copy), validated by ``wire.read_npy``.
 
     Raises :class:`CodecError` for a bad magic/version, a header that is not the expected literal dict,
     a non-plain dtype (object arrays are never unpickled) or a data size that does not match the header.
     """
-    mv = memoryview(buffer).cast("B")
-    if len(mv) < 10 or bytes(mv[:6]) != _NPY_MAGIC:
-        raise CodecError("not a .npy payload (bad magic)")
-    major = mv[6]
-    if major == 1:
-        start, hlen = 10, struct.unpack("<H", mv[8:10])[0]
-    elif major in (2, 3):
-        if len(mv) < 12:
-            raise CodecError("truncated .npy header")
-        start, hlen = 12, struct.unpack("<I", mv[8:12])[0]
-    else:
-        raise CodecError(f"unsupported .npy version {major}.{mv[7]}")
-    if hlen > _NPY_MAX_HEADER:
-        raise CodecError(f".npy header of {hlen} bytes is over the {_NPY_MAX_HEADER}-byte limit")
-    if start + hlen > len(mv):
-        raise CodecError("truncated .npy header")
     try:
-        text = bytes(mv[start : start + hlen]).decode("utf8" if major == 3 else "latin1")
-        with _LITERAL_EVAL_LOCK:
-            header = ast.literal_eval(text)
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
-        raise CodecError(f"unreadable .npy header: {exc}") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise CodecError("the .npy header must be a dict with exactly 'descr', 'fortran_order' and 'shape'")
-    descr, fortran, shape = header["descr"], header["fortran_order"], header["shape"]
-    if not isinstance(descr, str):
-        raise CodecError("structured .npy dtypes are not supported")
-    try:
-        dtype = np.dtype(descr)
-    except TypeError as exc:
-        raise CodecError(f"bad .npy dtype {descr!r}: {exc}") from None
-    if dtype.hasobject or dtype.fields is not None or dtype.kind not in _PLAIN_KINDS:
-        raise CodecError(f".npy dtype {descr!r} is not allowed (object arrays are never unpickled)")
-    if not isinstance(fortran, bool):
-        raise CodecError("'fortran_order' must be True or False")
-    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise CodecError(f"bad .npy shape {shape!r}")
-    data = mv[start + hlen :]
-    count = math.prod(shape)
-    if len(data) != count * dtype.itemsize:
-        raise CodecError(
-            f".npy data is {len(data)} bytes, the header ({descr} {list(shape)}) says {count * dtype.itemsize}"
-        )
-    if count == 0:
+        descr, fortran, shape, _, data = wire.read_npy(buffer)
+    except WireError as exc:
+        raise CodecError(str(exc)) from None
+    dtype = np.dtype(descr)
+    if math.prod(shape) == 0:
         return np.empty(shape, dtype=dtype)
-    flat = np.frombuffer(data, dtype=dtype, count=count)
+    flat = np.frombuffer(data, dtype=dtype)
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
 
 def encode_safetensors(tensor: RawTensor) -> Payload:
     """Encode one tensor as a safetensors payload named ``tensor.name``: header bytes + the data views."""
-    if tensor.dtype not in _ST_ITEMSIZE:
-        raise CodecError(f"unsupported safetensors dtype {tensor.dtype!r}")
     data = tensor.data.cast("B") if tensor.data.format != "B" else tensor.data
-    expected = math.prod(tensor.shape) * _ST_ITEMSIZE[tensor.dtype]
-    if len(data) != expected:
-        raise CodecError(f"{len(data)} bytes of data for a {tensor.dtype} tensor of shape {list(tensor.shape)}")
-    header = {tensor.name: {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [0, expected]}}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % _ST_ALIGN)  # keeps the data 8-byte aligned, as the reference writer does
-    first = struct.pack("<Q", len(head)) + head
+    try:
+        wire.check_data(tensor.dtype, tensor.shape, len(data))
+    except WireError as exc:
+        raise CodecError(str(exc)) from None
+    first = wire.safetensors_header(tensor.name, tensor.dtype, tensor.shape, len(data))
     views = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)]
-    return Payload((first, *views), SAFETENSORS_MEDIA_TYPE, len(first) + expected)
+    return Payload((first, *views), SAFETENSORS_MEDIA_TYPE, len(first) + len(data))
 
 
 def encode_safetensors_array(array: np.ndarray, name: str = "tensor") -> Payload:
@@ -273,46 +183,12 @@ def encode_safetensors_array(array: np.ndarray, name: str = "tensor") -> Payload
 def decode_safetensors(buffer: bytes | bytearray | memoryview) -> RawTensor:
     """Decode a safetensors payload that holds exactly one tensor, as a view of ``buffer`` (no copy).
 
-    The header must parse as JSON, name exactly one tensor (besides ``__metadata__``) of a known dtype, and its
-    ``data_offsets`` must cover the data exactly and match ``prod(shape) * itemsize``; else :class:`CodecError`.
+    ``wire.read_safetensors`` checks it: the header must parse as JSON, name exactly one tensor (besides
+    ``__metadata__``) of a known dtype, and its ``data_offsets`` must cover the data exactly and match
+    ``prod(shape) * itemsize``; else :class:`CodecError`.
     """
-    mv = memoryview(buffer).cast("B")
-    if len(mv) < 8:
-        raise CodecError("not a safetensors payload (shorter than its 8-byte header length)")
-    hlen = struct.unpack("<Q", mv[:8])[0]
-    if hlen > _ST_MAX_HEADER:
-        raise CodecError(f"safetensors header of {hlen} bytes is over the {_ST_MAX_HEADER}-byte limit")
-    if 8 + hlen > len(mv):
-        raise CodecError("truncated safetensors header")
     try:
-        header = json.loads(bytes(mv[8 : 8 + hlen]))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CodecError(f"unreadable safetensors header: {exc}") from None
-    if not isinstance(header, dict):
-        raise CodecError("the safetensors header must be a JSON object")
-    names = [k for k in header if k != "__metadata__"]
-    if len(names) != 1:
-        raise CodecError(f"expected exactly one tensor in the safetensors payload, found {len(names)}")
-    name = names[0]
-    info = header[name]
-    if not isinstance(info, dict):
-        raise CodecError(f"bad safetensors entry for {name!r}")
-    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if code not in _ST_ITEMSIZE:
-        raise CodecError(f"unsupported safetensors dtype {code!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise CodecError(f"bad safetensors shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise CodecError(f"bad safetensors data_offsets {offsets!r}")
-    data = mv[8 + hlen :]
-    expected = math.prod(shape) * _ST_ITEMSIZE[code]
-    if offsets[0] != 0 or offsets[1] != len(data):
-        raise CodecError(f"safetensors data_offsets {offsets} do not cover the {len(data)} data bytes exactly")
-    if offsets[1] - offsets[0] != expected:
-        raise CodecError(f"safetensors data is {len(data)} bytes, {code} {shape} needs {expected}")
-    return RawTensor(code, tuple(shape), data, name)
+        name, dtype, shape, data = wire.read_safetensors(buffer)
+    except WireError as exc:
+        raise CodecError(str(exc)) from None
+    return RawTensor(dtype.code, shape, data, name)

@@ -10,6 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from deconv_client import wire
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
@@ -67,7 +68,7 @@ def test_npy_header_fast_path_agrees_with_literal_eval(shape, fortran):
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": fortran, "shape": shape})
     text = buf.getvalue()[10:].decode("latin1")
-    fast = codec._npy_canonical_header(text)
+    fast = wire._npy_canonical_header(text)
     assert fast is not None
     assert fast == ast.literal_eval(text)
     assert type(fast["shape"]) is tuple
@@ -80,7 +81,7 @@ def test_npy_header_fast_path_agrees_with_literal_eval(shape, fortran):
     "{'descr': '<f4', 'fortran_order': False, 'shape': (2,3), }",  # no space after the comma
 ])
 def test_npy_other_header_spellings_still_decode(text):
-    assert codec._npy_canonical_header(text) is None  # not numpy's layout: ast.literal_eval reads it
+    assert wire._npy_canonical_header(text) is None  # not numpy's layout: ast.literal_eval reads it
     header = text.encode() + b" " * (-(10 + len(text) + 1) % 64) + b"\n"
     body = codec.NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header
     body += np.arange(6, dtype="<f4").tobytes()
@@ -91,7 +92,7 @@ def test_npy_other_header_spellings_still_decode(text):
 def test_npy_near_canonical_shapes_are_judged_like_python(shape):
     # "(3)" is the int 3 and "(01, 2)" a syntax error in Python: neither may sneak through the fast path.
     text = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {shape}, }}"
-    assert codec._npy_canonical_header(text) is None
+    assert wire._npy_canonical_header(text) is None
     header = text.encode() + b"\n"
     body = codec.NPY_MAGIC + b"\x01\x00" + struct.pack("<H", len(header)) + header + b"\0" * 24
     if shape == "(2, 3,)":
