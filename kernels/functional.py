@@ -176,6 +176,6 @@ def conv_transpose2d(
                                  force_split=choice.split)
     # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op when the gemm kernel wrote it
     # channels-last already).
-    if x.dim() == 4 and (suggests_channels_last(x) or suggests_channels_last(weight)):
+    if suggests_channels_last(x) or suggests_channels_last(weight):
         y = y.contiguous(memory_format=torch.channels_last)
     return y.squeeze(0) if unbatched else y
