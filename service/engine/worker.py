@@ -4,11 +4,12 @@ A GPU worker runs a batch in one extension call that releases the GIL once (``co
 the requests' inputs, where they arrived, into pinned staging memory, upload on the worker's CUDA stream, run the
 kernels, download into a pinned output and wait for the stream; then split the output back per request. The
 worker thread shares the GIL with the event loop, which holds it most of the time under load, so every operation
-that releases and re-takes it (each torch call does) costs the batch a wait. Out of memory: the batch is staged
-whole and split in halves, each half retried (``conv_transpose2d_staged``, down to one sample). Any failure
-fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an exception leaves its
-loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old one
-held fails with ``InternalError``, so that no request waits on a thread that will never answer.
+that releases and re-takes it (each torch call does) costs the batch a wait. Out of memory (one path,
+``Worker._forward_span``): the batch is staged whole and split in halves, each half retried
+(``conv_transpose2d_staged``) and halved again, down to one sample. Any failure fails only the requests of that
+batch; the worker keeps serving. A worker thread that dies (an exception leaves its loop) or stalls (one batch
+past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old one held fails with
+``InternalError``, so that no request waits on a thread that will never answer.
 
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
@@ -310,15 +311,12 @@ class Worker:
 
     def _batch_output(self, layer: Layer, inputs: list[AnyTensor]) -> torch.Tensor:
         """The whole batch's output ``[N, C_out, H_out, W_out]`` on the host (``_deliver`` splits it)."""
-        weight, bias, packs = self._weights[layer.name]
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
         try:
             if self.faults is not None:
                 self.faults.before_batch(layer.name, sum(int(x.shape[0]) for x in inputs))
-            if self.is_cuda:
-                return self._run_cuda(layer, inputs, weight, bias, packs)
-            return self._forward_span(layer, _gather(inputs), weight, bias, None)
+            return self._forward_span(layer, inputs, None)
         except InternalError:
             raise
         except torch.cuda.OutOfMemoryError as exc:
@@ -336,66 +334,63 @@ class Worker:
                 self.metrics.worker_busy.labels(self.name).set(0)
                 self.metrics.worker_batches.labels(self.name).inc()
 
-    def _run_cuda(self, layer: Layer, inputs: list[AnyTensor], weight: torch.Tensor,
-                  bias: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:
-        assert self._stream is not None
+    def _forward_span(self, layer: Layer, inputs: list[AnyTensor], out: torch.Tensor | None) -> torch.Tensor:
+        """The layer on ``inputs`` ([n_i, C_in, H, W] each, on the host): the output [n, C_out, H_out, W_out] on
+        the host. The worker's one out-of-memory path: a span that does not fit runs again in halves, each halved
+        again if need be; a single sample that does not fit raises ``torch.cuda.OutOfMemoryError``.
+
+        ``out`` None: the requests' inputs as they arrived (a GPU worker reads them where they are, ``_gathered``).
+        Else, on a GPU, ``inputs`` is one span of the batch staged in pinned memory and ``out`` its place in the
+        pinned output (``kernel_forward_staged``).
+        """
         n = sum(int(x.shape[0]) for x in inputs)
         try:
             if self.faults is not None:
                 self.faults.before_forward(layer.name, n)
-            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                return self._gathered(inputs, weight, bias, layer, packs)  # [N, C_out, H_out, W_out], pinned
+            return self._forward_once(layer, inputs, out)
         except torch.cuda.OutOfMemoryError:
             if n <= 1:
                 raise
-        # Retry in halves outside the except block, so that the failed attempt's tensors are freed first: the
-        # batch staged whole in pinned memory, each half run (and halved again if need be) by _forward_span.
-        _, c_in, h, w = inputs[0].shape
-        h_out, w_out = layer.output_hw(h, w)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            host_in = torch.empty((n, c_in, h, w), dtype=layer.dtype, pin_memory=True)  # [N, C_in, H, W]
-            _gather(inputs, out=host_in)
-            host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype,
-                                   pin_memory=True)  # [N, C_out, H_out, W_out]
-            return self._halves(layer, host_in, weight, bias, host_out, packs)
-
-    def _forward_span(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
-        """Run ``x`` [n, C_in, H, W] (host) through the layer; halve and retry on out-of-memory.
-
-        On a GPU: upload, run, download into ``out`` (pinned host, [n, C_out, H_out, W_out]) on the worker's
-        stream. On the CPU ``out`` is None and the output is returned.
-        """
-        try:
-            if self.faults is not None:
-                self.faults.before_forward(layer.name, int(x.shape[0]))
-            with torch.inference_mode():
-                if out is None:
-                    return self._forward(x, weight, bias, layer)
-                kernel_forward_staged(x, weight, bias, layer, out, packs)
-            return out
-        except torch.cuda.OutOfMemoryError:
-            if int(x.shape[0]) <= 1:
-                raise
         # Retry outside the except block, so that the failed attempt's tensors (held by the traceback) are freed.
-        return self._halves(layer, x, weight, bias, out, packs)
-
-    def _halves(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
-        """``_forward_span`` of each half of ``x`` (at least 2 samples), after an out-of-memory on the whole."""
-        n = int(x.shape[0])
         self._count_failure("oom_retry")
         log.warning("worker %s: out of memory for %d samples of layer %s; retrying in halves", self.name, n,
                     layer.name)
         if self.is_cuda:
             torch.cuda.empty_cache()
+        if out is None and self.is_cuda:  # the first split stages the batch whole: its halves are spans of it
+            x, out = self._stage(layer, inputs, n)
+        else:
+            x = _gather(inputs)
         half = n // 2
         if out is None:
-            return torch.cat([self._forward_span(layer, x[:half], weight, bias, None),
-                              self._forward_span(layer, x[half:], weight, bias, None)])
-        self._forward_span(layer, x[:half], weight, bias, out[:half], packs)
-        self._forward_span(layer, x[half:], weight, bias, out[half:], packs)
+            return torch.cat([self._forward_span(layer, [x[:half]], None),
+                              self._forward_span(layer, [x[half:]], None)])
+        self._forward_span(layer, [x[:half]], out[:half])
+        self._forward_span(layer, [x[half:]], out[half:])
         return out
+
+    def _forward_once(self, layer: Layer, inputs: list[AnyTensor], out: torch.Tensor | None) -> torch.Tensor:
+        """One attempt of ``_forward_span``, without retries."""
+        weight, bias, packs = self._weights[layer.name]
+        if not self.is_cuda:
+            with torch.inference_mode():
+                return self._forward(_gather(inputs), weight, bias, layer)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            if out is None:
+                return self._gathered(inputs, weight, bias, layer, packs)  # [N, C_out, H_out, W_out], pinned
+            with torch.inference_mode():
+                kernel_forward_staged(_gather(inputs), weight, bias, layer, out, packs)
+            return out
+
+    def _stage(self, layer: Layer, inputs: list[AnyTensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch copied into pinned memory ``[N, C_in, H, W]``, and a pinned output for it."""
+        _, c_in, h, w = inputs[0].shape
+        h_out, w_out = layer.output_hw(h, w)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            host_in = torch.empty((n, c_in, h, w), dtype=layer.dtype, pin_memory=True)
+            _gather(inputs, out=host_in)
+            host_out = torch.empty((n, layer.config.out_channels, h_out, w_out), dtype=layer.dtype, pin_memory=True)
+        return host_in, host_out
 
     def _count_failure(self, kind: str) -> None:
         if self.metrics is not None:
