@@ -5,8 +5,9 @@ Settings come from ``DECONV_*`` environment variables (docs/operations.md); ``--
 requests), computes every request it holds, then stops accepting connections, sends the last answers and exits:
 after SIGTERM with status 0 when every queued request was answered within the drain timeout, 1 otherwise.
 
-With ``DECONV_HTTP_PROCESSES`` > 1 this process becomes the supervisor of one engine process and that many HTTP
-processes (``service.supervisor``), with the same signals and exit statuses.
+With ``DECONV_HTTP_PROCESSES`` = 1 (the default) this process serves HTTP on a ``LocalEngine`` (batchers and worker
+threads in this process). With N > 1 it becomes the supervisor of one engine process and N HTTP processes
+(``service.supervisor``), each serving the same HTTP on a ``RemoteEngine``, with the same signals and exit statuses.
 """
 
 from __future__ import annotations
@@ -39,12 +40,10 @@ def main(argv: list[str] | None = None) -> None:
         configure_logging(settings, "supervisor")
         sys.exit(supervise(settings))
     configure_logging(settings)
-    from service.http.app import create_app
+    from service.engine.local import LocalEngine
     from service.http.server import serve
 
-    app = create_app(settings)
-    app.state.service.freeze_gc = True  # this process is the server: freeze the start-up heap once ready
-    status = serve(app, settings)
+    status = serve(settings, LocalEngine(settings))  # as each HTTP process of N does, on a RemoteEngine
     if status:
         sys.exit(status)
 
@@ -55,17 +54,15 @@ def check_repository(settings: Settings) -> str | None:
     Run before anything starts, so that a wrong path or an invalid layer is a short message and exit status 3
     rather than a failed application start-up. Reads the configs and the weights files' headers only.
     """
-    from service.engine.registry import BatchLimits, RepositoryError, load_repository
+    from service.engine.registry import RepositoryError, batch_limits, load_repository
 
     root = settings.layer_repository
     if not root.is_dir():
         given = os.environ.get("DECONV_LAYER_REPOSITORY")
         source = f" (DECONV_LAYER_REPOSITORY={given}, from {os.getcwd()})" if given else ""
         return f"layer repository {root} is not a directory{source}"
-    limits = BatchLimits(settings.max_batch_size, settings.max_batch_bytes, settings.max_queue_delay_ms,
-                         settings.max_queue_size)
     try:
-        load_repository(root, limits, weights=False)
+        load_repository(root, batch_limits(settings), weights=False)
     except RepositoryError as exc:
         return str(exc)
     return None

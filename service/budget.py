@@ -24,7 +24,7 @@ class Budget:
         self._limit_gauge = metrics.inflight_limit
 
     def publish(self) -> None:
-        """Show the limit in the metrics (the processes that serve HTTP do; the engine's budget is unused)."""
+        """Show the limit in the metrics (each process that serves HTTP, when its app starts)."""
         self._limit_gauge.set(self.limit)
 
     def take(self, n: int) -> None:

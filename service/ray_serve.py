@@ -224,20 +224,20 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
 
 
 async def wait_until_ready(app: FastAPI, timeout_s: float) -> None:
-    """Wait until the app's service passed its self-tests.
+    """Wait until the app's engine passed its self-tests.
 
     Raises:
-        RuntimeError: the warm-up failed (kernel build or self-test), the service began draining, or it took
+        RuntimeError: the warm-up failed (kernel build or self-test), the engine began draining, or it took
             longer than ``timeout_s``; the message says why.
     """
-    service = app.state.service
+    readiness = app.state.engine.readiness
     deadline = time.monotonic() + timeout_s
-    while service.state == "starting":
+    while readiness.state == "starting":
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"the service was not ready after {timeout_s:g} s: {service.reason}")
+            raise RuntimeError(f"the service was not ready after {timeout_s:g} s: {readiness.reason}")
         await asyncio.sleep(0.05)
-    if service.state != "ready":
-        raise RuntimeError(f"the service did not become ready: {service.reason}")
+    if readiness.state != "ready":
+        raise RuntimeError(f"the service did not become ready: {readiness.reason}")
 
 
 def build_replica_app(settings: Settings, ready_timeout_s: float) -> FastAPI:

@@ -3,11 +3,12 @@
 One Python process parses HTTP for every request, which limits a single-process server to a few thousand small
 requests per second however fast the GPU is. Here the work is split:
 
-* one **engine** process (``service.engine.process``): the layer repository, the self-tests, one batcher per layer
-  and one worker per GPU, exactly as in a single-process server, but fed over a Unix socket instead of HTTP;
-* N **HTTP** processes (``service.http.frontend``): serve the connections this process hands them, decode and
-  validate tensors, and forward each request to the engine. Requests from every HTTP process share the engine's
-  queues, so they batch together.
+* one **engine** process (``service.engine.process``): the ``LocalEngine`` a server of one process serves HTTP on
+  (the layer repository, the self-tests, one batcher per layer and one worker per GPU), fed over a Unix socket
+  instead of HTTP;
+* N **HTTP** processes (``service.http.frontend``): the same HTTP code as a server of one process, on a
+  ``RemoteEngine``: they serve the connections this process hands them, decode and validate tensors, and forward
+  each request to the engine. Requests from every HTTP process share the engine's queues, so they batch together.
 
 This process binds the port, starts the engine, waits for its socket, starts the HTTP processes, then accepts every
 connection itself and passes it to the HTTP processes in turn (``ConnectionDispatcher``), and watches: SIGTERM or

@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from service.codec import AnyTensor
+from service.engine.interface import Result
 from service.engine.registry import Layer
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
 from service.metrics import Metrics
@@ -61,51 +62,6 @@ class Executor(Protocol):
     async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
         """Execute one batch on the reservation (released when done); one output per input."""
         ...
-
-
-class Ticket(Protocol):
-    """What ``submit`` returns: the request's future and whether it left the queue (``Pending`` is one)."""
-
-    future: asyncio.Future[Result]
-    state: str
-
-    @property
-    def started(self) -> bool:
-        """Whether the request will be answered without a further deadline check by its caller."""
-        ...
-
-
-class Queue(Protocol):
-    """What the routes need from a layer's batcher (``Batcher``, or ``service.http.frontend.RemoteBatcher`` in an HTTP
-    process of a multi-process server)."""
-
-    @property
-    def depth(self) -> int:
-        """Requests waiting in this process's queue."""
-        ...
-
-    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None) -> Any:
-        """Queue a validated input; returns its ``Ticket``."""
-        ...
-
-    def drop(self, item: Any, reason: str) -> bool:
-        """Give up on a queued request; whether nobody waits for it any more."""
-        ...
-
-    def begin_drain(self) -> None:
-        """Refuse new requests; queued ones still run."""
-        ...
-
-
-class Result(NamedTuple):
-    """What a request gets back: its output and how it was batched (a tuple: cheaper to make than a frozen
-    dataclass, and the engine process makes one per request)."""
-
-    output: AnyTensor  # [n, C_out, H_out, W_out] (a RawTensor when the input was one)
-    batch_samples: int  # samples in the kernel call this request shared
-    batch_requests: int  # requests in that kernel call
-    queue_s: float  # time from enqueue to the start of the batch
-    worker: str
 
 
 class Answer:
@@ -184,7 +140,7 @@ class Pending:
 
 
 class Batcher:
-    """The queue and batching loop of one layer."""
+    """The queue and batching loop of one layer (its ``service.engine.interface.LayerQueue`` in a ``LocalEngine``)."""
 
     def __init__(self, layer: Layer, executor: Executor, metrics: Metrics | None = None,
                  observe_queue_time: bool = True) -> None:

@@ -1,9 +1,10 @@
 """The engine process of a multi-process server (``DECONV_HTTP_PROCESSES`` > 1): layers, batchers and workers.
 
-``python -m service.engine.process --socket PATH`` (started by ``service.supervisor``, never by hand) runs the same
-``Service`` as a single-process server (repository check, kernels, self-tests, one batcher per layer, one worker
-per device) without HTTP: the HTTP processes connect to the Unix socket at PATH and send it the requests they
-decoded (``service.ipc.frames``). Requests from every HTTP process share one queue per layer, so they batch together.
+``python -m service.engine.process --socket PATH`` (started by ``service.supervisor``, never by hand) runs the
+``LocalEngine`` a server of one process serves HTTP on (repository check, kernels, self-tests, one batcher per layer,
+one worker per device), without HTTP: the HTTP processes, each on a ``service.engine.remote.RemoteEngine``, connect
+to the Unix socket at PATH and send it the requests they decoded (``service.ipc.frames``). Requests from every HTTP
+process share one queue per layer, so they batch together.
 
 Signals: SIGTERM drains (queued requests run at once, new ones get 503), waits for the HTTP processes to hang
 up, and exits 0 when everything queued was answered (1 otherwise; 3 when the repository or devices are invalid).
@@ -25,8 +26,9 @@ import time
 
 from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
-from service.engine.batcher import Batcher, Pending, Result
-from service.engine.core import Service
+from service.engine.batcher import Batcher, Pending
+from service.engine.interface import Result
+from service.engine.local import LocalEngine
 from service.engine.registry import RepositoryError
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
 from service.ipc import frames, shm
@@ -42,17 +44,17 @@ HANDSHAKE_TIMEOUT_S = 10.0
 class EngineConnection(frames.FrameProtocol):
     """One HTTP process's connection: its requests in, their results out."""
 
-    def __init__(self, engine: Engine, arena: memoryview | None = None) -> None:
+    def __init__(self, server: EngineServer, arena: memoryview | None = None) -> None:
         super().__init__()
-        self.engine = engine
+        self.server = server
         self.arena = arena  # the HTTP process's shared memory (service.ipc.shm), mapped here; None: tensors inline
         self.pending: dict[int, tuple[Batcher, Pending]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.engine.connections.add(self)
-        self.engine.service.metrics.http_processes.set(len(self.engine.connections))
-        self.send(self.engine.state_frame())
+        self.server.connections.add(self)
+        self.server.engine.metrics.http_processes.set(len(self.server.connections))
+        self.send(self.server.state_frame())
 
     def frame_received(self, kind: int, body: bytearray) -> None:
         if kind == frames.SUBMIT:
@@ -63,13 +65,13 @@ class EngineConnection(frames.FrameProtocol):
             raise frames.ProtocolError(f"unexpected frame kind {kind} from an HTTP process")
 
     def _submit(self, req: frames.Submit) -> None:
-        service = self.engine.service
+        engine = self.server.engine
         try:
-            names = self.engine.layers
+            names = self.server.layers
             if not 0 <= req.layer < len(names):
                 raise UnknownLayerError(f"no layer with index {req.layer}")
-            service.check_ready()
-            batcher = service.batchers[names[req.layer]]
+            engine.readiness.check_ready()
+            batcher = engine.batchers[names[req.layer]]
             x = req.x if req.out_offset is None else self._slot(req, batcher)
             item = batcher.submit(x, received=req.received, deadline=req.deadline, on_done=self._answer,
                                   key=req.request_id)
@@ -116,8 +118,8 @@ class EngineConnection(frames.FrameProtocol):
             self.send(frames.error_frame(request_id, DeadlineExceededError.before_execution(deadline_ms)))
 
     def lost(self, exc: Exception | None) -> None:
-        self.engine.connections.discard(self)
-        self.engine.service.metrics.http_processes.set(len(self.engine.connections))
+        self.server.connections.discard(self)
+        self.server.engine.metrics.http_processes.set(len(self.server.connections))
         for batcher, item in list(self.pending.values()):  # the HTTP process is gone: nobody waits for these
             batcher.drop(item, "disconnected")
         self.pending.clear()
@@ -125,21 +127,20 @@ class EngineConnection(frames.FrameProtocol):
             log.error("engine: an HTTP process's connection failed: %s", exc)
 
 
-class Engine:
-    """The service without HTTP, serving the HTTP processes on a Unix socket."""
+class EngineServer:
+    """A ``LocalEngine`` without HTTP, serving the HTTP processes on a Unix socket."""
 
     def __init__(self, settings: Settings, socket_path: str) -> None:
-        self.service = Service(settings)
-        self.service.observe_queue_time = False  # the HTTP processes do, from the RESULT frames
-        self.service.freeze_gc = True
+        self.engine = LocalEngine(settings, observe_queue_time=False)  # the HTTP processes observe it (RESULT)
+        self.engine.readiness.freeze_gc = True
         self.socket_path = socket_path
         self.connections: set[EngineConnection] = set()
         self.layers: list[str] = []
 
     def state_frame(self) -> list[bytes | memoryview]:
-        """The ``STATE`` frame for the service as it is now."""
-        s = self.service
-        return frames.state_frame(s.state, s.reason, s.backend, self.layers)
+        """The ``STATE`` frame for the engine as it is now."""
+        e = self.engine
+        return frames.state_frame(e.readiness.state, e.readiness.reason, e.backend, self.layers)
 
     def _broadcast(self) -> None:
         frame = self.state_frame()
@@ -154,15 +155,15 @@ class Engine:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which sends SIGTERM
         watch_parent(lambda: loop.call_soon_threadsafe(stop.set))
         try:
-            await self.service.start()
+            await self.engine.start()
         except (RepositoryError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError):
                 log.error("%s", exc)
             return 3
-        assert self.service.registry is not None
-        self.layers = self.service.registry.names()
-        self.service.metrics.http_processes.set(0)  # counts connections from here on
-        self.service.listeners.append(self._broadcast)
+        assert self.engine.registry is not None
+        self.layers = self.engine.registry.names()
+        self.engine.metrics.http_processes.set(0)  # counts connections from here on
+        self.engine.readiness.listeners.append(self._broadcast)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -174,13 +175,13 @@ class Engine:
         sampler = loop.create_task(self._sample_gpus())
         await stop.wait()
         log.info("engine: stopping")
-        await self.service.stop()  # every queued request runs and is answered (or fails past the timeout)
+        await self.engine.stop()  # every queued request runs and is answered (or fails past the timeout)
         accepting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await accepting
         listener.close()
         # The HTTP processes hang up once they have sent their last answers; wait for them, bounded.
-        deadline = time.monotonic() + self.service.settings.request_timeout_s + 5
+        deadline = time.monotonic() + self.engine.settings.request_timeout_s + 5
         while self.connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
@@ -188,7 +189,7 @@ class Engine:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
-        return 0 if self.service.drained else 1
+        return 0 if self.engine.drained else 1
 
     async def _accept(self, listener: socket.socket) -> None:
         """Accept the HTTP processes' connections (until cancelled), each after its HELLO."""
@@ -229,7 +230,7 @@ class Engine:
 
     async def _sample_gpus(self) -> None:
         while True:  # /metrics is served by the HTTP processes, which cannot read this process's GPU memory
-            self.service.metrics.sample_gpus()
+            self.engine.metrics.sample_gpus()
             await asyncio.sleep(GPU_SAMPLE_PERIOD_S)
 
 
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         loop_factory = None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        status = runner.run(Engine(settings, args.socket).run())
+        status = runner.run(EngineServer(settings, args.socket).run())
     sys.exit(status)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from kernels.functional import ConvArgs, ConvTranspose2dArgumentError, normalize_args, output_size
+from service.config import Settings
+
+log = logging.getLogger("deconv.service")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -456,3 +460,23 @@ def load_repository(root: Path, defaults: BatchLimits, weights: bool = True) -> 
     if problems:
         raise RepositoryError(root, problems)
     return Registry(root, layers)
+
+
+def batch_limits(settings: Settings) -> BatchLimits:
+    """The batching limits of a layer that sets none (``DECONV_MAX_BATCH_SIZE`` ...)."""
+    return BatchLimits(settings.max_batch_size, settings.max_batch_bytes, settings.max_queue_delay_ms,
+                       settings.max_queue_size)
+
+
+def load_registry(settings: Settings, weights: bool = True) -> Registry:
+    """``load_repository`` of the settings' layer repository, a problem logged before it is raised; ``weights=False``
+    reads only the weights' shapes and dtypes (meta tensors).
+
+    Raises:
+        RepositoryError: the repository is invalid.
+    """
+    try:
+        return load_repository(settings.layer_repository, batch_limits(settings), weights)
+    except RepositoryError as exc:
+        log.error("%s", exc)
+        raise

@@ -1,4 +1,5 @@
-"""The HTTP side: the FastAPI app and its lifespan (``app``), the routes (``routes``), the raw-ASGI fast path of
-the inference routes (``asgi``), uvicorn run so that a shutdown drains (``server``), and an HTTP process's link to
-the engine process of a multi-process server (``frontend``). docs/architecture.md has the picture.
+"""The HTTP side, the same code whichever engine it serves (``service.engine.interface.Engine``): the FastAPI app and
+its lifespan (``app``), the routes (``routes``), the raw-ASGI fast path of the inference routes (``asgi``), uvicorn
+run so that a shutdown drains (``server``), and the entry of an HTTP process of a multi-process server
+(``frontend``). docs/architecture.md has the picture.
 """

@@ -1,10 +1,12 @@
-"""The app factory: ``create_app(settings)`` builds the FastAPI app (``service.http.asgi.App``) around one
-``service.engine.core.Service``, whose life cycle the app's lifespan runs: started before the first request, drained and
-stopped at shutdown.
+"""The app factory: ``create_app(settings, engine)`` builds the FastAPI app (``service.http.asgi.App``) around one
+``service.engine.interface.Engine``, whose life cycle the app's lifespan runs: started before the first request,
+drained and stopped at shutdown. The app is the same whichever engine it is given: a ``LocalEngine`` (a server of
+one process) or a ``RemoteEngine`` (each HTTP process of a multi-process server).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -12,8 +14,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from service.config import VERSION, Settings
-from service.engine.core import Service
+from service.budget import Budget
+from service.config import VERSION, Settings, inflight_limit
+from service.engine.interface import Engine
+from service.engine.local import LocalEngine
 from service.errors import install_error_handlers
 from service.http import routes, shm_routes
 from service.http.asgi import App
@@ -22,16 +26,16 @@ from service.http.shm_regions import RegionTable
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start the service before the first request; drain and stop it at shutdown, then close the shared-memory
+    """Start the engine before the first request; drain and stop it at shutdown, then close the shared-memory
     regions this process opened."""
-    service: Service = app.state.service
-    service.budget.publish()
-    await service.start()
+    engine: Engine = app.state.engine
+    app.state.budget.publish()
+    await engine.start()
     try:
         yield
     finally:
         try:
-            await service.stop()
+            await engine.stop()
         finally:
             app.state.regions.close()
 
@@ -50,24 +54,26 @@ says which).
 """
 
 
-def create_app(settings: Settings | None = None, service: Service | None = None,
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
                regions_dir: Path | None = None) -> App:
-    """Build the app. ``settings`` default to ``service``'s, else to ``Settings()`` (the ``DECONV_*`` environment),
+    """Build the app. ``settings`` default to ``engine``'s, else to ``Settings()`` (the ``DECONV_*`` environment),
     read here.
 
-    ``service``: the ``Service`` the app serves, by default a new one of ``settings``. An HTTP process of a
-    multi-process server passes its ``service.http.frontend.FrontendService``, whose requests go to the engine process
-    instead of batchers and workers of its own.
+    ``engine``: the ``Engine`` the app serves, by default a new ``LocalEngine`` of ``settings`` (batchers and workers
+    in this process). An HTTP process of a multi-process server passes a ``RemoteEngine``, whose requests go to the
+    engine process.
 
     ``regions_dir``: where the system shared-memory regions are kept for every HTTP process of a multi-process
     server (``service.http.shm_regions.DirectoryStore``); None keeps them in this process.
     """
     if settings is None:
-        settings = service.settings if service is not None else Settings()
+        settings = engine.settings if engine is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
     app = App(fast_routes=routes.match_inference, title="deconv", version=VERSION, description=DESCRIPTION,
               lifespan=lifespan)
-    app.state.service = service if service is not None else Service(settings)
+    app.state.engine = engine = engine if engine is not None else LocalEngine(settings)
+    app.state.budget = Budget(inflight_limit(settings), engine.metrics)  # bytes of requests in flight
+    app.state.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
     app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir)
     install_error_handlers(app)
     app.include_router(routes.router)

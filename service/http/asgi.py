@@ -34,7 +34,8 @@ from service.errors import (
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from service.engine.core import Service
+    from service.budget import Budget
+    from service.engine.interface import Engine
 
 log = logging.getLogger("deconv.service")
 
@@ -55,24 +56,29 @@ class Call:
         self.receive = receive
         self.params = params
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
-        self.held = 0  # bytes taken from the service's budget (service.budget), given back by release()
+        self.held = 0  # bytes taken from the app's budget (service.budget), given back by release()
         self.body_read = False  # the request's body has been received to its end
 
     def hold(self, n: int) -> None:
-        """Take ``n`` bytes from the service's budget for this request (429 when they do not fit)."""
-        self.service.budget.take(n)
+        """Take ``n`` bytes from the app's budget for this request (429 when they do not fit)."""
+        self.budget.take(n)
         self.held += n
 
     def release(self) -> None:
         """Give back every byte this request holds (once its answer is written)."""
         if self.held:
-            self.service.budget.give(self.held)
+            self.budget.give(self.held)
             self.held = 0
 
     @property
-    def service(self) -> Service:
-        """The app's ``Service``."""
-        return self.scope["app"].state.service  # type: ignore[no-any-return]
+    def engine(self) -> Engine:
+        """The app's ``Engine``."""
+        return self.scope["app"].state.engine  # type: ignore[no-any-return]
+
+    @property
+    def budget(self) -> Budget:
+        """The app's bound on bytes in flight."""
+        return self.scope["app"].state.budget  # type: ignore[no-any-return]
 
     @property
     def path(self) -> str:
@@ -138,7 +144,7 @@ async def read_body(call: Call, limit: int) -> bytearray:
     """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large.
 
     The buffer grows with the bytes received, never from the declared length alone; the declared length is taken
-    from the service's budget before reading (the received length, chunk by chunk, when none is declared).
+    from the app's budget before reading (the received length, chunk by chunk, when none is declared).
 
     Raises:
         PayloadTooLargeError: the declared or the received length exceeds ``limit`` (413).
@@ -245,7 +251,7 @@ async def serve_call(handler: Handler, call: Call, send: Send) -> None:
         except Exception as exc:
             log.error("unhandled error on %s %s", call.scope["method"], call.path, exc_info=exc)
             reply = error_reply(InternalError("internal server error"), call.path)
-        if not call.body_read and not await discard_body(call, call.service.settings.max_body_bytes):
+        if not call.body_read and not await discard_body(call, call.engine.settings.max_body_bytes):
             reply = reply._replace(headers={**reply.headers, "Connection": "close"})
         await send_reply(send, reply)
     finally:
@@ -261,7 +267,7 @@ class App(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if self.state.service.state == "draining":  # every answer from now on closes its connection
+            if self.state.engine.readiness.state == "draining":  # every answer from now on closes its connection
                 send = closing(send)
             if scope["method"] == "POST":
                 found = self.fast_routes(route_path(scope))

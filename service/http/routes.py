@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from service import codec
 from service.codec import AnyTensor, RawTensor
 from service.config import VERSION
-from service.engine.batcher import Queue, Result, Ticket
+from service.engine.interface import LayerQueue, Result, Ticket
 from service.engine.registry import Layer
 from service.errors import (
     ClientGoneError,
@@ -47,7 +47,7 @@ from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 if TYPE_CHECKING:
     from starlette.types import Receive
 
-    from service.engine.core import Service
+    from service.engine.interface import Engine
 
 router = APIRouter()
 
@@ -163,14 +163,14 @@ _KSERVE_ERRORS = {code: {"model": KServeError, "description": d["description"]} 
 # --- shared helpers ----------------------------------------------------------------------------------------
 
 
-def get_service(request: Request) -> Service:
-    """The app's ``Service``."""
-    return request.app.state.service  # type: ignore[no-any-return]
+def get_engine(request: Request) -> Engine:
+    """The app's ``Engine``."""
+    return request.app.state.engine  # type: ignore[no-any-return]
 
 
 def check_api_key(call: Call) -> None:
     """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise)."""
-    key = call.service.settings.api_key
+    key = call.engine.settings.api_key
     if key is None:
         return
     scheme, _, token = call.headers.get("authorization", "").partition(" ")
@@ -219,11 +219,11 @@ def _path_parameter(name: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "title": name.title()}}
 
 
-def _layer(service: Service, name: str) -> tuple[Layer, Queue]:
-    layer = service.registry.get(name) if service.registry is not None else None
+def _layer(engine: Engine, name: str) -> tuple[Layer, LayerQueue]:
+    layer = engine.registry.get(name) if engine.registry is not None else None
     if layer is None:
         raise UnknownLayerError(f"no layer named {name!r}; GET /v1/layers lists them")
-    return layer, service.batchers[name]
+    return layer, engine.queues[name]
 
 
 def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
@@ -290,14 +290,14 @@ def validate_input(layer: Layer, x: AnyTensor) -> tuple[AnyTensor, bool]:
 
 
 async def run_inference(
-    service: Service, layer: Layer, batcher: Queue, x4: AnyTensor, receive: Receive, received: float,
+    engine: Engine, layer: Layer, batcher: LayerQueue, x4: AnyTensor, receive: Receive, received: float,
     deadline_ms: float | None,
 ) -> Result:
     """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
 
     A request still queued when its client leaves or its deadline passes is dropped from the queue.
     """
-    timeout_at = received + service.settings.request_timeout_s
+    timeout_at = received + engine.settings.request_timeout_s
     deadline = received + deadline_ms / 1000 if deadline_ms is not None else None
     if x4.shape[0] == 0:  # nothing to compute: an empty batch of the right shape
         h_out, w_out = layer.output_hw(int(x4.shape[2]), int(x4.shape[3]))
@@ -335,7 +335,7 @@ async def run_inference(
             if now >= timeout_at:
                 batcher.drop(item, "timeout")
                 raise DeadlineExceededError(
-                    f"no result within the request timeout of {service.settings.request_timeout_s:g} s")
+                    f"no result within the request timeout of {engine.settings.request_timeout_s:g} s")
             if deadline is not None and now >= deadline and batcher.drop(item, "deadline"):
                 raise DeadlineExceededError.before_execution(deadline_ms)
     finally:
@@ -346,8 +346,8 @@ async def run_inference(
             item.future.exception()  # mark as retrieved
 
 
-def _count(service: Service, layer_name: str, api: str, status: int, received: float) -> None:
-    service.metrics.count_request(layer_name, api, status, time.monotonic() - received)
+def _count(engine: Engine, layer_name: str, api: str, status: int, received: float) -> None:
+    engine.metrics.count_request(layer_name, api, status, time.monotonic() - received)
 
 
 def _batch_headers(result: Result) -> dict[str, str]:
@@ -362,23 +362,23 @@ async def deconv_call(call: Call) -> Reply:
     check_api_key(call)
     layer, x_deadline_ms = query_layer(call), deadline_header(call)
     received = time.monotonic()
-    service = call.service
-    label = layer if service.registry is not None and service.registry.get(layer) else "unknown"
+    engine = call.engine
+    label = layer if engine.registry is not None and engine.registry.get(layer) else "unknown"
     status = 500
     try:
-        spec, batcher = _layer(service, layer)
+        spec, batcher = _layer(engine, layer)
         headers = call.headers
         media = codec.media_type_of(headers.get("content-type"))
         out_media = codec.negotiate(headers.get("accept"), media)
         if headers.get("content-encoding", "identity").strip().lower() != "identity":
             raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
-        service.check_ready()
-        body = await read_body(call, service.settings.max_body_bytes)
-        x4, unbatched = validate_input(spec, codec.decode_raw(body, media, service.settings.max_body_bytes))
+        engine.readiness.check_ready()
+        body = await read_body(call, engine.settings.max_body_bytes)
+        x4, unbatched = validate_input(spec, codec.decode_raw(body, media, engine.settings.max_body_bytes))
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
         call.hold(output_bytes(spec, x4))
-        result = await run_inference(service, spec, batcher, x4, call.receive, received, x_deadline_ms)
+        result = await run_inference(engine, spec, batcher, x4, call.receive, received, x_deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         reply = Reply(codec.encode(y, out_media), out_media, _batch_headers(result))
         status = 200
@@ -390,7 +390,7 @@ async def deconv_call(call: Call) -> Reply:
         status = ClientGoneError.status
         raise
     finally:
-        _count(service, label, "native", status, received)
+        _count(engine, label, "native", status, received)
 
 
 @router.post(
@@ -421,8 +421,8 @@ async def deconv(request: Request) -> Response:
 @router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
 async def list_layers(request: Request) -> dict[str, Any]:
     """Every layer: shapes, output-size formula, dtype, precision and limits."""
-    service = get_service(request)
-    layers = list(service.registry) if service.registry is not None else []
+    engine = get_engine(request)
+    layers = list(engine.registry) if engine.registry is not None else []
     return {"layers": [layer.describe() for layer in layers]}
 
 
@@ -430,7 +430,7 @@ async def list_layers(request: Request) -> dict[str, Any]:
             responses={404: _ERRORS[404]})
 async def describe_layer(request: Request, name: str) -> dict[str, Any]:
     """One layer: shapes, output-size formula, dtype, precision and limits."""
-    layer, _ = _layer(get_service(request), name)
+    layer, _ = _layer(get_engine(request), name)
     return layer.describe()
 
 
@@ -446,7 +446,7 @@ async def live() -> dict[str, str]:
 @router.get("/health/ready", tags=["health"], summary="Readiness", responses={503: _ERRORS[503]})
 async def ready(request: Request) -> dict[str, str]:
     """200 once every layer passed its self-test; 503 before, while draining, or with the failure's reason."""
-    get_service(request).check_ready()
+    get_engine(request).readiness.check_ready()
     return {"status": "ready"}
 
 
@@ -454,7 +454,7 @@ async def ready(request: Request) -> dict[str, str]:
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition format."""
-    return Response(get_service(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    return Response(get_engine(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 # --- KServe v2 / Open Inference Protocol -------------------------------------------------------------------
@@ -478,7 +478,7 @@ async def v2_live() -> dict[str, bool]:
 @router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: _KSERVE_ERRORS[503]})
 async def v2_ready(request: Request) -> dict[str, bool]:
     """200 once every layer passed its self-test, else 503."""
-    get_service(request).check_ready()
+    get_engine(request).readiness.check_ready()
     return {"ready": True}
 
 
@@ -503,7 +503,7 @@ def _model_metadata(layer: Layer) -> dict[str, Any]:
 @router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: _KSERVE_ERRORS[404]})
 async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
     """Inputs and outputs of the layer called ``name`` (datatype and shape, -1 for any size)."""
-    layer, _ = _layer(get_service(request), name)
+    layer, _ = _layer(get_engine(request), name)
     return _model_metadata(layer)
 
 
@@ -511,7 +511,7 @@ async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
             responses={404: _KSERVE_ERRORS[404]})
 async def v2_model_metadata_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}``; the only version is ``1``."""
-    layer, _ = _layer(get_service(request), name)
+    layer, _ = _layer(get_engine(request), name)
     _check_version(version)
     return _model_metadata(layer)
 
@@ -520,9 +520,9 @@ async def v2_model_metadata_version(request: Request, name: str, version: str) -
             responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
 async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
     """200 when the server is ready (every layer passed its self-test), else 503."""
-    service = get_service(request)
-    _layer(service, name)
-    service.check_ready()
+    engine = get_engine(request)
+    _layer(engine, name)
+    engine.readiness.check_ready()
     return {"name": name, "ready": True}
 
 
@@ -530,10 +530,10 @@ async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
             responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
 async def v2_model_ready_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}/ready``."""
-    service = get_service(request)
-    _layer(service, name)
+    engine = get_engine(request)
+    _layer(engine, name)
     _check_version(version)
-    service.check_ready()
+    engine.readiness.check_ready()
     return {"name": name, "ready": True}
 
 
@@ -575,7 +575,7 @@ class RegionInput(NamedTuple):
     shape: tuple[int, ...]
 
 
-async def _parse_kserve_input(service: Service, body: bytearray, header_length: str | None,
+async def _parse_kserve_input(call: Call, body: bytearray, header_length: str | None,
                               limit: int) -> tuple[dict[str, Any], AnyTensor | RegionInput]:
     """The KServe request in ``body`` and its input tensor.
 
@@ -590,16 +590,17 @@ async def _parse_kserve_input(service: Service, body: bytearray, header_length: 
         req, binary = _parse_kserve(body, header_length)
         return req, _kserve_input(req, binary, limit)
     parsed_bytes = PARSED_BYTES_PER_JSON_BYTE * json_bytes
-    service.budget.take(parsed_bytes)
+    call.budget.take(parsed_bytes)
     try:
         def parse() -> tuple[dict[str, Any], AnyTensor | RegionInput]:
             req, binary = _parse_kserve(body, header_length)
             return req, _kserve_input(req, binary, limit)
 
-        async with service.json_parsing:  # one at a time: parallel parses would only add their peaks together
+        # One at a time: parallel parses would only add their peaks together.
+        async with call.scope["app"].state.json_parsing:
             return await asyncio.to_thread(parse)
     finally:
-        service.budget.give(parsed_bytes)
+        call.budget.give(parsed_bytes)
 
 
 def _header_length(header_length: str) -> int:
@@ -812,19 +813,19 @@ async def v2_infer_call(call: Call) -> Reply:
     deadline_ms = deadline_header(call)
     name, version = call.params["name"], call.params.get("version")
     received = time.monotonic()
-    service = call.service
-    label = name if service.registry is not None and service.registry.get(name) else "unknown"
+    engine = call.engine
+    label = name if engine.registry is not None and engine.registry.get(name) else "unknown"
     status = 500
     try:
-        layer, batcher = _layer(service, name)
+        layer, batcher = _layer(engine, name)
         _check_version(version)
-        service.check_ready()
-        limit = service.settings.max_body_bytes
+        engine.readiness.check_ready()
+        limit = engine.settings.max_body_bytes
         raw = await read_body(call, limit)
         body = _decompress(raw, call.headers.get("content-encoding"), limit)
         if body is not raw:
             call.hold(len(body))
-        req, parsed = await _parse_kserve_input(service, body, call.headers.get("inference-header-content-length"),
+        req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),
                                                 limit)
         regions: RegionTable = call.scope["app"].state.regions
         x = _read_region_input(call, regions, parsed) if isinstance(parsed, RegionInput) else parsed
@@ -842,14 +843,14 @@ async def v2_infer_call(call: Call) -> Reply:
             call.hold(output_bytes(layer, x4))
         else:
             json_bytes = JSON_BYTES_PER_VALUE * output_values(layer, x4)
-            if json_bytes > service.settings.max_json_output_bytes:
+            if json_bytes > engine.settings.max_json_output_bytes:
                 raise PayloadTooLargeError(
                     f"the output as JSON could take {json_bytes} bytes, above the limit of "
-                    f"{service.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
+                    f"{engine.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
                     "true, or binary_data: true in the output's parameters)")
             call.hold(json_bytes)
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
-        result = await run_inference(service, layer, batcher, x4, call.receive, received,
+        result = await run_inference(engine, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
@@ -881,7 +882,7 @@ async def v2_infer_call(call: Call) -> Reply:
         status = ClientGoneError.status
         raise
     finally:
-        _count(service, label, "kserve", status, received)
+        _count(engine, label, "kserve", status, received)
 
 
 @router.post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",

@@ -1,5 +1,6 @@
-"""uvicorn, run so that a shutdown drains: shared by ``python -m service`` and the HTTP processes of a
-multi-process server (``service.http.frontend``)."""
+"""uvicorn, run so that a shutdown drains: ``serve(settings, engine)`` is how every process that serves HTTP
+runs, a server of one process on a ``LocalEngine`` (``python -m service``) and each HTTP process of a multi-process
+server on a ``RemoteEngine`` (``service.http.frontend``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import signal
 import socket
 from collections.abc import Iterable
 from http import HTTPStatus
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.config import Settings
-from service.engine.core import Service
+from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
+from service.http.app import create_app
 from service.http.asgi import BODY_TIMED_OUT, error_reply
 from service.ipc.process import SERVING
 
@@ -242,15 +244,15 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the service to drain as soon as the shutdown signal arrives.
+    """uvicorn's server, telling the engine to drain as soon as the shutdown signal arrives.
 
     With ``connections`` (an HTTP process of a multi-process server) it has no listening socket: it serves the
     connections the supervisor accepted and passes over that Unix socket (``service.supervisor``).
     """
 
-    def __init__(self, config: uvicorn.Config, service: Service, connections: socket.socket | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine, connections: socket.socket | None = None) -> None:
         super().__init__(config)
-        self.service = service
+        self.engine = engine
         self.connections = connections
         self._handovers: set[asyncio.Task[object]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -320,8 +322,8 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     def _begin_drain(self) -> None:
-        """On the event loop, after SIGTERM/SIGINT: the service refuses new work (503), then the connections drain."""
-        self.service.begin_drain()
+        """On the event loop, after SIGTERM/SIGINT: the engine refuses new work (503), then the connections drain."""
+        self.engine.begin_drain()
         self._drain_connections()
 
     def _drain_connections(self) -> None:
@@ -334,14 +336,15 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
         # instead of finding the port closed (or being reset from the listen backlog).
-        await self.service.wait_idle(float(self.config.timeout_graceful_shutdown or 0))
+        await wait_idle(self.engine, float(self.config.timeout_graceful_shutdown or 0))
         self._close_channel()  # connections still in it are closed; the supervisor hands new ones to others
         await super().shutdown(sockets)
 
 
-def serve(app: FastAPI, settings: Settings, connections: socket.socket | None = None) -> int:
-    """Serve ``app`` until SIGTERM/SIGINT: the connections passed over ``connections``, or else on the settings'
-    host and port.
+def serve(settings: Settings, engine: Engine, connections: socket.socket | None = None,
+          regions_dir: Path | None = None) -> int:
+    """Serve the app (``service.http.app.create_app``) on ``engine`` until SIGTERM/SIGINT: the connections passed
+    over ``connections``, or else on the settings' host and port. ``regions_dir``: as ``create_app``'s.
 
     Returns the exit status: 0 after a complete drain, 1 when requests were still queued when the drain timeout
     ran out, 3 when start-up failed (invalid layer repository, devices missing).
@@ -349,15 +352,16 @@ def serve(app: FastAPI, settings: Settings, connections: socket.socket | None = 
     protocol = type("HTTPProtocol", (HTTPProtocol,), {
         "max_header_bytes": settings.max_header_bytes, "header_timeout_s": settings.header_timeout_s,
         "body_timeout_s": settings.body_timeout_s})
+    engine.readiness.freeze_gc = True  # this process serves: freeze the start-up heap once ready
+    app = create_app(settings, engine, regions_dir)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         access_log=settings.access_log, http=protocol,
         # Requests in flight get up to the request timeout to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )
-    service: Service = app.state.service
-    server = DrainingServer(config, service, connections)
+    server = DrainingServer(config, engine, connections)
     server.run()
     if not server.started:
         return 3
-    return 0 if service.drained else 1
+    return 0 if engine.drained else 1

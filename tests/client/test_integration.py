@@ -139,11 +139,11 @@ class Server:
 
 
 def _wait_ready(app: Any) -> None:
-    service = app.state.service
+    readiness = app.state.engine.readiness
     end = time.monotonic() + READY_TIMEOUT_S
-    while not service.ready:
-        if service.state == "failed" or time.monotonic() > end:
-            pytest.fail(f"the in-process service did not become ready: {service.reason}")
+    while not readiness.ready:
+        if readiness.state == "failed" or time.monotonic() > end:
+            pytest.fail(f"the in-process service did not become ready: {readiness.reason}")
         time.sleep(0.02)
 
 
@@ -505,7 +505,7 @@ def fresh_asgi(portal: anyio.from_thread.BlockingPortal, layer_repo: Path) -> It
 
 
 def test_not_ready_while_draining(fresh_asgi: Server, flavour: str, sleeps: list[float]) -> None:
-    fresh_asgi.app.state.service.begin_drain()
+    fresh_asgi.app.state.engine.begin_drain()
     client = fresh_asgi.client(flavour, retry=Retry(max_attempts=2, max_retry_after=60))
     try:
         assert client.ready() is False
@@ -522,12 +522,12 @@ def test_not_ready_while_draining(fresh_asgi: Server, flavour: str, sleeps: list
 def test_not_ready_while_starting(
     portal: anyio.from_thread.BlockingPortal, layer_repo: Path, flavour: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from service.engine.core import Service
+    from service.engine.local import LocalEngine
 
     async def never_ready(self: Any) -> None:  # the kernels/self-tests "never finish"
         return None
 
-    monkeypatch.setattr(Service, "_prepare", never_ready)
+    monkeypatch.setattr(LocalEngine, "_prepare", never_ready)
     with _in_process(portal, _settings(layer_repo), wait=False) as server:
         client = server.client(flavour, retry=False)
         try:
@@ -543,7 +543,7 @@ def test_server_error(fresh_asgi: Server, flavour: str, monkeypatch: pytest.Monk
     def broken_kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError("simulated kernel failure")
 
-    for worker in fresh_asgi.app.state.service.pool.workers:
+    for worker in fresh_asgi.app.state.engine.pool.workers:
         monkeypatch.setattr(worker, "_forward", broken_kernel)
     client = fresh_asgi.client(flavour)
     try:

@@ -186,7 +186,7 @@ def test_replica_app_serves_a_forwarded_request_with_correct_numbers():
     async def scenario() -> tuple[ForwardedResponse, ForwardedResponse, np.ndarray]:
         app = build_replica_app(Settings(devices="cpu"), ready_timeout_s=60)
         async with app.router.lifespan_context(app):
-            assert app.state.service.ready  # the lifespan start returned only once ready
+            assert app.state.engine.readiness.ready  # the lifespan start returned only once ready
             x = np.random.default_rng(7).standard_normal((3, 16, 6, 5)).astype(np.float32)
             ok = await call_asgi(app, ForwardedRequest(
                 "POST", "/deconv", b"layer=demo", [(b"content-type", NPY.encode())], _npy(x)))
@@ -208,14 +208,14 @@ def test_replica_app_serves_a_forwarded_request_with_correct_numbers():
     (["starting"], 0.2, "not ready after"),
 ])
 def test_wait_until_ready_fails_with_the_reason(states, timeout_s, fragment):
-    service = SimpleNamespace(state=states[0], reason="self-test failed: demo")
-    app = SimpleNamespace(state=SimpleNamespace(service=service))
+    readiness = SimpleNamespace(state=states[0], reason="self-test failed: demo")
+    app = SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(readiness=readiness)))
 
     async def scenario() -> None:
         async def advance() -> None:
             for state in states[1:]:
                 await asyncio.sleep(0.1)
-                service.state = state
+                readiness.state = state
 
         task = asyncio.ensure_future(advance())
         try:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from service.engine.batcher import Batcher, Result
+from service.engine.batcher import Batcher
+from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, LayerConfig
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics

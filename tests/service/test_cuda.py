@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
-from service.engine.core import Service
+from service.engine.local import LocalEngine
 from service.engine.registry import Layer
 
 from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app
@@ -43,10 +43,10 @@ def _settings(**kw: Any) -> Settings:
 def test_every_bundled_layer_on_every_gpu_matches_float64():
     async def main() -> None:
         async with serve_app(_settings(), timeout=COMPILE_TIMEOUT_S) as (app, client):
-            service: Service = app.state.service
-            assert service.backend == "cuda"
-            assert len(service.pool.workers) == torch.cuda.device_count()
-            for layer in service.registry:
+            engine: LocalEngine = app.state.engine
+            assert engine.backend == "cuda"
+            assert len(engine.pool.workers) == torch.cuda.device_count()
+            for layer in engine.registry:
                 c = layer.config
                 for n, h, w in ((1, 7, 5), (5, 16, 16), (3, 13, 29)):
                     x = torch.randn(n, c.in_channels, h, w, dtype=torch.float64).to(layer.dtype)
@@ -70,7 +70,7 @@ def test_every_bundled_layer_on_every_gpu_matches_float64():
 def test_concurrent_requests_batch_on_the_gpu_and_split_back_correctly():
     async def main() -> None:
         async with serve_app(_settings(max_queue_delay_ms=50.0), timeout=COMPILE_TIMEOUT_S) as (app, client):
-            layer = app.state.service.registry.get("demo")
+            layer = app.state.engine.registry.get("demo")
             xs = [torch.randn(n, 16, 16, 16) for n in (1, 2, 3, 4, 5, 6, 7, 8)]
             responses = await asyncio.gather(*(
                 client.post("/deconv?layer=demo", content=npy_bytes(x.numpy()), headers={"content-type": NPY})
@@ -93,7 +93,7 @@ def test_concurrent_requests_batch_on_the_gpu_and_split_back_correctly():
 def test_kserve_on_gpu():
     async def main() -> None:
         async with serve_app(_settings(), timeout=COMPILE_TIMEOUT_S) as (app, client):
-            layer = app.state.service.registry.get("unet_up")
+            layer = app.state.engine.registry.get("unet_up")
             x = torch.randn(2, 128, 9, 11)
             raw = x.numpy().tobytes()
             head = (b'{"inputs":[{"name":"input","shape":[2,128,9,11],"datatype":"FP32",'

@@ -459,29 +459,29 @@ def test_keep_alive_connections_are_spread_evenly_over_the_http_processes(repo, 
 
 
 def test_an_http_process_stopped_while_it_waits_for_the_engine_stops_at_once(repo, tmp_path, monkeypatch) -> None:
-    import service.http.frontend
+    import service.engine.remote
     from service.config import Settings
-    from service.http.frontend import FrontendService
+    from service.engine.remote import RemoteEngine
 
-    monkeypatch.setattr(service.http.frontend, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
+    monkeypatch.setattr(service.engine.remote, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
     root, _ = repo
     gone = tmp_path / "engine.sock"
     with socket.socket(socket.AF_UNIX) as dead:  # a socket file nobody listens on any more: connect is refused
         dead.bind(str(gone))
-    service = FrontendService(Settings(layer_repository=root, devices="cpu"), str(gone))
+    engine = RemoteEngine(Settings(layer_repository=root, devices="cpu"), str(gone))
 
     async def main() -> None:
-        task = asyncio.create_task(service.start())
+        task = asyncio.create_task(engine.start())
         await asyncio.sleep(0.3)
         assert not task.done()  # retrying: the engine may still be starting
-        service.begin_drain()
+        engine.begin_drain()
         # Guards retrying on until CONNECT_TIMEOUT_S (30 s) and then failing: start() would raise ConnectionError
         # instead of returning; the bound only limits how long that is waited for.
         await asyncio.wait_for(task, 60)
 
     run(main(), 120)
-    assert service.client is None
-    assert service.batchers == {}
+    assert engine.client is None
+    assert engine.queues == {}
 
 
 def test_engine_death_stops_the_server(repo, server_factory):

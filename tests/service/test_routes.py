@@ -17,7 +17,7 @@ from safetensors.torch import save as st_save
 
 from service.config import Settings
 from service.engine import worker as worker_module
-from service.engine.core import Service
+from service.engine.local import LocalEngine
 
 from .conftest import (
     NPY,
@@ -301,19 +301,19 @@ def test_full_queue_429_and_shutdown_answers_the_queued(repo):
         x = np.ones((1, 4, 5, 5), np.float32)
         async with serve_app(settings(repo)) as (app, client):
             queued = [asyncio.ensure_future(post_npy(client, "slow", x)) for _ in range(2)]
-            service: Service = app.state.service
+            engine: LocalEngine = app.state.engine
             for _ in range(200):
-                if service.batchers["slow"].depth == 2:
+                if engine.queues["slow"].depth == 2:
                     break
                 await asyncio.sleep(0.01)
             r = await post_npy(client, "slow", x)
             assert_error(r, 429, "overloaded")
             # Refused at once rather than after waiting for room: the queued two leave only when their 10-minute
             # delay runs out (or at the drain below), and they are still queued.
-            assert service.batchers["slow"].depth == 2
+            assert engine.queues["slow"].depth == 2
             assert not any(q.done() for q in queued)
             assert int(r.headers["retry-after"]) >= 1
-            service.begin_drain()  # what SIGTERM does
+            engine.begin_drain()  # what SIGTERM does
             r = await client.get("/health/ready")
             assert_error(r, 503, "not_ready")
             assert "draining" in r.json()["error"]["message"]
@@ -330,14 +330,14 @@ def test_cancelled_request_is_dropped_before_execution(repo):
     async def main() -> None:
         async with serve_app(settings(repo)) as (app, client):
             task = asyncio.ensure_future(post_npy(client, "slow", np.ones((1, 4, 5, 5), np.float32)))
-            service: Service = app.state.service
+            engine: LocalEngine = app.state.engine
             for _ in range(200):
-                if service.batchers["slow"].depth == 1:
+                if engine.queues["slow"].depth == 1:
                     break
                 await asyncio.sleep(0.01)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            assert service.batchers["slow"].depth == 0
+            assert engine.queues["slow"].depth == 0
             text = (await client.get("/metrics")).text
             assert metric_value(text, "deconv_requests_dropped_total", layer="slow", reason="cancelled") == 1
             assert metric_value(text, "deconv_batch_size_count", layer="slow") == 0
@@ -349,16 +349,16 @@ def test_cancelled_request_is_dropped_before_execution(repo):
 
 
 def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
-    original = Service._prepare
+    original = LocalEngine._prepare
 
     async def main() -> None:
         gate = asyncio.Event()
 
-        async def gated(self: Service) -> None:
+        async def gated(self: LocalEngine) -> None:
             await gate.wait()
             await original(self)
 
-        monkeypatch.setattr(Service, "_prepare", gated)
+        monkeypatch.setattr(LocalEngine, "_prepare", gated)
         async with serve_app(settings(repo), wait_ready=False) as (_, client):
             assert (await client.get("/health/live")).json() == {"status": "live"}
             assert (await client.get("/v2/health/live")).status_code == 200
@@ -774,7 +774,7 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
         # Room for the large request's parsed size and its output, not for the parsed size of two of them.
         budget = routes.PARSED_BYTES_PER_JSON_BYTE * len(large) + 2**16
         async with serve_app(settings(repo, max_inflight_bytes=budget)) as (app, client):
-            service: Service = app.state.service
+            inflight = app.state.budget
             loop_thread = threading.current_thread()
             r = await client.post("/v2/models/small/infer", content=small)
             assert r.status_code == 200, r.text
@@ -783,12 +783,12 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
             assert r.status_code == 200, r.text
             assert len(parsed_on) == 2
             assert parsed_on[1] is not loop_thread  # the large one in a thread
-            assert service.budget.used == 0  # everything given back
-            service.budget.take(budget // 2)  # another request holds half the budget: the parse does not fit
+            assert inflight.used == 0  # everything given back
+            inflight.take(budget // 2)  # another request holds half the budget: the parse does not fit
             r = await client.post("/v2/models/small/infer", content=large)
             assert (r.status_code, r.json()["type"]) == (429, "overloaded"), r.text
             assert "retry-after" in r.headers
             assert len(parsed_on) == 2  # refused before parsing
-            service.budget.give(budget // 2)
+            inflight.give(budget // 2)
 
     run(main())

@@ -16,11 +16,11 @@ import torch
 
 from service.codec import RawTensor, SlotTensor, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
-from service.engine.batcher import Result
+from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, load_repository
+from service.engine.remote import EngineClient, RemoteQueue
 from service.engine.worker import Worker
 from service.errors import OverloadedError
-from service.http.frontend import EngineClient, RemoteBatcher
 from service.ipc import frames, shm
 from service.metrics import Metrics
 
@@ -268,11 +268,11 @@ class _Transport(asyncio.Transport):
 
 
 def _client(arena: shm.Arena | None) -> tuple[EngineClient, _Transport, SimpleNamespace]:
-    service = SimpleNamespace(metrics=Metrics(), lost=[], engine_lost=lambda exc: service.lost.append(exc))
-    client = EngineClient(service, arena)  # type: ignore[arg-type]
+    engine = SimpleNamespace(metrics=Metrics(), lost=[], engine_lost=lambda exc: engine.lost.append(exc))
+    client = EngineClient(engine, arena)  # type: ignore[arg-type]
     transport = _Transport()
     client.connection_made(transport)
-    return client, transport, service
+    return client, transport, engine
 
 
 def _sent(client: EngineClient, transport: _Transport) -> list[tuple[int, bytearray]]:
@@ -300,8 +300,8 @@ def _answer(client: EngineClient, request_id: int, y: torch.Tensor, slot_view: m
 def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers(demo: Layer) -> None:
     async def main() -> None:
         arena = shm.Arena(1 << 20)
-        client, transport, service = _client(arena)
-        batcher = RemoteBatcher(demo, 3, client)
+        client, transport, engine = _client(arena)
+        batcher = RemoteQueue(demo, 3, client)
         x = torch.randn(2, 16, 5, 5)
         items = [batcher.submit(x) for _ in range(4)]
         sent = _sent(client, transport)
@@ -341,7 +341,7 @@ def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers
         _answer(client, reqs[3].request_id, y, engine_view[reqs[3].out_offset:reqs[3].out_offset + out_bytes])
         assert arena.slots == 0
         assert arena.alloc(arena.size) == 0
-        text = service.metrics.render().decode()
+        text = engine.metrics.render().decode()
         assert 'deconv_ipc_requests_total{path="shared"} 4.0' in text
 
     run(main())
@@ -351,8 +351,8 @@ def test_http_process_sends_inline_what_does_not_fit(demo: Layer) -> None:
     async def main() -> None:
         small = torch.randn(1, 16, 4, 4)  # 1 KiB in, 8x8x8 x 4 = 2 KiB out
         arena = shm.Arena(shm.aligned(small.numel() * 4) + 2048)  # room for one of them
-        client, transport, service = _client(arena)
-        batcher = RemoteBatcher(demo, 0, client)
+        client, transport, engine = _client(arena)
+        batcher = RemoteQueue(demo, 0, client)
         first, second = batcher.submit(small), batcher.submit(small)
         big = batcher.submit(torch.randn(1, 16, 8, 8))
         sent = _sent(client, transport)
@@ -366,14 +366,14 @@ def test_http_process_sends_inline_what_does_not_fit(demo: Layer) -> None:
         _answer(client, inline.request_id, y, None)  # an inline request gets an inline result
         assert torch.equal(second.future.result().output.tensor(), y)
         assert arena.slots == 1
-        text = service.metrics.render().decode()
+        text = engine.metrics.render().decode()
         assert 'deconv_ipc_requests_total{path="inline"} 2.0' in text
         client.connection_lost(None)  # the engine is gone: every request fails, nothing more uses the arena
         assert isinstance(first.future.exception(), Exception)
         assert isinstance(big.future.exception(), Exception)
         assert client.slots == {}
         assert client.arena is None
-        assert service.lost == [None]
+        assert engine.lost == [None]
 
     run(main())
 
@@ -381,7 +381,7 @@ def test_http_process_sends_inline_what_does_not_fit(demo: Layer) -> None:
 def test_http_process_without_an_arena_sends_everything_inline(demo: Layer) -> None:
     async def main() -> None:
         client, transport, _ = _client(None)
-        RemoteBatcher(demo, 0, client).submit(torch.randn(1, 16, 4, 4))
+        RemoteQueue(demo, 0, client).submit(torch.randn(1, 16, 4, 4))
         ((kind, body),) = _sent(client, transport)
         assert kind == frames.SUBMIT
         assert frames._SUBMIT.unpack_from(body)[3] == 0

@@ -1,87 +1,59 @@
-"""The service's core: one ``Service`` holds the layer registry, the workers, one batcher per layer, the metrics
-and the readiness state, and runs their life cycle.
+"""The in-process engine: ``LocalEngine`` holds the layer registry, the workers, one batcher per layer, the metrics
+and the readiness, and runs their life cycle (one of the two ``service.engine.interface.Engine``\\ s).
 
 ``start()`` loads and checks the layer repository (an invalid one stops the server before it accepts anything),
 starts the batchers, and starts a background task that builds the kernels (GPU) and self-tests every layer, so
 that ``/health/live`` answers at once while ``/health/ready`` says 503 until the self-tests pass. ``stop()`` (on
-SIGTERM) refuses new work, lets every queued request finish, then stops the workers. The HTTP app
-(``service.http.app``) and the engine process of a multi-process server (``service.engine.process``) each run one.
+SIGTERM) refuses new work, lets every queued request finish, then stops the workers. A server of one process serves
+HTTP on one; the engine process of a multi-process server (``service.engine.process``) serves its HTTP processes
+with one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 
-from service.budget import Budget
-from service.config import Settings, inflight_limit, parse_devices
-from service.engine.batcher import Batcher, Queue
-from service.engine.registry import BatchLimits, Registry, RepositoryError, load_repository
+from service.config import Settings, parse_devices
+from service.engine.batcher import Batcher
+from service.engine.interface import LayerQueue, Readiness
+from service.engine.registry import Registry, load_registry
 from service.engine.worker import Worker, WorkerPool, select_devices
-from service.errors import NotReadyError
 from service.faults import Faults
 from service.metrics import Metrics
 
 log = logging.getLogger("deconv.service")
 
 
-class Service:
-    """Everything one app holds. Readiness: ``starting`` -> ``ready`` | ``failed``; then ``draining``."""
+class LocalEngine:
+    """The layers computed in this process: batchers on the event loop, one worker thread per device.
 
-    def __init__(self, settings: Settings) -> None:
+    ``observe_queue_time`` False (the engine process): the HTTP processes observe each request's queue time, from
+    the RESULT frame, in parallel and off the engine's event loop.
+    """
+
+    def __init__(self, settings: Settings, *, observe_queue_time: bool = True) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.budget = Budget(inflight_limit(settings), self.metrics)  # bytes of requests in flight
-        self.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
+        self.readiness = Readiness(self.metrics, "starting: kernels and self-tests have not finished")
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
-        self.batchers: dict[str, Queue] = {}
+        self.batchers: dict[str, Batcher] = {}
         self.backend = ""
-        self.state = "starting"
-        self.reason = "starting: kernels and self-tests have not finished"
+        self.drained = False
+        self.observe_queue_time = observe_queue_time
+        self.faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
         self._warm_up: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
-        self.drained = False  # set by stop(): every queued request was answered in time
-        self.freeze_gc = False  # the server process (python -m service) sets it: see freeze_heap
-        self.listeners: list[Callable[[], None]] = []  # called on the event loop after every change of state
-        # False in the engine of a multi-process server: its HTTP processes observe each request's queue time, from
-        # the RESULT frame, in parallel and off the engine's event loop.
-        self.observe_queue_time = True
-
-    def _set_state(self, state: str, reason: str) -> None:
-        self.state, self.reason = state, reason
-        for listener in self.listeners:
-            listener()
-
-    # --- readiness ----------------------------------------------------------------------------------------
 
     @property
-    def ready(self) -> bool:
-        """Whether inference requests are accepted."""
-        return self.state == "ready"
-
-    def check_ready(self) -> None:
-        """Raise ``NotReadyError`` (503) unless ready."""
-        if self.state != "ready":
-            raise NotReadyError(self.reason, retry_after_s=1.0 if self.state == "starting" else 5.0)
-
-    def begin_drain(self) -> None:
-        """Stop accepting work (503 from now on); queued requests still finish. Never from a signal handler: it
-        writes a metric, whose lock the interrupted code may hold
-        (``service.http.server.DrainingServer.handle_exit``)."""
-        if self.state != "draining":
-            self.state = "draining"
-            self.reason = "draining: the server is shutting down"
-            self.metrics.ready.set(0)
-            self.faults.begin_drain()
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._drain_now)
+    def queues(self) -> Mapping[str, LayerQueue]:
+        """Each layer's batcher, by name."""
+        return self.batchers
 
     @property
     def idle(self) -> bool:
@@ -89,12 +61,12 @@ class Service:
         queued = any(b.depth for b in self.batchers.values())
         return not queued and (self.pool is None or not any(w.inflight_batches for w in self.pool.workers))
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait (at most ``timeout_s``) until ``idle``; whether it is."""
-        deadline = time.monotonic() + timeout_s
-        while not self.idle and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        return self.idle
+    def begin_drain(self) -> None:
+        """Refuse new work (503 from now on); queued requests still run, at once (``Engine.begin_drain``)."""
+        if self.readiness.begin_drain():
+            self.faults.begin_drain()
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._drain_now)
 
     def _drain_now(self) -> None:
         # On the event loop: queued requests go now instead of waiting out their delay.
@@ -102,9 +74,7 @@ class Service:
         log.info("draining: not ready any more; executing %d queued request(s) now", queued)
         for batcher in self.batchers.values():
             batcher.begin_drain()
-        self._set_state(self.state, self.reason)  # tell the listeners (not from the signal handler)
-
-    # --- life cycle ---------------------------------------------------------------------------------------
+        self.readiness.notify()  # (not from the signal handler)
 
     async def start(self) -> None:
         """Load the repository, pick the devices, start the batchers and the warm-up task.
@@ -118,7 +88,7 @@ class Service:
         if self.faults:
             log.critical("TEST MODE: injecting faults once ready (DECONV_FAULTS=%s); never run this in production",
                          self.faults.describe())
-        self.registry = self.load_registry()
+        self.registry = load_registry(s)
         devices, why = select_devices(parse_devices(s.devices))
         self.backend = "cuda" if devices[0].type == "cuda" else "cpu"
         log.info("%s", why)
@@ -135,17 +105,6 @@ class Service:
             self.batchers[layer.name] = batcher
         self.metrics.http_processes.set(1)  # a multi-process server's engine counts its connections instead
         self._warm_up = asyncio.create_task(self._prepare(), name="deconv-warm-up")
-
-    def load_registry(self, weights: bool = True) -> Registry:
-        """Load and check the layer repository of the settings (logged and raised when invalid); ``weights=False``
-        reads only the weights' shapes and dtypes (meta tensors)."""
-        s = self.settings
-        defaults = BatchLimits(s.max_batch_size, s.max_batch_bytes, s.max_queue_delay_ms, s.max_queue_size)
-        try:
-            return load_repository(s.layer_repository, defaults, weights)
-        except RepositoryError as exc:
-            log.error("%s", exc)
-            raise
 
     async def _warm_layers(self) -> None:
         """Measured kernel choice on or off (Settings.tune), then every layer's warm_shapes run on every worker."""
@@ -192,19 +151,16 @@ class Service:
             log.exception("warm-up failed")
             self._fail(f"warm-up failed ({type(exc).__name__}); the server log has the details")
             return
-        if self.state == "starting":
-            if self.freeze_gc:
-                freeze_heap()
-            self.metrics.ready.set(1)
-            self._set_state("ready", "ready")
+        if self.readiness.state == "starting":
+            self.readiness.set("ready", "ready")
             self.faults.arm()
             log.info("ready: %d layer(s) on %s passed their self-tests in %.1f s", len(self.registry),
                      self.backend, time.perf_counter() - t0)
 
     def _fail(self, reason: str) -> None:
         log.error("not ready: %s", reason)
-        if self.state == "starting":
-            self._set_state("failed", reason)
+        if self.readiness.state == "starting":
+            self.readiness.set("failed", reason)
 
     async def stop(self) -> None:
         """Refuse new work, finish every queued request (bounded by the request timeout), stop the workers."""
@@ -231,17 +187,3 @@ class Service:
             await asyncio.to_thread(self.pool.shutdown)
         self.drained = drained
         log.info("stopped" if drained else "stopped; the drain was incomplete")
-
-
-def freeze_heap() -> None:
-    """Move every object alive now into the garbage collector's permanent generation (``gc.freeze``).
-
-    Once ready the heap holds millions of long-lived objects (torch, FastAPI, pydantic, the layers). Without this,
-    every full collection walks all of them again: about 100 ms with the event loop stopped, several times a second
-    under load, which is about 50 us per request and the p99 latency. Frozen objects are still freed by reference
-    counting; only reference cycles among them are never collected, which is why only the server process does it,
-    once, after a full collection.
-    """
-    gc.collect()
-    gc.freeze()
-    log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())

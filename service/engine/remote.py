@@ -1,0 +1,346 @@
+"""The remote engine: ``RemoteEngine`` serves an HTTP process of a multi-process server (``DECONV_HTTP_PROCESSES`` >
+1) from the engine process (``service.engine.process``), one of the two ``service.engine.interface.Engine``\\ s.
+
+Each layer's ``RemoteQueue`` sends the requests the HTTP layer decoded and validated to the engine process over its
+Unix socket (``service.ipc.frames``), their tensors through this process's shared-memory arena when they fit
+(``service.ipc.shm``); the engine's batcher of the layer queues them with every other HTTP process's requests, and
+the answers come back the same way. The layer registry is read here too (shapes only: the engine holds the weights)
+so that requests are validated and layers described without a round trip.
+
+Readiness mirrors the engine's (its ``STATE`` frames), so ``/health/ready`` is 200 only once the engine's
+self-tests passed. Drain: 503 for new requests, every request sent to the engine is still answered. If the engine
+connection is lost, the requests waiting on it fail with 500 and the process reports not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from service.codec import AnyTensor, RawTensor, bytes_of
+from service.config import Settings
+from service.engine.interface import LayerQueue, Readiness, Result, wait_idle
+from service.engine.registry import Layer, Registry, load_registry
+from service.errors import InternalError, NotReadyError
+from service.faults import Faults
+from service.ipc import frames, shm
+from service.ipc.process import watch_parent
+from service.metrics import Metrics, update_lock
+
+log = logging.getLogger("deconv.service")
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+class RemotePending:
+    """A request sent to the engine: ``queued`` until answered or given up (``dropping``: a deadline drop was
+    asked for and the engine's answer, 504 or the result, is awaited; ``dropped``: nobody waits any more)."""
+
+    __slots__ = ("future", "request_id", "state")
+
+    def __init__(self, request_id: int, future: asyncio.Future[Result]) -> None:
+        self.request_id = request_id
+        self.future = future
+        self.state = "queued"
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine will answer without a further deadline check here."""
+        return self.state != "queued"
+
+
+class EngineClient(frames.FrameProtocol):
+    """This process's connection to the engine: requests out, results and state in."""
+
+    def __init__(self, engine: RemoteEngine, arena: shm.Arena | None = None) -> None:
+        super().__init__()
+        self.engine = engine
+        self.pending: dict[int, tuple[RemotePending, torch.dtype, Any]] = {}  # id -> entry, dtype, queue histogram
+        self.ids = itertools.count(1)
+        self.arena = arena  # this process's shared memory, mapped by the engine too (None: tensors inline)
+        # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
+        # output bytes). A request given up on keeps its slot here until then (service.ipc.shm).
+        self.slots: dict[int, tuple[int, int, int]] = {}
+        paths = engine.metrics.ipc_requests
+        self.sent_shared, self.sent_inline = paths.labels("shared"), paths.labels("inline")
+
+    def frame_received(self, kind: int, body: bytearray) -> None:
+        if kind == frames.RESULT:
+            request_id = frames.result_id(body)
+            entry = self.pending.pop(request_id, None)
+            slot = self.slots.pop(request_id, None)
+            try:
+                if entry is not None and not entry[0].future.done():
+                    out = frames.parse_result(body, entry[1], None if slot is None else self._output_view(slot))
+                    y = out.y
+                    if out.shared:  # a copy: the slot serves the next request at once
+                        y = RawTensor(memoryview(bytearray(y.data)), y.dtype, y.shape)
+                    entry[2].observe(out.queue_s)  # the engine leaves the queue-time histogram to this process
+                    entry[0].future.set_result(Result(y, out.batch_samples, out.batch_requests, out.queue_s,
+                                                      out.worker))
+            finally:
+                self._release(slot)
+        elif kind == frames.ERROR:
+            request_id, error = frames.parse_error(body)
+            self._release(self.slots.pop(request_id, None))
+            entry = self.pending.pop(request_id, None)
+            if entry is not None and not entry[0].future.done():
+                entry[0].future.set_exception(error)
+        elif kind == frames.DONE:
+            self._release(self.slots.pop(frames.result_id(body), None))
+        elif kind == frames.STATE:
+            self.engine.engine_state(frames.parse_state(body))
+        else:
+            raise frames.ProtocolError(f"unexpected frame kind {kind} from the engine")
+
+    def _output_view(self, slot: tuple[int, int, int]) -> memoryview:
+        assert self.arena is not None
+        return self.arena.view[slot[1]:slot[1] + slot[2]]
+
+    def _release(self, slot: tuple[int, int, int] | None) -> None:
+        if slot is not None and self.arena is not None:
+            self.arena.free(slot[0])
+
+    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor, received: float,
+                   deadline: float | None) -> None:
+        """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes."""
+        arena = self.arena
+        if arena is not None:
+            data = bytes_of(x)
+            n, _, h, w = x.shape
+            out_bytes = layer.output_bytes(int(n), int(h), int(w))
+            in_bytes = shm.aligned(data.nbytes)
+            start = arena.alloc(in_bytes + out_bytes)
+            if start is not None:
+                arena.view[start:start + data.nbytes] = data
+                self.slots[request_id] = (start, start + in_bytes, out_bytes)
+                self.send(frames.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
+                self.sent_shared.inc()
+                return
+        self.send(frames.submit_frame(request_id, index, x, received, deadline))
+        self.sent_inline.inc()
+
+    def protocol_error(self, exc: frames.ProtocolError) -> None:
+        log.error("engine connection: %s", exc)
+        super().protocol_error(exc)
+
+    def lost(self, exc: Exception | None) -> None:
+        error = InternalError("the engine process stopped before answering; retry")
+        for item, _, _ in self.pending.values():
+            if not item.future.done():
+                item.future.set_exception(error)
+        self.pending.clear()
+        self.slots.clear()
+        self.arena = None  # the engine is gone: nothing more goes through it
+        self.engine.engine_lost(exc)
+
+
+class RemoteQueue:
+    """A layer's ``LayerQueue`` in an HTTP process: each request goes to the engine's batcher of the layer."""
+
+    def __init__(self, layer: Layer, index: int, client: EngineClient) -> None:
+        self.layer = layer
+        self.index = index  # the layer's position in the engine's list (checked against the engine's STATE)
+        self.client = client
+        self._queue_time = client.engine.metrics.queue_time.labels(layer.name)
+        self._draining = False
+
+    @property
+    def depth(self) -> int:
+        """Requests queued here: none (the queue is in the engine)."""
+        return 0
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; those sent are still answered."""
+        self._draining = True
+
+    def submit(self, x: AnyTensor, *, received: float | None = None,
+               deadline: float | None = None) -> RemotePending:
+        """Send ``x`` ([n, C_in, H, W], validated) to the engine; the returned entry's future gets the answer.
+
+        Raises:
+            NotReadyError: draining, or the engine connection is gone (503).
+        """
+        if self._draining:
+            raise NotReadyError("server is shutting down")
+        client = self.client
+        if client.transport is None or client.transport.is_closing():
+            raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
+        item = RemotePending(next(client.ids), client.loop.create_future())
+        client.pending[item.request_id] = (item, x.dtype, self._queue_time)
+        client.send_input(item.request_id, self.layer, self.index, x,
+                          time.monotonic() if received is None else received, deadline)
+        return item
+
+    def drop(self, item: RemotePending, reason: str) -> bool:
+        """Give up on a request: the engine takes it out of its queue if it has not run yet.
+
+        Returns True when nobody waits for it any more; False for ``"deadline"``, whose outcome the engine
+        decides (504 if it was still queued, else its result), and for a request already answered.
+        """
+        if item.state != "queued" or item.future.done():
+            return False
+        self.client.send(frames.drop_frame(item.request_id, reason))
+        if reason == "deadline":
+            item.state = "dropping"
+            return False
+        item.state = "dropped"
+        self.client.pending.pop(item.request_id, None)
+        item.future.cancel()
+        return True
+
+
+class RemoteEngine:
+    """The engine of an HTTP process: the layer repository (to validate and describe) and the engine process's link
+    (the module docstring)."""
+
+    def __init__(self, settings: Settings, engine_socket: str) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.readiness = Readiness(self.metrics, "starting: waiting for the engine process")
+        self.registry: Registry | None = None
+        self.backend = ""
+        self.drained = False
+        self.engine_socket = engine_socket
+        self.client: EngineClient | None = None
+        self._queues: dict[str, RemoteQueue] = {}
+        self._faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def queues(self) -> Mapping[str, LayerQueue]:
+        """Each layer's queue, by name."""
+        return self._queues
+
+    @property
+    def idle(self) -> bool:
+        """Whether every request sent to the engine has been answered."""
+        return self.client is None or not self.client.pending
+
+    def begin_drain(self) -> None:
+        """Refuse new work (503 from now on); requests sent are still answered (``Engine.begin_drain``)."""
+        if self.readiness.begin_drain():
+            self._faults.begin_drain()
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._drain_now)
+
+    def _drain_now(self) -> None:
+        waiting = len(self.client.pending) if self.client is not None else 0
+        log.info("draining: not ready any more; waiting for the engine to answer %d request(s)", waiting)
+        for queue in self._queues.values():
+            queue.begin_drain()
+        self.readiness.notify()
+
+    async def start(self) -> None:
+        """Load the repository (the same files as the engine) and connect to the engine.
+
+        Raises:
+            RepositoryError: the layer repository is invalid.
+            ConnectionError: the engine socket did not accept a connection within ``CONNECT_TIMEOUT_S``.
+        """
+        self._loop = loop = asyncio.get_running_loop()
+        parent_gone = asyncio.Event()
+
+        def on_parent_gone() -> None:
+            parent_gone.set()
+            _terminate()
+
+        watch_parent(lambda: loop.call_soon_threadsafe(on_parent_gone))
+        self.registry = load_registry(self.settings, weights=False)  # the engine holds the weights; shapes suffice
+        arena = self._arena()
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                sock = _connect(self.engine_socket, arena)
+                _, client = await loop.create_unix_connection(lambda: EngineClient(self, arena), sock=sock)
+                break
+            except OSError as exc:
+                if self.readiness.state == "draining":  # stopped while starting (the engine died, or a SIGTERM)
+                    log.info("stopped before the engine was reached: %s", exc)
+                    return
+                if time.monotonic() > deadline or parent_gone.is_set():
+                    raise ConnectionError(f"no engine at {self.engine_socket}: {exc}") from exc
+                await asyncio.sleep(0.05)
+        assert isinstance(client, EngineClient)
+        if arena is not None:
+            arena.close()  # the engine got its own descriptor with the HELLO; mappings outlive descriptors
+        self.client = client
+        self._faults.hold_startup(update_lock())  # test mode only: where a SIGTERM once hung the process
+        for index, layer in enumerate(self.registry):
+            queue = self._queues[layer.name] = RemoteQueue(layer, index, client)
+            if self.readiness.state == "draining":  # the drain began while this process was connecting
+                queue.begin_drain()
+
+    def _arena(self) -> shm.Arena | None:
+        """This process's shared memory for the engine link (``Settings.ipc_shm_bytes``), or None."""
+        size = self.settings.ipc_shm_bytes // shm.ALIGN * shm.ALIGN
+        if size == 0:
+            log.info("engine link: tensors travel through the engine socket (DECONV_IPC_SHM_BYTES=0)")
+            return None
+        try:
+            return shm.Arena(size)
+        except OSError as exc:
+            log.warning("engine link: no shared memory (%s); tensors travel through the engine socket", exc)
+            return None
+
+    def engine_state(self, state: dict[str, Any]) -> None:
+        """Take over the engine's readiness (unless this process is draining, or failed on its own)."""
+        assert self.registry is not None
+        self.backend = str(state["backend"])
+        if state["layers"] != self.registry.names():
+            new, reason = "failed", (f"the engine serves layers {state['layers']}, this process "
+                                     f"{self.registry.names()}: the repository changed while starting; restart")
+        else:
+            new, reason = str(state["state"]), str(state["reason"])
+        if self.readiness.state == "failed" and new != "failed":
+            return
+        self.readiness.set(new, reason)
+
+    def engine_lost(self, exc: Exception | None) -> None:
+        """The engine connection closed: not ready from now on (the supervisor stops the server)."""
+        if self.readiness.state != "draining":
+            log.error("the engine connection was lost%s; not ready", f": {exc}" if exc else "")
+            self.readiness.set("failed", "the engine process is gone")
+
+    async def stop(self) -> None:
+        """Refuse new work and wait (bounded by the request timeout) until the engine answered what was sent."""
+        self.begin_drain()
+        drained = await wait_idle(self, self.settings.request_timeout_s)
+        if not drained:
+            log.error("draining took longer than %.0f s", self.settings.request_timeout_s)
+        if self.client is not None:
+            self.client.close()
+        self.drained = drained
+        log.info("stopped" if drained else "stopped; the drain was incomplete")
+
+
+def _connect(path: str, arena: shm.Arena | None) -> socket.socket:
+    """A connected, non-blocking socket to the engine at ``path`` that has sent its ``HELLO`` (with the arena).
+
+    Raises:
+        OSError: no engine listens there (yet), or it hung up.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        shm.send_hello(sock, arena)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _terminate() -> None:
+    """Stop this process the way the supervisor would: SIGTERM, which uvicorn turns into a drain."""
+    os.kill(os.getpid(), signal.SIGTERM)
