@@ -72,7 +72,7 @@ class Answer:
     its caller does after ``Batcher.drop`` comes first. The engine process answers each request this way: a future,
     a callback and a scheduled call per request showed in its profile."""
 
-    __slots__ = ("_cancelled", "_done", "_key", "_loop", "_on_done")
+    __slots__ = ("_done", "_key", "_loop", "_on_done")
 
     def __init__(self, on_done: Callable[[Any, Result | BaseException | None], None], key: Any,
                  loop: asyncio.AbstractEventLoop) -> None:
@@ -80,15 +80,10 @@ class Answer:
         self._key = key
         self._loop = loop
         self._done = False
-        self._cancelled = False
 
     def done(self) -> bool:
         """Whether the outcome was handed over (or a cancellation scheduled)."""
         return self._done
-
-    def cancelled(self) -> bool:
-        """Whether the request was cancelled."""
-        return self._cancelled
 
     def set_result(self, result: Result) -> None:
         """Hand over the request's result."""
@@ -102,7 +97,7 @@ class Answer:
         """Cancel: ``on_done(key, None)`` in the next event-loop iteration. False when already done."""
         if self._done:
             return False
-        self._done = self._cancelled = True
+        self._done = True
         self._loop.call_soon(self._call, None)
         return True
 

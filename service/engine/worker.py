@@ -164,7 +164,6 @@ class Worker:
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None, WeightPacks | None]] = {}
         self.inflight_batches = 0
         self.inflight_samples = 0
-        self.restarts = 0
         self.busy_since: float | None = None  # time.monotonic() when the current batch started executing
         self._lock = threading.Lock()  # the thread's generation (module docstring: "Threads and locks")
         self._slot_lock = threading.Lock()  # _deliver's slot writes vs _replace (same section)
@@ -272,7 +271,6 @@ class Worker:
             if self._stopping or generation != self._generation:
                 return False  # stopped, or already replaced
             old_jobs, held = self._jobs, self._held
-            self.restarts += 1
             self._abandoned.append(self._thread)
             with self._slot_lock:  # the old thread's outputs are in their slots now, or never will be
                 self._thread = self._start_thread()
@@ -444,11 +442,6 @@ class WorkerPool:
     def parallelism(self) -> int:
         """Batches executing at once when every worker is busy: one per worker."""
         return len(self.workers)
-
-    @property
-    def backend(self) -> str:
-        """``"cuda"`` or ``"cpu"``."""
-        return "cuda" if self.workers[0].is_cuda else "cpu"
 
     def load(self, layer: Layer) -> None:
         """Put the layer's weights on every worker."""

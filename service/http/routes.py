@@ -1,10 +1,10 @@
 """HTTP routes: native ``/deconv`` and ``/v1/layers``, health, metrics, and KServe v2 (``/v2``).
 
 Every inference request, native or KServe, takes the same path: read the body (size-checked), decode it without
-copies, validate it against the layer, submit it to the layer's batcher, wait for its result while watching
-for the client going away and for its deadline, encode the output. Those handlers (``deconv_call``,
-``v2_infer_call``) take a ``service.http.asgi.Call``: ``service.http.asgi.App`` runs them straight from ASGI
-(``match_inference``), and the FastAPI routes of the same paths, which document them, adapt to them.
+copies, validate it against the layer, submit it to the layer's queue in the engine (``Engine.queues``), wait for
+its result while watching for the client going away and for its deadline, encode the output. Those handlers
+(``deconv_call``, ``v2_infer_call``) take a ``service.http.asgi.Call``: ``service.http.asgi.App`` runs them straight
+from ASGI (``match_inference``), and the FastAPI routes of the same paths, which document them, adapt to them.
 """
 
 from __future__ import annotations

@@ -215,7 +215,6 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
                     await asyncio.wait_for(task, 10)
             (y,) = await pool.run(await pool.acquire(), layer, [torch.randn(2, 16, 4, 4)])
             assert y.shape == (2, 8, 8, 8)
-            assert worker.restarts == 1
             assert metric_value(m.render().decode(), "deconv_worker_restarts_total", worker="cpu", reason="died") == 1
             assert "thread died; 2 batch(es) it held failed" in caplog.text
             assert worker.inflight_batches == 0
