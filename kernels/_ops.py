@@ -252,12 +252,13 @@ def _forward_cuda(
     force_path: str | None = None,
     force_config: int | None = None,
     force_split: int | None = None,
+    force_staged: bool | None = None,
     packs: PackedWeights | None = None,
 ) -> tuple[torch.Tensor, str]:
     """Raw kernel call on a 4-D CUDA input of any memory layout. Returns the output and the kernel family that ran.
 
-    The output is NCHW, or channels-last when the input is channels-last and the gemm kernel ran (the caller
-    converts it to the input's layout either way). ``packs``: ``weight``'s packed copies (``WeightPacks``), which
+    The output is in the input's layout: channels-last when the input is channels-last (and no ``out`` is given),
+    else NCHW. ``packs``: ``weight``'s packed copies (``WeightPacks``), which
     spare a tensor-core or gemm call its packing kernel.
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
@@ -267,6 +268,8 @@ def _forward_cuda(
     ``"simt"`` that does not suit the problem falls back to the default choice (the returned name says which ran).
     ``force_split`` (1 to 16) sets how many blocks share each tile, each over a part of K (split-K): blocks of a
     cluster of the halo tensor-core kernel (at most 8; sm_90 and newer, else 1), or of the gemm kernel.
+    ``force_staged`` (the gemm kernel with an NCHW output): True writes the output channels-last into scratch and
+    changes its layout after, False stores it straight; None lets the extension choose.
 
     Raises:
         ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None), or ``force_split`` is not
@@ -282,7 +285,7 @@ def _forward_cuda(
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
                           list(args.dilation), args.groups, precision, out, FORCE_PATHS[force_path],
                           -1 if force_config is None else force_config, -1 if force_split is None else force_split,
-                          _ext_packs(packs, weight))
+                          -1 if force_staged is None else int(force_staged), _ext_packs(packs, weight))
     return y, KERNEL_PATHS[path]
 
 

@@ -74,7 +74,7 @@ class _ConvTranspose2dFunction(torch.autograd.Function):
         choice: KernelChoice = DEFAULT,
     ) -> torch.Tensor:
         y, _ = _forward_cuda(x, weight, bias, args, precision, force_path=choice.path, force_config=choice.config,
-                             force_split=choice.split)
+                             force_split=choice.split, force_staged=choice.staged)
         ctx.save_for_backward(x, weight)
         ctx.args = args
         ctx.has_bias = bias is not None
@@ -116,8 +116,9 @@ def conv_transpose2d(
         stride, padding, output_padding, dilation: an int or an (height, width) pair. ``output_padding`` must be
             smaller than ``max(stride, dilation)`` per axis.
         groups: splits ``C_in`` and ``C_out`` into this many independent groups.
-        precision: for float32 inputs on CUDA, ``"tf32"`` (tensor cores with TF32 operands; layers that run on
-            the narrow, sparse or SIMT kernels, e.g. few output channels, compute exact fp32 anyway) or ``"fp32"``
+        precision: for float32 inputs on CUDA, ``"tf32"`` (operands rounded to TF32, sums in fp32, as cuDNN's
+            TF32 kernels compute; layers that run on the narrow or SIMT kernels, e.g. few output channels, and
+            grouped layers on the sparse kernel compute exact fp32, as cuDNN does for grouped layers) or ``"fp32"``
             (exact IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for
             other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
 
@@ -173,9 +174,9 @@ def conv_transpose2d(
             y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode, choice)
         else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
             y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
-                                 force_split=choice.split)
-    # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op when the gemm kernel wrote it
-    # channels-last already).
+                                 force_split=choice.split, force_staged=choice.staged)
+    # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op for a channels-last input,
+    # whose output the extension wrote channels-last already).
     if suggests_channels_last(x) or suggests_channels_last(weight):
         y = y.contiguous(memory_format=torch.channels_last)
     return y.squeeze(0) if unbatched else y

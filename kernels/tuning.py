@@ -61,21 +61,27 @@ AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
 @dataclass(frozen=True)
 class KernelChoice:
     """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "sparse", "gemm" or None to let
-    it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel) and ``split``
-    (the halo or gemm kernel's split-K factor)."""
+    it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel), ``split``
+    (the halo or gemm kernel's split-K factor) and ``staged`` (the gemm kernel with an NCHW output: True writes
+    it channels-last into scratch and converts it, False stores it straight)."""
 
     path: str | None = None
     config: int | None = None
     split: int | None = None
+    staged: bool | None = None
 
     @property
     def label(self) -> str:
-        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4", "gemm0/s2"."""
-        if self.path is None and self.config is None and self.split is None:
+        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4", "gemm0/s2", "gemm1/s1/staged"."""
+        if self == DEFAULT:
             return "default"
         prefix = "gemm" if self.path == "gemm" else "tc"
         name = f"{prefix}{self.config}" if self.config is not None else (self.path or "default")
-        return f"{name}/s{self.split}" if self.split is not None else name
+        if self.split is not None:
+            name = f"{name}/s{self.split}"
+        if self.staged is not None:
+            name = f"{name}/{'staged' if self.staged else 'direct'}"
+        return name
 
 
 DEFAULT = KernelChoice()
@@ -122,11 +128,13 @@ def agree_tolerance(dtype: torch.dtype, precision: str) -> float:
     return AGREE["16bit"]
 
 
-def candidates(num_configs: int, num_gemm_configs: int = 0) -> list[KernelChoice]:
-    """Every first-pass candidate: the default, each kernel family, each tensor-core and gemm tile configuration."""
+def candidates(num_configs: int, num_gemm_configs: int = 0, nchw_output: bool = False) -> list[KernelChoice]:
+    """Every first-pass candidate: the default, each kernel family, each tensor-core and gemm tile configuration;
+    for an NCHW output, each gemm configuration both staged and stored straight."""
     out = [DEFAULT, KernelChoice("narrow"), KernelChoice("sparse"), KernelChoice("simt")]
     out += [KernelChoice("tensor_core", c) for c in range(num_configs)]
-    out += [KernelChoice("gemm", c) for c in range(num_gemm_configs)]
+    for c in range(num_gemm_configs):
+        out += [KernelChoice("gemm", c, staged=s) for s in (False, True)] if nchw_output else [KernelChoice("gemm", c)]
     return out
 
 
@@ -141,8 +149,8 @@ def split_candidates(trials: Sequence[Trial], num_gather: int) -> list[KernelCho
     out = [KernelChoice("tensor_core", t.choice.config, s) for t in best for s in SPLITS]
     gemm = [t for t in trials if t.ran == "gemm" and t.choice.path == "gemm" and t.choice.split is None]
     if gemm:
-        g = min(gemm, key=lambda t: t.ms).choice.config
-        out += [KernelChoice("gemm", g, s) for s in GEMM_SPLITS]
+        g = min(gemm, key=lambda t: t.ms).choice
+        out += [KernelChoice("gemm", g.config, s, g.staged) for s in GEMM_SPLITS]
     return out
 
 
@@ -303,7 +311,8 @@ class Tuner:
 
             def call(c: KernelChoice) -> str:
                 y, ran = _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
-                                       force_config=c.config, force_split=c.split, packs=packs)
+                                       force_config=c.config, force_split=c.split, force_staged=c.staged,
+                                       packs=packs)
                 last[:] = [y]
                 return ran
 
@@ -339,7 +348,8 @@ class Tuner:
                 return None
 
             first: list[Trial] = []
-            for c in candidates(int(ext.num_tensor_core_configs), int(ext.num_gemm_configs)):
+            for c in candidates(int(ext.num_tensor_core_configs), int(ext.num_gemm_configs),
+                                nchw_output=not channels_last):
                 t = trial(c, FIRST_REPS, check=True)
                 if t is not None:
                     first.append(t)

@@ -117,11 +117,16 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
 }
 
 // A kernel choice asked for by the caller (kernels/tuning.py, tests): -1 everywhere lets the dispatcher choose.
+// `staged` is for the gemm kernel with an NCHW output: 1 writes it channels-last into scratch and changes the layout
+// after (whole-sector stores, twice the output's traffic); 0 or -1 store straight into NCHW (a warp's stores cover
+// a few channels, each a run of positions). Straight is the default: it was faster on 42 of 55 layers and precisions
+// measured (up to 1.48x), staged on 12 (up to 2.3x: Mask R-CNN's head, KernelBench 81; bench/NOTES.md v16);
+// measured choice times both.
 struct Forced {
-  int64_t path = -1, config = -1, split = -1;
+  int64_t path = -1, config = -1, split = -1, staged = -1;
 };
 
-Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split) {
+Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged) {
   TORCH_CHECK(force_path >= -1 && force_path <= 4,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
               "(sparse) or 4 (gemm), got ",
@@ -131,7 +136,9 @@ Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_spli
               num(deconv::kNumTensorCoreConfigs - 1), ", got ", num(force_config), ".");
   TORCH_CHECK(force_split == -1 || (force_split >= 1 && force_split <= 16),
               "conv_transpose2d: force_split must be -1 (choose) or 1 to 16, got ", num(force_split), ".");
-  return Forced{force_path, force_config, force_split};
+  TORCH_CHECK(force_staged >= -1 && force_staged <= 1,
+              "conv_transpose2d: force_staged must be -1 (choose), 0 or 1, got ", num(force_staged), ".");
+  return Forced{force_path, force_config, force_split, force_staged};
 }
 
 // Packed copies of one weight tensor for the tensor-core kernels, one per packed layout (conv_transpose2d_packing),
@@ -145,11 +152,11 @@ class WeightPacks {
                 "WeightPacks: weight must be a contiguous 4-D CUDA tensor.");
   }
 
-  // The packed weights for the kernel `p` runs (p.w must be this weight's memory), packing them on `stream` the
-  // first time; nullptr when that kernel reads the weights as they are.
-  const void* get(const deconv::ConvTranspose2dParams& p, cudaStream_t stream) {
+  // The packed weights for the kernel planned for `p` (p.w must be this weight's memory), packing them on `stream`
+  // the first time; nullptr when that kernel reads the weights as they are.
+  const void* get(const deconv::ConvTranspose2dParams& p, const deconv::KernelPlan& plan, cudaStream_t stream) {
     TORCH_CHECK(p.w == weight_.data_ptr(), "WeightPacks: the call's weight is not the tensor these packs hold.");
-    const deconv::WeightPacking layout = deconv::conv_transpose2d_packing(p);
+    const deconv::WeightPacking layout = deconv::conv_transpose2d_packing(p, plan);
     if (layout.bytes == 0) return nullptr;
     const std::array<int64_t, 6> key{layout.kind,   layout.groups, layout.ciw_pad,
                                      layout.co_pad, layout.kmajor, layout.layout};
@@ -157,7 +164,7 @@ class WeightPacks {
     auto it = packs_.find(key);
     if (it == packs_.end()) {
       torch::Tensor t = torch::empty({static_cast<int64_t>(layout.bytes)}, weight_.options().dtype(at::kByte));
-      cudaError_t err = deconv::conv_transpose2d_pack(p, t.data_ptr(), stream);
+      cudaError_t err = deconv::conv_transpose2d_pack(p, plan, t.data_ptr(), stream);
       if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
       TORCH_CHECK(err == cudaSuccess, "WeightPacks: packing the weights failed: ", cudaGetErrorString(err));
       it = packs_.emplace(key, std::move(t)).first;
@@ -191,6 +198,27 @@ bool channels_last(const torch::Tensor& x) {
   return x.dim() == 4 && !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast);
 }
 
+// Changes a dense 4-D tensor's layout (NCHW <-> channels-last) from src into dst (same sizes, the other layout) with
+// the tiled layout kernel, on `stream`.
+void convert(const torch::Tensor& src, const torch::Tensor& dst, bool to_channels_last, cudaStream_t stream) {
+  const cudaError_t err = deconv::convert_layout(src.data_ptr(), dst.data_ptr(), src.size(0), src.size(1),
+                                                 src.size(2) * src.size(3), static_cast<int>(src.element_size()),
+                                                 to_channels_last, stream);
+  TORCH_CHECK(err == cudaSuccess, "conv_transpose2d: layout change failed: ", cudaGetErrorString(err));
+}
+
+// t (4-D, any strides) as a dense tensor in one layout: itself when it is already, the layout kernel's copy when it
+// is dense in the other layout, else PyTorch's copy.
+torch::Tensor in_layout(const torch::Tensor& t, bool to_channels_last, cudaStream_t stream) {
+  const auto want = to_channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto other = to_channels_last ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast;
+  if (t.is_contiguous(want)) return t;
+  if (!t.is_contiguous(other)) return t.contiguous(want);
+  torch::Tensor d = torch::empty(t.sizes(), t.options().memory_format(want));
+  convert(t, d, to_channels_last, stream);
+  return d;
+}
+
 // Runs a checked problem on x's CUDA device, on its current stream, into `out` when given (a contiguous NCHW tensor)
 // or a new tensor: channels-last when x is and the gemm kernel runs (otherwise NCHW; the Python layer converts).
 // x may have any layout: the gemm kernel reads it channels-last, the others NCHW, each converted here if needed.
@@ -200,8 +228,7 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
                                           const c10::optional<torch::Tensor>& out, const Problem& pr,
                                           const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
                                           const std::vector<int64_t>& dilation, int64_t groups,
-                                          const std::string& precision, int64_t force_path, int64_t force_config,
-                                          int64_t force_split, WeightPacks* packs) {
+                                          const std::string& precision, const Forced& forced, WeightPacks* packs) {
   const torch::Tensor wc = weight.contiguous();
   torch::Tensor bc;
   if (bias.has_value()) bc = bias->contiguous();
@@ -226,42 +253,45 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   p.groups = groups;
   p.dtype = to_dtype(x.scalar_type());
   p.precision = precision == "tf32" ? deconv::Precision::kTF32 : deconv::Precision::kExactFp32;
-  p.force_path = static_cast<int>(force_path);
-  p.force_config = static_cast<int>(force_config);
-  p.force_split = static_cast<int>(force_split);
+  p.force_path = static_cast<int>(forced.path);
+  p.force_config = static_cast<int>(forced.config);
+  p.force_split = static_cast<int>(forced.split);
   const bool x_cl = channels_last(x);
   // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new copy.
   p.x_channels_last = true;
   p.x = x_cl ? x.data_ptr() : nullptr;
-  const bool gemm = deconv::conv_transpose2d_path(p) == deconv::KernelPath::kGemm;
+  const bool gemm = deconv::conv_transpose2d_plan(p).path == deconv::KernelPath::kGemm;
+  // The caller gets y in x's layout (NCHW into `out`). The gemm kernel writes either layout; the others write NCHW,
+  // staged in scratch and converted for a channels-last y. The gemm kernel may stage an NCHW y channels-last too.
+  const bool y_cl = x_cl && !out.has_value();
+  const bool staged = gemm ? !y_cl && forced.staged == 1 : y_cl;
   p.x_channels_last = gemm;
-  p.y_channels_last = gemm && x_cl && !out.has_value();
-  const torch::Tensor xk = gemm ? x.contiguous(at::MemoryFormat::ChannelsLast) : x.contiguous();
-  p.x = xk.data_ptr();
-  torch::Tensor y;
-  if (out.has_value()) {
-    y = *out;
-  } else {
-    y = torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out},
-                     x.options().memory_format(p.y_channels_last ? at::MemoryFormat::ChannelsLast
-                                                                 : at::MemoryFormat::Contiguous));
-  }
-  if (pr.N == 0) return {y, 0};
-  p.y = y.data_ptr();
+  p.y_channels_last = gemm && (y_cl || staged);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  if (packs != nullptr) p.packed_weights = packs->get(p, stream);
+  const torch::Tensor xk = in_layout(x, gemm, stream);
+  p.x = xk.data_ptr();
+  const auto layout = [&](bool cl) {
+    return x.options().memory_format(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+  };
+  const torch::Tensor y = out.has_value() ? *out : torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, layout(y_cl));
+  if (pr.N == 0) return {y, 0};
+  const torch::Tensor yk = staged ? torch::empty(y.sizes(), layout(p.y_channels_last)) : y;
+  p.y = yk.data_ptr();
+  // The final plan, with x in place (its alignment counts).
+  const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(p);
+  if (packs != nullptr) p.packed_weights = packs->get(p, plan, stream);
   // Scratch (packed weights, split-K partials) from PyTorch's caching allocator, on the current stream: freed when
   // this returns, reusable by the allocator only after the kernels queued on this stream have run.
-  const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p);
+  const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p, plan);
   torch::Tensor workspace;
   if (ws_bytes > 0) {
     workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
   }
-  deconv::KernelPath path = deconv::KernelPath::kSimt;
-  const cudaError_t err = deconv::conv_transpose2d_forward(p, stream, &path);
+  const cudaError_t err = deconv::conv_transpose2d_forward(p, plan, stream);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d kernel launch failed: ", cudaGetErrorString(err));
-  return {y, static_cast<int64_t>(path)};
+  if (staged) convert(yk, y, y_cl, stream);
+  return {y, static_cast<int64_t>(plan.path)};
 }
 
 // Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
@@ -273,12 +303,12 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            int64_t groups, const std::string& precision,
                                            const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
                                            int64_t force_path, int64_t force_config, int64_t force_split,
-                                           WeightPacks* packs) {
+                                           int64_t force_staged, WeightPacks* packs) {
   TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  check_forced(force_path, force_config, force_split);
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
   check_packs(packs, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   if (out.has_value()) {
@@ -287,8 +317,7 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                 "conv_transpose2d: out must be a contiguous ", shape_text(pr),
                 " tensor of the input's dtype and device.");
   }
-  return launch(x, weight, bias, out, pr, stride, padding, dilation, groups, precision, force_path, force_config,
-                force_split, packs);
+  return launch(x, weight, bias, out, pr, stride, padding, dilation, groups, precision, forced, packs);
 }
 
 // Host x_host -> weight's device -> kernels -> host y_host on the current stream, then waits for the stream. Called
@@ -300,7 +329,7 @@ int64_t run_host_to_host(const torch::Tensor& x_host, const torch::Tensor& weigh
                          const Forced& forced, WeightPacks* packs) {
   const torch::Tensor x = x_host.to(weight.device(), /*non_blocking=*/true);
   const auto [y, path] = launch(x, weight, bias, c10::nullopt, pr, stride, padding, dilation, groups, precision,
-                                forced.path, forced.config, forced.split, packs);
+                                forced, packs);
   y_host.copy_(y, /*non_blocking=*/true);
   at::cuda::getCurrentCUDAStream(weight.device().index()).synchronize();
   return path;
@@ -316,8 +345,9 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
                        std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                        std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                        const torch::Tensor& y_host,  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
-                       int64_t force_path, int64_t force_config, int64_t force_split, WeightPacks* packs) {
-  const Forced forced = check_forced(force_path, force_config, force_split);
+                       int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
+                       WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
   check_packs(packs, weight);
   TORCH_CHECK(x_host.device().is_cpu() && y_host.device().is_cpu(),
               "conv_transpose2d_staged: input and output must be CPU tensors.");
@@ -366,8 +396,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
                                std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                                std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                                int64_t force_path, int64_t force_config, int64_t force_split,
-                               WeightPacks* packs) {
-  const Forced forced = check_forced(force_path, force_config, force_split);
+                               int64_t force_staged, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
   check_packs(packs, weight);
   TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
@@ -423,25 +453,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
         "3 = sparse kernel, 4 = gemm kernel. "
         "force_path: -1 chooses, 0-4 ask for that kernel; 1-4 fall back to the choice of -1 when not eligible. "
-        "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's.",
+        "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's. "
+        "force_staged: -1 chooses, 1 has the gemm kernel write an NCHW output channels-last into scratch and "
+        "convert it, 0 write it straight.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
-        py::arg("force_split") = -1, py::arg("packs") = nullptr);
+        py::arg("force_split") = -1, py::arg("force_staged") = -1, py::arg("packs") = nullptr);
   m.def("forward_staged", &forward_staged,
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",
         py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
-        py::arg("packs") = nullptr);
+        py::arg("force_staged") = -1, py::arg("packs") = nullptr);
   m.def("forward_gathered", &forward_gathered,
         "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
         "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
         py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
-        py::arg("packs") = nullptr);
+        py::arg("force_staged") = -1, py::arg("packs") = nullptr);
   py::class_<WeightPacks>(m, "WeightPacks",
                           "Packed copies of one CUDA weight tensor for the tensor-core kernels, one per layout, made "
                           "on first use and kept (for weights that do not change while it lives).")

@@ -201,11 +201,6 @@ cudaError_t launch_simt(const ConvTranspose2dParams& p, cudaStream_t stream) {
 
 namespace {
 
-struct KernelChoice {
-  KernelPath path;
-  int config;  // tile configuration of the tensor-core or gemm path, -1 for the other paths
-};
-
 // Whether the gemm kernel is the default for an eligible problem: layers with many channels on both sides, where
 // its 128-pixel tiles across images and whole 128-byte channel rows beat the halo tiles (bench/NOTES.md v15).
 bool gemm_preferred(const ConvTranspose2dParams& p) {
@@ -216,7 +211,7 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
 // eligible, else what -1 chooses: the narrow kernel when eligible, then the sparse kernel when preferred (neither
 // when force_config asks for the tensor cores), then the gemm kernel when eligible and preferred, then the tensor
 // cores when eligible, then the SIMT kernel.
-KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
+KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
   if (p.force_path == 1) {
@@ -235,30 +230,26 @@ KernelChoice choose_kernel(const ConvTranspose2dParams& p) {
 
 }  // namespace
 
-KernelPath conv_transpose2d_path(const ConvTranspose2dParams& p) { return choose_kernel(p).path; }
+KernelPlan conv_transpose2d_plan(const ConvTranspose2dParams& p) { return choose_kernel(p); }
 
-size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p) {
-  const KernelChoice c = choose_kernel(p);
+size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p, const KernelPlan& c) {
   if (c.path == KernelPath::kGemm) return gemm_workspace_bytes(p, c.config);
   return c.path == KernelPath::kTensorCore && p.packed_weights == nullptr ? tensor_core_workspace_bytes(p, c.config)
                                                                            : 0;
 }
 
-WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p) {
-  const KernelChoice c = choose_kernel(p);
+WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const KernelPlan& c) {
   if (c.path == KernelPath::kGemm) return gemm_packing(p);
   return c.path == KernelPath::kTensorCore ? tensor_core_packing(p, c.config) : WeightPacking{};
 }
 
-cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
-  const KernelChoice c = choose_kernel(p);
+cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPlan& c, void* dst,
+                                  cudaStream_t stream) {
   if (c.path == KernelPath::kGemm) return gemm_pack(p, dst, stream);
   return c.path == KernelPath::kTensorCore ? tensor_core_pack(p, c.config, dst, stream) : cudaSuccess;
 }
 
-cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream, KernelPath* path_out) {
-  const KernelChoice c = choose_kernel(p);
-  if (path_out != nullptr) *path_out = c.path;
+cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& c, cudaStream_t stream) {
   if ((c.path == KernelPath::kGemm) != p.x_channels_last || p.y_channels_last && c.path != KernelPath::kGemm)
     return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)
   if (c.path == KernelPath::kGemm) return launch_gemm(p, c.config, stream);

@@ -57,9 +57,18 @@ struct ConvTranspose2dParams {
 // Which kernel family ran; reported back to Python for tests and benchmarks.
 enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3, kGemm = 4 };
 
-// Bytes of scratch the forward pass needs for this problem (0 when the chosen kernel needs none, or when
+// The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
+// sizes, the layouts and x's alignment, so made once x is in place (the binding lays x and y out for the family
+// first: the gemm kernel reads a channels-last x; the others NCHW) and passed to the calls below.
+struct KernelPlan {
+  KernelPath path;
+  int config;
+};
+KernelPlan conv_transpose2d_plan(const ConvTranspose2dParams& p);
+
+// Bytes of scratch the forward pass needs for this problem (0 when the planned kernel needs none, or when
 // p.packed_weights is given).
-size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p);
+size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p, const KernelPlan& plan);
 
 // The packed copy of the weights that the kernel chosen for `p` reads: its size (0 when that kernel reads the
 // weights as they are) and what its content depends on besides the weights themselves (two packings with equal
@@ -73,18 +82,13 @@ struct WeightPacking {
   bool kmajor;      // K-major core matrices (the wgmma tiles)
   int64_t layout;   // 0: the tensor-core kernels' word layout; 1: the gemm kernel's [g][a][b][co][ci] elements
 };
-WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p);
-// Packs p.w for the kernel chosen for `p` into `dst` (conv_transpose2d_packing(p).bytes bytes) on `stream`.
-cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const KernelPlan& plan);
+// Packs p.w for the planned kernel into `dst` (conv_transpose2d_packing(p, plan).bytes bytes) on `stream`.
+cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPlan& plan, void* dst,
+                                  cudaStream_t stream);
 
-// The kernel family that conv_transpose2d_forward runs for `p` (the binding lays x and y out for it first: the gemm
-// path reads a channels-last x; the others NCHW).
-KernelPath conv_transpose2d_path(const ConvTranspose2dParams& p);
-
-// Launches the forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
-// `path_out`, when not null, receives the kernel family chosen for this problem.
-cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, cudaStream_t stream,
-                                     KernelPath* path_out);
+// Launches the planned forward kernel on `stream`. Returns the launch's error code (cudaSuccess when queued).
+cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& plan, cudaStream_t stream);
 
 // Tensor-core path (conv_transpose2d_mma.cu). Configurations 0 .. kNumGatherConfigs - 1 are the gather kernel's
 // tiles, the next kNumHaloConfigs the halo tiles (halo.cuh): mma.sync (conv_transpose2d_halo.cu) and, on sm_90,
@@ -133,5 +137,10 @@ WeightPacking gemm_packing(const ConvTranspose2dParams& p);
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
+
+// Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
+// else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits. src and dst must not overlap.
+cudaError_t convert_layout(const void* src, void* dst, int64_t N, int64_t C, int64_t HW, int elem_bytes,
+                           bool to_channels_last, cudaStream_t stream);
 
 }  // namespace deconv

@@ -33,6 +33,7 @@
 #include "conv_transpose2d.h"
 #include "convert.cuh"
 #include "halo.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 #include "phase.cuh"
 #include "wgmma.cuh"
@@ -549,7 +550,9 @@ bool gemm_eligible(const ConvTranspose2dParams& p) {
   const int64_t cin_g = p.C_in / p.groups;
   // 16-byte rows of channels, strides the phase tables hold, and every index in 31 bits.
   if ((cin_g * eb) % 16 != 0 || p.stride_h > kGemmMaxStride || p.stride_w > kGemmMaxStride) return false;
-  if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0 && p.x_channels_last) return false;
+  // A channels-last x at a 16-byte aligned address (the binding plans with x_channels_last set and a null or
+  // channels-last x, then keeps the family: an NCHW x never plans the gemm kernel).
+  if (!p.x_channels_last || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) return false;
   const int64_t lim = int64_t(1) << 30;
   if (p.N * p.H_in * p.W_in * p.C_in >= lim || p.N * p.H_out * p.W_out >= lim || p.C_out >= lim ||
       p.groups * p.kH * p.kW * (p.C_out / p.groups) * gemm_ci_pad(p) >= lim)
@@ -670,7 +673,7 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   constexpr GemmShape s = kGemmShapes[kShape];
   auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages>;
   constexpr size_t smem = gemm_smem_bytes(s);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages>>();
   if (err != cudaSuccess) return err;
   GemmTiles tl{};
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);

@@ -52,6 +52,7 @@
 #include "conv_transpose2d.h"
 #include "convert.cuh"
 #include "halo.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 #include "phase.cuh"
 
@@ -515,8 +516,7 @@ template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WM, int WN>
 cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl, const uint32_t* wt, int64_t ciw_pad,
                          int64_t co_pad, cudaStream_t stream) {
   auto kernel = conv_transpose2d_halo_kernel<T, K, TH, TW, BN, WM, WN>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
+  cudaError_t err = opt_in_shared_memory<conv_transpose2d_halo_kernel<T, K, TH, TW, BN, WM, WN>>();
   if (err != cudaSuccess) return err;
   // One block (a cluster of `split` with split-K) per work item: spatial tiles x channel tiles x phases x groups.
   const int64_t items = p.N * pl.geo.tiles_h * pl.geo.tiles_w * (co_pad / BN) * p.stride_h * p.stride_w * p.groups;

@@ -24,6 +24,7 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 #include "phase.cuh"
 
@@ -327,8 +328,7 @@ cudaError_t launch_config(const ConvTranspose2dParams& p, const uint32_t* wt, co
   auto kernel = conv_transpose2d_mma_kernel<T, K, BM, BN, WM, WN>;
   constexpr size_t smem = smem_bytes<BM, BN>();
   if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t err = opt_in_shared_memory<conv_transpose2d_mma_kernel<T, K, BM, BN, WM, WN>>();
     if (err != cudaSuccess) return err;
   }
   const int64_t max_m = p.N * div_up(p.H_out, p.stride_h) * div_up(p.W_out, p.stride_w);

@@ -13,8 +13,10 @@
 //   - a thread owns one pixel: its horizontal taps come from the per-residue phase table, every valid (row tap,
 //     column tap) adds in-channels x kCoc exact FFMAs into kCoc accumulators, bias fused, and each output channel
 //     is stored by the block's threads as one contiguous run of the row (coalesced NCHW stores).
-// Exact FFMA with fp32 accumulation in every mode (bf16/fp16 converted on staging; TF32 requests get exact
-// results). Pixels and rows without a valid tap get the bias (or zeros), like every kernel here.
+// FFMA with fp32 accumulation in every mode (bf16/fp16 converted on staging). A TF32 request on an ungrouped layer
+// stages both operands rounded to TF32 (nearest), giving the numbers of cuDNN's TF32 kernels, which PyTorch runs for
+// such layers under its default flags; grouped layers stay exact, as cuDNN computes them (bench/NOTES.md v16).
+// Pixels and rows without a valid tap get the bias (or zeros), like every kernel here.
 // Eligible (sparse_eligible) for fp32/fp16/bf16 when the staged rows and one chunk's weights fit in 48 KiB,
 // strides are at most 32, a row has at most kSparseMaxTapsH vertical taps and sizes fit 32-bit positions. Chosen
 // by default (conv_transpose2d.cu) when the average output element costs at most kSparseMaxMacs multiply-adds.
@@ -48,7 +50,16 @@ struct SparseGeom {
   int taps_h;                       // most vertical taps of a row: staged input rows and weight rows
   int xwp;                          // staged input columns per (tap row, channel), a multiple of 4
   int pitch;                        // floats per (tap row, kernel column) of staged weights: cin * kCoc + 4
+  bool round_tf32;                  // stage operands rounded to TF32
 };
+
+// An operand as staged: rounded to TF32 (to nearest, ties away from zero: what the tensor-core kernels do) or as is.
+__device__ __forceinline__ float sparse_operand(float v, bool round_tf32) {
+  if (!round_tf32) return v;
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
 
 // Output channels a chunk: 32, or 16 when a group has at most 16.
 int sparse_coc(const ConvTranspose2dParams& p) { return p.C_out / p.groups > 16 ? 32 : 16; }
@@ -138,7 +149,9 @@ __global__ void __launch_bounds__(kSparseThreads)
         const int tv = rest / cin;
         const int hi = top - (th_lo + tv) * ah.dstep;
         const int iw = iw_lo + col;
-        xs[i] = (iw >= 0 && iw < w_in) ? to_acc(x_grp[(static_cast<int64_t>(ci) * h_in + hi) * w_in + iw]) : 0.0f;
+        xs[i] = (iw >= 0 && iw < w_in)
+                    ? sparse_operand(to_acc(x_grp[(static_cast<int64_t>(ci) * h_in + hi) * w_in + iw]), g.round_tf32)
+                    : 0.0f;
       }
 
       for (int c0 = 0; c0 < cout; c0 += kCoc) {
@@ -154,7 +167,9 @@ __global__ void __launch_bounds__(kSparseThreads)
           const int a_h = ah.a0 + (th_lo + tv) * ah.step;
           float v = 0.0f;
           if (c0 + j < cout) {
-            v = to_acc(w[((static_cast<int64_t>(grp) * cin + ci) * cout + c0 + j) * (k_h * k_w) + a_h * k_w + a]);
+            v = sparse_operand(
+                to_acc(w[((static_cast<int64_t>(grp) * cin + ci) * cout + c0 + j) * (k_h * k_w) + a_h * k_w + a]),
+                g.round_tf32);
           }
           ws[(tv * k_w + a) * pitch + ci * kCoc + j] = v;
         }
@@ -247,6 +262,7 @@ cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream) {
   g.taps_h = static_cast<int>(max_phase_taps(p.stride_h, p.dil_h, p.kH));
   g.xwp = static_cast<int>(sparse_xwp(p));
   g.pitch = g.cin * sparse_coc(p) + 4;
+  g.round_tf32 = p.dtype == DType::kFloat32 && p.precision == Precision::kTF32 && p.groups == 1;
   switch (p.dtype) {
     case DType::kFloat32:
       return sparse_launch_dtype<float>(p, g, stream);

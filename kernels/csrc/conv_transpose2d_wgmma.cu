@@ -28,6 +28,7 @@
 #include "conv_transpose2d.h"
 #include "convert.cuh"
 #include "halo.cuh"
+#include "launch.cuh"
 #include "mma.cuh"
 #include "phase.cuh"
 #include "wgmma.cuh"
@@ -319,8 +320,7 @@ template <typename T, tc::MmaKind K, int TH, int TW, int BN, int kCons>
 cudaError_t launch_shape(const ConvTranspose2dParams& p, const HaloPlan& pl, const uint32_t* wt, int64_t ciw_pad,
                          int64_t co_pad, cudaStream_t stream) {
   auto kernel = conv_transpose2d_ws_kernel<T, K, TH, TW, BN, kCons>;
-  const cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pl.smem));
+  const cudaError_t err = opt_in_shared_memory<conv_transpose2d_ws_kernel<T, K, TH, TW, BN, kCons>>();
   if (err != cudaSuccess) return err;
   WsTiles tl{};
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);

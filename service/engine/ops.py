@@ -54,12 +54,12 @@ class WeightPacks:
         return len(self._ext)
 
 
-def _forced(choice: KernelChoice) -> tuple[int, int, int]:
-    """The extension's (force_path, force_config, force_split) for a kernel choice."""
+def _forced(choice: KernelChoice) -> tuple[int, int, int, int]:
+    """The extension's (force_path, force_config, force_split, force_staged) for a kernel choice."""
     if choice is DEFAULT:
-        return -1, -1, -1
+        return -1, -1, -1, -1
     return (FORCE_PATHS[choice.path], -1 if choice.config is None else choice.config,
-            -1 if choice.split is None else choice.split)
+            -1 if choice.split is None else choice.split, -1 if choice.staged is None else int(choice.staged))
 
 
 def conv_transpose2d_staged(

@@ -22,6 +22,21 @@ def test_candidates_include_every_gemm_configuration_once() -> None:
     assert tuning.candidates(NUM_CONFIGS) == [c for c in got if c.path != "gemm"]  # no gemm kernel: none asked
 
 
+def test_an_nchw_output_times_each_gemm_configuration_staged_and_straight() -> None:
+    got = tuning.candidates(NUM_CONFIGS, NUM_GEMM, nchw_output=True)
+    gemm = [c for c in got if c.path == "gemm"]
+    assert gemm == [KernelChoice("gemm", c, staged=s) for c in range(NUM_GEMM) for s in (False, True)]
+    assert [c for c in got if c.path != "gemm"] == [c for c in tuning.candidates(NUM_CONFIGS) if c.path != "gemm"]
+
+
+def test_split_candidates_keep_the_fastest_gemm_output_route() -> None:
+    fast = SPLIT_BELOW_MS / 10
+    trials = [_trial(DEFAULT, fast, "gemm"), _trial(KernelChoice("gemm", 0, staged=False), 3 * fast, "gemm"),
+              _trial(KernelChoice("gemm", 0, staged=True), 2 * fast, "gemm")]
+    got = [c for c in tuning.split_candidates(trials, NUM_GATHER) if c.path == "gemm"]
+    assert got == [KernelChoice("gemm", 0, s, True) for s in GEMM_SPLITS]
+
+
 def test_small_problems_time_the_fastest_gemm_configuration_split() -> None:
     fast = SPLIT_BELOW_MS / 10
     trials = [_trial(DEFAULT, fast, "gemm"), _trial(KernelChoice("gemm", 0), 3 * fast, "gemm"),
@@ -43,3 +58,5 @@ def test_gemm_labels() -> None:
     assert KernelChoice("gemm", 2).label == "gemm2"
     assert KernelChoice("gemm", 0, 16).label == "gemm0/s16"
     assert KernelChoice("gemm").label == "gemm"
+    assert KernelChoice("gemm", 1, 2, True).label == "gemm1/s2/staged"
+    assert KernelChoice("gemm", 0, staged=False).label == "gemm0/direct"

@@ -222,19 +222,21 @@ def test_bad_force_split_is_a_clear_error(monkeypatch, force_split):
 
 
 @pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8), (16, 16)])
-def test_force_split_reaches_the_extension(monkeypatch, force_split, code):
+@pytest.mark.parametrize(("force_staged", "staged_code"), [(None, -1), (False, 0), (True, 1)])
+def test_force_split_and_staged_reach_the_extension(monkeypatch, force_split, code, force_staged, staged_code):
     calls = []
 
     class FakeExtension:
         @staticmethod
         def forward(*args):
-            calls.append(args[-2])  # force_split; the packs come last
+            calls.append(args[-3:-1])  # force_split, force_staged; the packs come last
             assert args[-1] is None
             return F.conv_transpose2d(*args[:3]), 1
 
     monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
-    ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
-    assert calls == [code]
+    ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split,
+                      force_staged=force_staged)
+    assert calls == [(code, staged_code)]
 
 
 @pytest.mark.parametrize(
@@ -248,15 +250,15 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
     class FakeExtension:
         @staticmethod
         def forward(x, weight, bias, stride, padding, output_padding, dilation, groups, precision, out,
-                    force_path_code, force_config, force_split, packs):
-            calls.append((force_path_code, force_config, force_split, packs))
+                    force_path_code, force_config, force_split, force_staged, packs):
+            calls.append((force_path_code, force_config, force_split, force_staged, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
             return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}[ran]
 
     monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
     y, path = ops._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
-    assert calls == [(code, -1, -1, None)]
+    assert calls == [(code, -1, -1, -1, None)]
     assert path == ran
     assert torch.equal(y, F.conv_transpose2d(x, w))
 

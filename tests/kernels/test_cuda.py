@@ -392,6 +392,21 @@ def test_sparse_forced(problem: str, mode: str) -> None:
     assert err <= tol, f"{problem}/sparse/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+@pytest.mark.parametrize("problem", ["kb81_small", "kb75_small", "cout37_chunks", "groups3_depthwise_ish"])
+def test_sparse_tf32_numbers(problem: str) -> None:
+    """In TF32 mode the sparse kernel multiplies TF32-rounded operands on ungrouped layers (cuDNN's TF32 numbers:
+    only the accumulation's error is left against a reference from rounded operands) and exact ones on grouped
+    layers (cuDNN's exact kernels)."""
+    grouped = SPARSE_FAMILIES[problem].get("groups", 1) > 1
+    err, _, path = run_case(**SPARSE_FAMILIES[problem], mode="tf32", force_path="sparse",
+                            tf32_reference=not grouped, seed=zlib.crc32(problem.encode()) % 10_000)
+    assert path == "sparse"
+    assert err <= 1e-6, f"{problem}: rel err {err:.3e} against the {'exact' if grouped else 'TF32'} reference"
+    if not grouped:  # and it did round: the exact reference is a TF32 error away
+        assert run_case(**SPARSE_FAMILIES[problem], mode="tf32", force_path="sparse",
+                        seed=zlib.crc32(problem.encode()) % 10_000)[0] > 1e-5
+
+
 def test_sparse_default_choice_and_fallback() -> None:
     """Layers whose output elements average at most 48 multiply-adds run sparse; float64 and rows with more than
     8 vertical taps cannot, and a forced sparse path there runs the default choice."""
@@ -447,6 +462,29 @@ def test_non_contiguous_inputs(layout: str) -> None:
         assert y.is_contiguous(memory_format=torch.channels_last)
         torch_y = F.conv_transpose2d(x, w, b, stride=2, padding=1)
         assert y.stride() == torch_y.stride()
+
+
+@pytest.mark.parametrize("route", ["simt", "tensor_core", "narrow", "sparse"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_channels_last_input_through_nchw_kernels(route: str, mode: str) -> None:
+    """A channels-last input on a kernel that reads NCHW: the input changes layout on the way in (the layout kernel,
+    2-, 4- and 8-byte elements, tiles cut at every edge) and the output, written NCHW into scratch, on the way out;
+    the caller gets a channels-last tensor with PyTorch's strides, every element written."""
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, c_in, c_out, h, w = 3, 37, 5 if route == "narrow" else 35, 33, 7
+    x = torch.randn(n, c_in, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(c_in, c_out, 3, 3, device="cuda", generator=g).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=g).to(dtype)
+    stride = 3 if route == "sparse" else 2
+    args = normalize_args(stride, 1, 0, 1, 1)
+    ho, wo = (output_size(s, 3, stride, 1) for s in (h, w))
+    torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
+    y, _ = _forward_cuda(x, wt, b, args, precision or "fp32", force_path=route)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert not y.is_contiguous()
+    ref = reference(x, wt, b, stride=stride, padding=1)
+    assert rel_err(y, ref) <= tol, f"{route}/{mode}"
 
 
 def test_unbatched_and_empty_batch() -> None:

@@ -45,8 +45,10 @@ PROBLEMS = {
 
 
 def run(problem: dict, mode: str, *, layout: str, config: int | None = None, split: int | None = None,
-        seed: int = 0, tf32_reference: bool = False, force: bool = True) -> tuple[float, float, str, torch.Tensor]:
-    """Run one problem into a poisoned output; returns (rel_err, tol, path, y)."""
+        seed: int = 0, tf32_reference: bool = False, force: bool = True,
+        staged: bool | None = None) -> tuple[float, float, str, torch.Tensor]:
+    """Run one problem into a poisoned output; returns (rel_err, tol, path, y). ``layout``: "nchw" (into an NCHW
+    ``out``), "nchw_new" (NCHW input, a new output) or "cl" (channels-last input, a new output)."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     k = p.pop("k")
@@ -65,10 +67,11 @@ def run(problem: dict, mode: str, *, layout: str, config: int | None = None, spl
     if layout == "nchw":
         out = torch.full((n, c_out, ho, wo), float("nan"), device="cuda", dtype=dtype)
     else:
-        x = x.contiguous(memory_format=torch.channels_last)
+        if layout == "cl":
+            x = x.contiguous(memory_format=torch.channels_last)
         # Poison the memory the new output will take: the caching allocator hands the freed block out again.
         torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)
-    kw_force = dict(force_path="gemm", force_config=config, force_split=split) if force else {}
+    kw_force = dict(force_path="gemm", force_config=config, force_split=split, force_staged=staged) if force else {}
     y, path = _forward_cuda(x, wt, b, args, precision or "fp32", out=out, **kw_force)
     if tf32_reference:
         x, wt = round_tf32(x), round_tf32(wt)
@@ -104,6 +107,22 @@ def test_gemm_split(problem: str, mode: str, split: int, layout: str) -> None:
                             seed=zlib.crc32(problem.encode()) + split)
     assert path == "gemm"
     assert err <= tol, f"{problem}/split {split}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("layout", ["nchw", "nchw_new"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", ["k2s2", "stride1_k3", "asym", "groups", "one_pixel", "many_rows"])
+def test_gemm_nchw_output_staged_or_straight(problem: str, mode: str, layout: str, staged: bool) -> None:
+    """An NCHW output written channels-last into scratch and converted, or stored straight: the same numbers, into
+    a given ``out`` or a new NCHW tensor, with split-K too."""
+    for split in (1, 3):
+        err, tol, path, y = run(PROBLEMS[problem], mode, layout=layout, config=1, split=split, staged=staged,
+                                seed=zlib.crc32(problem.encode()) + split)
+        assert path == "gemm"
+        assert y.is_contiguous()
+        assert err <= tol, f"{problem}/{mode}/{layout}/staged={staged}/split {split}: rel err {err:.3e} > {tol:.0e}"
 
 
 @needs_sm90
