@@ -3,6 +3,8 @@
 # servers start once (each version with batching and with DECONV_MAX_BATCH_SIZE=1; 8 HTTP processes each); then
 # every round drives each of them in turn with bench/service_load.py (this tree's load generator, raw client, 4
 # processes, 64 clients), the versions' order flipped every round, so that the machine's drift falls on both.
+# MB_LAYER (e.g. dcgan_up1, which LAYERS must include) adds a multi-megabyte case to every round, batching on
+# only: MB_SHAPE samples,height,width a request (default 8,32,32), MB_CLIENTS (16), MB_REQUESTS (2000).
 # Env: OLD_DIR (required: the other version's tree, e.g. `git archive COMMIT | tar -x -C _ab/old`, carried; its
 # servers run from there, since `python -m service` imports the package of its working directory; when its
 # kernels/ equals this tree's, it uses this tree's, so that both load one build), ROUNDS (default 5), REQUESTS_ON
@@ -56,6 +58,15 @@ for r in $(seq "${ROUNDS:-5}"); do
         > "$work/$v-$s-$r.log" 2>&1 || tail -3 "$work/$v-$s-$r.log"
     done
   done
+  if [ -n "${MB_LAYER:-}" ]; then  # the multi-megabyte case, batching on: MB_SHAPE is batch,height,width
+    IFS=, read -r mb_n mb_h mb_w <<< "${MB_SHAPE:-8,32,32}"
+    for v in $order; do
+      timeout 120 python3 bench/service_load.py --url "http://127.0.0.1:${port[$v-on]}" --repository "$repo" \
+        --layer "$MB_LAYER" --batch "$mb_n" --height "$mb_h" --width "$mb_w" --client raw --procs 4 \
+        --clients "${MB_CLIENTS:-16}" --requests "${MB_REQUESTS:-2000}" --warmup 50 --out "$work/$v-mb-$r.json" \
+        > "$work/$v-mb-$r.log" 2>&1 || tail -3 "$work/$v-mb-$r.log"
+    done
+  fi
   echo "round $r: $SECONDS s"
 done
 kill -TERM "${pids[@]}"; wait "${pids[@]}"
@@ -68,6 +79,13 @@ for path in glob.glob(f"{work}/*.json"):
     runs.setdefault((v, s), {})[int(r)] = json.load(open(path))["results"][0]
 json.dump({f"{v}-{s}-{r}": x for (v, s), rs in sorted(runs.items()) for r, x in sorted(rs.items())},
           open(f"{out}/version_ab.json", "w"), indent=1)
+for v in ("new", "old"):
+    mb = runs.get((v, "mb"), {})
+    if mb:
+        rs = [mb[r] for r in sorted(mb)]
+        print(f"{v} multi-MB: req/s {[round(x['requests_per_s']) for x in rs]} median "
+              f"{statistics.median(x['requests_per_s'] for x in rs):.0f}; p50 ms {[round(x['p50_ms'], 1) for x in rs]}; "
+              f"p99 ms {[round(x['p99_ms'], 1) for x in rs]}")
 for v in ("new", "old"):
     med = {}
     for s in ("on", "off"):
