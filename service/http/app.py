@@ -69,7 +69,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     if settings is None:
         settings = engine.settings if engine is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
-    app = App(fast_routes=routes.match_inference, title="deconv", version=VERSION, description=DESCRIPTION,
+    app = App(fast_routes=routes.INFERENCE_ROUTES, title="deconv", version=VERSION, description=DESCRIPTION,
               lifespan=lifespan)
     app.state.engine = engine = engine if engine is not None else LocalEngine(settings)
     app.state.budget = Budget(inflight_limit(settings), engine.metrics)  # bytes of requests in flight

@@ -2,24 +2,33 @@
 
 ``POST /deconv`` and the KServe infer routes are the service's hot path. At thousands of requests per second per
 HTTP process, FastAPI's and Starlette's middleware stack, router, ``Request`` and ``Response`` cost about as much
-CPU as decoding, submitting and encoding a request together (docs/operations.md, "Throughput"). ``App``, the
-FastAPI app that ``service.http.app.create_app`` builds, answers those routes straight from the ASGI scope; every
-other request, and any other method on those paths, goes through FastAPI as usual.
+CPU as decoding, submitting and encoding a request together (docs/architecture.md, "Pieces we wrote where a
+library exists"). ``App``, the FastAPI app that ``service.http.app.create_app`` builds, answers those routes straight
+from the ASGI scope; every other request goes through FastAPI as usual.
 
-The inference handlers take a ``Call`` and return a ``Reply`` (or raise a ``ServiceError``) whichever way the
-request came: FastAPI's routes for the same paths, which document them in OpenAPI, adapt ``Request`` and
-``Response`` to them (``call_of`` / ``response_of``). Both ways give the same answers, errors included.
+Each such route is declared once, as a ``FastRoute`` (``service.http.routes.INFERENCE_ROUTES``): its path template,
+its handler, and the pydantic models of its parameters, bodies and errors. From that table ``App`` matches a POST
+(``FastRoutes.match``), leaves the other methods on those paths to FastAPI's router (``OtherMethods``: 405 with
+``Allow: POST``, and the trailing-slash redirect, as for any route), and adds the routes' OpenAPI operations to the
+document FastAPI generates for the rest (``FastRoutes.document``). There is no FastAPI route for these POSTs: one
+path per URL.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
+from fastapi.openapi.constants import REF_TEMPLATE
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match, NoMatchFound, compile_path
 
 from service.errors import (
     ClientGoneError,
@@ -32,6 +41,7 @@ from service.errors import (
 )
 
 if TYPE_CHECKING:
+    from starlette.datastructures import URLPath
     from starlette.types import Receive, Scope, Send
 
     from service.budget import Budget
@@ -104,7 +114,6 @@ class Reply(NamedTuple):
 
 
 Handler = Callable[[Call], Awaitable[Reply]]
-Matcher = Callable[[str], tuple[Handler, dict[str, str]] | None]
 
 
 def route_path(scope: Scope) -> str:
@@ -131,13 +140,8 @@ async def send_reply(send: Send, reply: Reply) -> None:
 
 
 def call_of(request: Request) -> Call:
-    """The ``Call`` of a request that came through FastAPI."""
+    """The ``Call`` of a request that came through FastAPI (the shared-memory routes check the API key on it)."""
     return Call(request.scope, request.receive, dict(request.path_params))
-
-
-def response_of(reply: Reply) -> Response:
-    """``reply`` as a FastAPI response."""
-    return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
 
 
 async def read_body(call: Call, limit: int) -> bytearray:
@@ -258,24 +262,147 @@ async def serve_call(handler: Handler, call: Call, send: Send) -> None:
         call.release()
 
 
-class App(FastAPI):
-    """The service's FastAPI app, answering ``POST`` on the paths that ``fast_routes`` matches by itself."""
+class Body(NamedTuple):
+    """A request or response body in the OpenAPI document: its description and, by media type, the pydantic model
+    of its JSON, or None for raw bytes (a tensor file, or KServe's JSON followed by binary tensors)."""
 
-    def __init__(self, *, fast_routes: Matcher, **kwargs: Any) -> None:
+    description: str
+    content: dict[str, type[BaseModel] | None]
+
+
+class FastRoute(NamedTuple):
+    """One ``POST`` route that ``App`` answers itself, and what the OpenAPI document says of it.
+
+    ``path`` is a Starlette path template (a parameter is one path segment); ``parameters`` holds, by location
+    (``path``, ``query``, ``header``, in that order), the model whose fields are the parameters there (a field's
+    alias is the parameter's name); ``name`` makes the operation id, as FastAPI makes it from a function's name.
+    """
+
+    name: str
+    path: str
+    handler: Handler
+    summary: str
+    description: str
+    tags: list[str]
+    parameters: dict[str, type[BaseModel]]
+    body: Body
+    responses: dict[int, Body]
+
+
+class FastRoutes:
+    """The routes ``App`` answers itself: matched as Starlette matches a route, and documented from their models."""
+
+    def __init__(self, routes: Sequence[FastRoute]) -> None:
+        self.routes = tuple(routes)
+        self.patterns = [(compile_path(route.path)[0], route.handler) for route in self.routes]
+
+    def match(self, path: str) -> tuple[Handler, dict[str, str]] | None:
+        """The handler and path parameters of the route at ``path`` (below the root path), or None."""
+        for pattern, handler in self.patterns:
+            found = pattern.match(path)
+            if found is not None:
+                return handler, found.groupdict()
+        return None
+
+    def document(self, document: dict[str, Any]) -> dict[str, Any]:
+        """``document`` (FastAPI's OpenAPI document of the other routes) with these routes' operations first and the
+        JSON schemas of their models among its components."""
+        schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
+        paths: dict[str, Any] = {}
+        for route in self.routes:
+            paths.setdefault(route.path, {})["post"] = {
+                "tags": route.tags,
+                "summary": route.summary,
+                "description": route.description,
+                "operationId": re.sub(r"\W", "_", route.name + route.path) + "_post",
+                "parameters": [p for where, model in route.parameters.items() for p in parameters(where, model)],
+                "requestBody": {"required": True, **content(route.body, "validation", schemas)},
+                "responses": {str(status): content(body, "serialization", schemas)
+                              for status, body in route.responses.items()},
+            }
+        for path, item in document["paths"].items():
+            paths.setdefault(path, {}).update(item)
+        document["paths"] = paths
+        return document
+
+
+BINARY = {"type": "string", "format": "binary"}
+
+
+def parameters(where: str, model: type[BaseModel]) -> list[dict[str, Any]]:
+    """The OpenAPI parameters in ``where`` that ``model``'s fields declare, as FastAPI writes its own."""
+    schema = model.model_json_schema(by_alias=True, ref_template=REF_TEMPLATE)
+    required = set(schema.get("required", ()))
+    out = []
+    for name, field in schema["properties"].items():
+        parameter = {"name": name, "in": where, "required": name in required, "schema": field}
+        if "description" in field:
+            parameter["description"] = field["description"]
+        out.append(parameter)
+    return out
+
+
+def content(body: Body, mode: JsonSchemaMode, schemas: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as an OpenAPI body or response: each model as a reference to its schema, which goes into
+    ``schemas`` (the document's components) with the schemas of the models it holds."""
+    media: dict[str, Any] = {}
+    for media_type, model in body.content.items():
+        if model is None:
+            media[media_type] = {"schema": BINARY}
+            continue
+        refs, top = models_json_schema([(model, mode)], ref_template=REF_TEMPLATE)
+        for name, schema in top.get("$defs", {}).items():
+            if schemas.setdefault(name, schema) != schema:
+                raise ValueError(f"two different schemas named {name!r} in the OpenAPI document")
+        media[media_type] = {"schema": refs[(model, mode)]}
+    return {"description": body.description, "content": media}
+
+
+class OtherMethods(BaseRoute):
+    """The paths of ``FastRoutes`` in FastAPI's router. ``App`` answers their POSTs before the router, so a request
+    that the router matches here used another method: 405 with ``Allow: POST``, as Starlette answers a route's other
+    methods. A path that differs from one of them only by a trailing slash is redirected, as for any route."""
+
+    def __init__(self, routes: FastRoutes) -> None:
+        self.routes = routes
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and self.routes.match(route_path(scope)) is not None:
+            return Match.PARTIAL, {}
+        return Match.NONE, {}
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> URLPath:
+        raise NoMatchFound(name, path_params)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise HTTPException(405, headers={"Allow": "POST"})
+
+
+class App(FastAPI):
+    """The service's FastAPI app, answering ``POST`` on the paths of ``fast_routes`` by itself."""
+
+    def __init__(self, *, fast_routes: FastRoutes, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes = fast_routes
+        self.router.routes.append(OtherMethods(fast_routes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if self.state.engine.readiness.state == "draining":  # every answer from now on closes its connection
                 send = closing(send)
             if scope["method"] == "POST":
-                found = self.fast_routes(route_path(scope))
+                found = self.fast_routes.match(route_path(scope))
                 if found is not None:
                     scope["app"] = self
                     await serve_call(found[0], Call(scope, receive, found[1]), send)
                     return
         await super().__call__(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's document, with the operations of ``fast_routes``."""
+        if not self.openapi_schema:
+            self.openapi_schema = self.fast_routes.document(super().openapi())
+        return self.openapi_schema
 
 
 def closing(send: Send) -> Send:

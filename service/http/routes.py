@@ -4,7 +4,8 @@ Every inference request, native or KServe, takes the same path: read the body (s
 copies, validate it against the layer, submit it to the layer's queue in the engine (``Engine.queues``), wait for
 its result while watching for the client going away and for its deadline, encode the output. Those handlers
 (``deconv_call``, ``v2_infer_call``) take a ``service.http.asgi.Call``: ``service.http.asgi.App`` runs them straight
-from ASGI (``match_inference``), and the FastAPI routes of the same paths, which document them, adapt to them.
+from ASGI. ``INFERENCE_ROUTES`` declares their routes once: the paths ``App`` matches, and the pydantic models of
+their parameters, bodies and errors, from which their OpenAPI operations are generated.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from service.errors import (
     UnknownLayerError,
     UnsupportedMediaTypeError,
 )
-from service.http.asgi import Call, Handler, Reply, call_of, disconnected, read_body, response_of
+from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, disconnected, read_body
 from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -62,7 +63,7 @@ MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
 MAX_TIMEOUT_US = MAX_DEADLINE_MS * 1000
 
 
-# --- schemas (for validation of small JSON and for the OpenAPI page) -------------------------------------------
+# --- schemas (for validation of small JSON and for the OpenAPI document) ---------------------------------------
 
 
 class ErrorDetail(BaseModel):
@@ -144,20 +145,69 @@ class KServeInferRequest(BaseModel):
     outputs: list[KServeRequestedOutput] | None = None
 
 
-_BINARY = {"schema": {"type": "string", "format": "binary"}}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorBody, "description": "malformed_body"},
-    401: {"model": ErrorBody, "description": "unauthorized (API key configured)"},
-    404: {"model": ErrorBody, "description": "unknown_layer"},
-    413: {"model": ErrorBody, "description": "payload_too_large"},
-    415: {"model": ErrorBody, "description": "unsupported_media_type"},
-    422: {"model": ErrorBody, "description": "invalid_input"},
-    429: {"model": ErrorBody, "description": "overloaded (Retry-After)"},
-    500: {"model": ErrorBody, "description": "internal"},
-    503: {"model": ErrorBody, "description": "not_ready (Retry-After)"},
-    504: {"model": ErrorBody, "description": "deadline_exceeded"},
+class KServeOutput(BaseModel):
+    """The output: its values as ``data`` (JSON, flat), or ``parameters.binary_data_size`` bytes after the JSON, or
+    written to the system shared-memory region that ``parameters.shared_memory_region`` names."""
+
+    name: str = Field(examples=[KSERVE_OUTPUT])
+    datatype: str = Field(examples=["FP32"])
+    shape: list[int] = Field(examples=[[1, 8, 32, 32]])
+    parameters: dict[str, Any] | None = None
+    data: list[float] | None = None
+
+
+class KServeInferResponse(BaseModel):
+    """A KServe v2 inference response (one output named ``output``)."""
+
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[KServeOutput]
+
+
+class LayerQuery(BaseModel):
+    """``POST /deconv``'s query parameter."""
+
+    layer: str = Field(description="Layer name (see GET /v1/layers).", examples=["demo"])
+
+
+class ModelPath(BaseModel):
+    """The path parameter of the KServe inference route."""
+
+    name: str = Field(description="Layer name (see GET /v1/layers).")
+
+
+class VersionedModelPath(ModelPath):
+    """The path parameters of the versioned KServe inference route."""
+
+    version: str = Field(description=f"Model version; the only one is {MODEL_VERSION!r}.")
+
+
+class DeadlineHeader(BaseModel):
+    """The header of an inference request that bounds its wait (read by ``deadline_header``)."""
+
+    x_deadline_ms: float | None = Field(
+        None, alias="x-deadline-ms", ge=0, le=MAX_DEADLINE_MS,
+        description="Fail with 504 if execution has not started this many ms after receipt (on the KServe routes "
+                    "the earlier of this and parameters.timeout counts).")
+
+
+_ERROR_TYPES = {
+    400: "malformed_body",
+    401: "unauthorized (API key configured)",
+    404: "unknown_layer",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_input",
+    429: "overloaded (Retry-After)",
+    500: "internal",
+    503: "not_ready (Retry-After)",
+    504: "deadline_exceeded",
 }
-_KSERVE_ERRORS = {code: {"model": KServeError, "description": d["description"]} for code, d in _ERRORS.items()}
+# As FastAPI's routes declare their error responses.
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": d}
+                                            for code, d in _ERROR_TYPES.items()}
+_KSERVE_ERRORS = {code: {"model": KServeError, "description": d} for code, d in _ERROR_TYPES.items()}
 
 
 # --- shared helpers ----------------------------------------------------------------------------------------
@@ -200,23 +250,6 @@ def deadline_header(call: Call) -> float | None:
     if value > MAX_DEADLINE_MS:  # infinity too
         raise InvalidInputError(f"header.x-deadline-ms: Input should be less than or equal to {MAX_DEADLINE_MS}")
     return value
-
-
-# The inference routes read their query parameter and headers themselves and document them by hand, as FastAPI
-# documents the parameters it parses.
-_LAYER_PARAMETER = {"name": "layer", "in": "query", "required": True, "description": "Layer name (see GET /v1/layers).",
-                    "schema": {"type": "string", "description": "Layer name (see GET /v1/layers).",
-                               "examples": ["demo"], "title": "Layer"}}
-
-
-def _deadline_parameter(description: str) -> dict[str, Any]:
-    return {"name": "x-deadline-ms", "in": "header", "required": False, "description": description,
-            "schema": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "null"}], "description": description,
-                       "title": "X-Deadline-Ms"}}
-
-
-def _path_parameter(name: str) -> dict[str, Any]:
-    return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "title": name.title()}}
 
 
 def _layer(engine: Engine, name: str) -> tuple[Layer, LayerQueue]:
@@ -391,31 +424,6 @@ async def deconv_call(call: Call) -> Reply:
         raise
     finally:
         _count(engine, label, "native", status, received)
-
-
-@router.post(
-    "/deconv",
-    tags=["inference"],
-    summary="Run one layer on one tensor",
-    response_class=Response,
-    responses={200: {"content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY},
-                     "description": "The output tensor [N, C_out, H_out, W_out] (or [C_out, H_out, W_out]) in the "
-                                    "request's format (or the one Accept names), same dtype. Headers: "
-                                    "X-Deconv-Batch-Size, X-Deconv-Queue-Ms."},
-               **_ERRORS},
-    openapi_extra={"parameters": [_LAYER_PARAMETER, _deadline_parameter(
-                       "Fail with 504 if execution has not started this many ms after receipt.")],
-                   "requestBody": {"required": True, "description": "One tensor [N, C_in, H, W] or [C_in, H, W] "
-                                   "in the layer's dtype, as .npy or safetensors (bfloat16: safetensors only).",
-                                   "content": {codec.NPY: _BINARY, codec.SAFETENSORS: _BINARY}}},
-)
-async def deconv(request: Request) -> Response:
-    """Run layer ``layer`` on the tensor in the body and return the output in the negotiated format."""
-    call = call_of(request)
-    try:
-        return response_of(await deconv_call(call))
-    finally:
-        call.release()
 
 
 @router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
@@ -775,38 +783,6 @@ async def _json_answer(response: dict[str, Any], out: dict[str, Any], y: AnyTens
     return b"".join(parts)
 
 
-def _inline_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """The model's JSON schema with its ``$defs`` substituted in place (openapi_extra cannot hold ``$defs``)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def resolve(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return resolve(defs[ref.removeprefix("#/$defs/")])
-            return {k: resolve(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [resolve(v) for v in node]
-        return node
-
-    return resolve(schema)  # type: ignore[no-any-return]
-
-
-_INFER_DOC = {
-    "requestBody": {
-        "required": True,
-        "description": "A KServe v2 inference request. With the binary tensor extension the JSON is followed by "
-                       "the input's raw little-endian bytes; the header Inference-Header-Content-Length gives the "
-                       "JSON's length and the input's parameters.binary_data_size the bytes'.",
-        "content": {
-            "application/json": {"schema": _inline_schema(KServeInferRequest)},
-            "application/octet-stream": _BINARY,
-        },
-    }
-}
-
-
 async def v2_infer_call(call: Call) -> Reply:
     """``POST /v2/models/{name}[/versions/{version}]/infer``."""
     check_api_key(call)
@@ -885,41 +861,45 @@ async def v2_infer_call(call: Call) -> Reply:
         _count(engine, label, "kserve", status, received)
 
 
-@router.post("/v2/models/{name}/infer", tags=["kserve"], summary="Inference (KServe v2)",
-             response_class=Response, responses=_KSERVE_ERRORS,
-             openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"),
-                                                         _deadline_parameter("As on /deconv.")]})
-async def v2_infer(request: Request) -> Response:
-    """Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."""
-    call = call_of(request)
-    try:
-        return response_of(await v2_infer_call(call))
-    finally:
-        call.release()
+def _error_bodies(model: type[BaseModel]) -> dict[int, Body]:
+    """The error responses of an inference route, each a JSON body of ``model``."""
+    return {code: Body(d, {"application/json": model}) for code, d in _ERROR_TYPES.items()}
 
 
-@router.post("/v2/models/{name}/versions/{version}/infer", tags=["kserve"], summary="Inference (versioned)",
-             response_class=Response, responses=_KSERVE_ERRORS,
-             openapi_extra={**_INFER_DOC, "parameters": [_path_parameter("name"), _path_parameter("version"),
-                                                         _deadline_parameter("As on /deconv.")]})
-async def v2_infer_version(request: Request) -> Response:
-    """As ``/v2/models/{name}/infer``; the only version is ``1``."""
-    call = call_of(request)
-    try:
-        return response_of(await v2_infer_call(call))
-    finally:
-        call.release()
+_TENSOR_FILE: dict[str, type[BaseModel] | None] = {codec.NPY: None, codec.SAFETENSORS: None}
+_KSERVE_REQUEST = Body("A KServe v2 inference request. With the binary tensor extension the JSON is followed by the "
+                       "input's raw little-endian bytes; the header Inference-Header-Content-Length gives the JSON's "
+                       "length and the input's parameters.binary_data_size the bytes'.",
+                       {"application/json": KServeInferRequest, "application/octet-stream": None})
+_KSERVE_RESPONSE = Body("A KServe v2 inference response. When binary output is asked for "
+                        "(parameters.binary_data_output, or the output's parameters.binary_data) the JSON is followed "
+                        "by the output's raw little-endian bytes; the header Inference-Header-Content-Length gives the "
+                        "JSON's length and the output's parameters.binary_data_size the bytes'. Headers: "
+                        "X-Deconv-Batch-Size, X-Deconv-Queue-Ms.",
+                        {"application/json": KServeInferResponse, "application/octet-stream": None})
+_KSERVE_DESCRIPTION = "Run layer ``name`` on input ``input``; the output ``output`` comes back as JSON data or binary."
 
-
-def match_inference(path: str) -> tuple[Handler, dict[str, str]] | None:
-    """The handler and path parameters of the inference route at ``path`` (``service.http.asgi.App`` answers these
-    itself), or None. Matches as Starlette would the three POST routes above: a parameter is one path segment."""
-    if path == "/deconv":
-        return deconv_call, {}
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
-        parts = path[len("/v2/models/"):-len("/infer")].split("/")
-        if len(parts) == 1 and parts[0]:
-            return v2_infer_call, {"name": parts[0]}
-        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
-            return v2_infer_call, {"name": parts[0], "version": parts[2]}
-    return None
+# The inference routes, which service.http.asgi.App answers itself: their one declaration, for matching and OpenAPI.
+INFERENCE_ROUTES = FastRoutes([
+    FastRoute(
+        "deconv", "/deconv", deconv_call, summary="Run one layer on one tensor",
+        description="Run layer ``layer`` on the tensor in the body and return the output in the negotiated format.",
+        tags=["inference"], parameters={"query": LayerQuery, "header": DeadlineHeader},
+        body=Body("One tensor [N, C_in, H, W] or [C_in, H, W] in the layer's dtype, as .npy or safetensors "
+                  "(bfloat16: safetensors only).", _TENSOR_FILE),
+        responses={200: Body("The output tensor [N, C_out, H_out, W_out] (or [C_out, H_out, W_out]) in the request's "
+                             "format (or the one Accept names), same dtype. Headers: X-Deconv-Batch-Size, "
+                             "X-Deconv-Queue-Ms.", _TENSOR_FILE),
+                   **_error_bodies(ErrorBody)}),
+    FastRoute(
+        "v2_infer", "/v2/models/{name}/infer", v2_infer_call, summary="Inference (KServe v2)",
+        description=_KSERVE_DESCRIPTION, tags=["kserve"],
+        parameters={"path": ModelPath, "header": DeadlineHeader}, body=_KSERVE_REQUEST,
+        responses={200: _KSERVE_RESPONSE, **_error_bodies(KServeError)}),
+    FastRoute(
+        "v2_infer_version", "/v2/models/{name}/versions/{version}/infer", v2_infer_call,
+        summary="Inference (versioned)", tags=["kserve"],
+        description=f"As ``/v2/models/{{name}}/infer``; the only version is ``{MODEL_VERSION}``.",
+        parameters={"path": VersionedModelPath, "header": DeadlineHeader}, body=_KSERVE_REQUEST,
+        responses={200: _KSERVE_RESPONSE, **_error_bodies(KServeError)}),
+])

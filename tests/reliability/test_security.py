@@ -121,16 +121,20 @@ def _inference_requests() -> list[tuple[str, dict[str, Any]]]:
 def test_every_inference_route_needs_the_key(repo, monkeypatch):
     api = [r for r in routes.router.routes if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
-    # The router holds every route the app serves but the shared-memory ones, which check the key themselves,
-    # status included (tests/service/test_system_shm.py: test_every_route_needs_the_api_key).
+    # The router holds every FastAPI route the app serves but the shared-memory ones, which check the key
+    # themselves, status included (tests/service/test_system_shm.py: test_every_route_needs_the_api_key); the
+    # inference routes, which the app answers itself, are the only POST routes.
     shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]
-    assert {r.path for r in api + shm} == set(documented)
+    inference = {r.path for r in routes.INFERENCE_ROUTES.routes}
+    assert {r.path for r in api + shm} | inference == set(documented)
     assert all(r.path.startswith("/v2/systemsharedmemory/") for r in shm)
-    posts = {r.path for r in api if "POST" in r.methods}
-    assert posts == {"/deconv", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
-    for r in api:  # the app answers every POST route itself (with the key check), and only those
+    assert inference == {"/deconv", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
+    assert not any("POST" in r.methods for r in api)
+    for path in inference:
+        assert set(documented[path]) == {"post"}, path
+    for r in api:  # the app answers the inference routes' paths, and only those
         example = r.path.replace("{name}", "small").replace("{version}", "1")
-        assert (routes.match_inference(example) is not None) == ("POST" in r.methods), r.path
+        assert routes.INFERENCE_ROUTES.match(example) is None, r.path
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
@@ -140,9 +144,9 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
 
-    async def main(via_framework: bool) -> None:
+    async def main() -> None:
         settings = Settings(layer_repository=repo, devices="cpu", api_key="s3cret")
-        async with serve_app(settings, via_framework=via_framework) as (_, client):
+        async with serve_app(settings) as (_, client):
             for path, kw in _inference_requests():
                 for auth in (None, "Bearer wrong", "Bearer s3cre", "Basic s3cret", "Bearer s3cret "):
                     headers = {**kw.get("headers", {}), **({"authorization": auth} if auth else {})}
@@ -153,8 +157,7 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
                                       headers=kw.get("headers", {}))
                 assert r.status_code == 401  # the key is checked first: the same answer whatever the name
 
-    for via_framework in (False, True):  # the app's own dispatch, and FastAPI's routes of the same paths
-        run(main(via_framework))
+    run(main())
     assert compared  # the token went through hmac.compare_digest (constant time), not ==
     assert all(b == b"s3cret" for _, b in compared)
 

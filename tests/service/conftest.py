@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fastapi import FastAPI
 from torch import nn
 
 from service.config import Settings
@@ -76,20 +75,12 @@ def rel_err(y: Any, ref: torch.Tensor) -> float:
 
 
 @contextlib.asynccontextmanager
-async def serve_app(settings: Settings, *, wait_ready: bool = True, timeout: float = 30.0,
-                    via_framework: bool = False) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
-    """The app in-process (lifespan run explicitly) and an httpx client on it through ASGITransport.
-
-    ``via_framework``: every request goes through FastAPI's routes, the inference routes' adapters included,
-    instead of ``App`` answering those itself.
-    """
+async def serve_app(settings: Settings, *, wait_ready: bool = True,
+                    timeout: float = 30.0) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """The app in-process (lifespan run explicitly) and an httpx client on it through ASGITransport."""
     app = create_app(settings)
-
-    async def framework(scope: Any, receive: Any, send: Any) -> None:
-        await FastAPI.__call__(app, scope, receive, send)
-
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=framework if via_framework else app)
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=timeout) as client:
             if wait_ready:
                 await wait_until_ready(client, timeout)

@@ -9,15 +9,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
+from fastapi.openapi.constants import REF_TEMPLATE
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.local import LocalEngine
+from service.http.routes import (
+    MAX_DEADLINE_MS,
+    DeadlineHeader,
+    ErrorBody,
+    KServeError,
+    KServeInferRequest,
+    KServeInferResponse,
+    LayerQuery,
+    ModelPath,
+    VersionedModelPath,
+)
 
 from .conftest import (
     NPY,
@@ -237,7 +253,8 @@ def test_inference_parameters_are_checked_like_fastapi_did(repo):
             params = {p["name"]: p for p in spec["paths"]["/deconv"]["post"]["parameters"]}
             assert (params["layer"]["in"], params["layer"]["required"]) == ("query", True)
             assert params["x-deadline-ms"]["in"] == "header"
-            assert params["x-deadline-ms"]["schema"]["anyOf"][0] == {"type": "number", "minimum": 0}
+            assert params["x-deadline-ms"]["schema"]["anyOf"][0] == {"type": "number", "minimum": 0,
+                                                                     "maximum": MAX_DEADLINE_MS}
             v2 = spec["paths"]["/v2/models/{name}/versions/{version}/infer"]["post"]["parameters"]
             assert [(p["name"], p["in"]) for p in v2] == [("name", "path"), ("version", "path"),
                                                           ("x-deadline-ms", "header")]
@@ -449,7 +466,9 @@ def test_openapi_documents_the_binary_bodies(repo):
             assert set(spec["paths"]["/deconv"]["post"]["responses"]["200"]["content"]) == {NPY, SAFETENSORS}
             infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
             assert set(infer) == {"application/json", "application/octet-stream"}
-            assert "inputs" in infer["application/json"]["schema"]["properties"]
+            assert infer["application/octet-stream"]["schema"] == {"type": "string", "format": "binary"}
+            request = infer["application/json"]["schema"]["$ref"].removeprefix("#/components/schemas/")
+            assert "inputs" in spec["components"]["schemas"][request]["properties"]
             for path in ("/v1/layers", "/v1/layers/{name}", "/health/live", "/health/ready", "/metrics", "/v2",
                          "/v2/health/live", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/ready"):
                 assert path in spec["paths"], path
@@ -459,6 +478,74 @@ def test_openapi_documents_the_binary_bodies(repo):
 
 
 # --- KServe v2 ----------------------------------------------------------------------------------------------------
+
+
+def test_openapi_generates_the_inference_operations_from_their_models(repo):
+    # The inference routes have no FastAPI route; their operations come from the route table's pydantic models.
+    def unref(schema: dict[str, Any]) -> str:
+        return schema["$ref"].removeprefix("#/components/schemas/")
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            spec = (await client.get("/openapi.json")).json()
+            x = np.zeros((1, 4, 5, 5), np.float32)
+            body, headers = _kserve_binary(x, parameters={"binary_data_output": True})
+            answers = [(await client.post("/v2/models/small/infer", json=_kserve_json(x))).json(),
+                       _split_binary(await client.post("/v2/models/small/infer", content=body, headers=headers))[0]]
+        schemas = spec["components"]["schemas"]
+
+        def component(model: type[BaseModel], mode: JsonSchemaMode = "validation") -> None:
+            # The model's schema and those of the models it holds are the document's components, as pydantic
+            # writes them.
+            schema = model.model_json_schema(ref_template=REF_TEMPLATE, mode=mode)
+            for name, definition in {**schema.pop("$defs", {}), model.__name__: schema}.items():
+                assert schemas[name] == definition, name
+
+        binary = {"schema": {"type": "string", "format": "binary"}}
+        errors = {"400", "401", "404", "413", "415", "422", "429", "500", "503", "504"}
+        header = DeadlineHeader.model_json_schema(by_alias=True)["properties"]["x-deadline-ms"]
+        deadline = {"name": "x-deadline-ms", "in": "header", "required": False, "schema": header,
+                    "description": header["description"]}
+        expected = {
+            "/deconv": ([{"name": "layer", "in": "query", "required": True,
+                          "schema": LayerQuery.model_json_schema()["properties"]["layer"],
+                          "description": "Layer name (see GET /v1/layers)."}, deadline], ErrorBody),
+            "/v2/models/{name}/infer": ([{"name": "name", "in": "path", "required": True,
+                                          "schema": ModelPath.model_json_schema()["properties"]["name"],
+                                          "description": "Layer name (see GET /v1/layers)."}, deadline], KServeError),
+            "/v2/models/{name}/versions/{version}/infer": (
+                [{"name": n, "in": "path", "required": True, "schema": f, "description": f["description"]}
+                 for n, f in VersionedModelPath.model_json_schema()["properties"].items()] + [deadline], KServeError),
+        }
+        ids = []
+        for path, (parameters, error) in expected.items():
+            assert set(spec["paths"][path]) == {"post"}, path
+            op = spec["paths"][path]["post"]
+            ids.append(op["operationId"])
+            assert op["tags"], path
+            assert op["summary"], path
+            assert op["parameters"] == parameters, path
+            assert op["requestBody"]["required"] is True
+            assert set(op["responses"]) == {"200", *errors}, path
+            for code in errors:
+                assert op["responses"][code]["content"] == {"application/json": {"schema": {
+                    "$ref": f"#/components/schemas/{error.__name__}"}}}, (path, code)
+            component(error, "serialization")
+            if path == "/deconv":
+                assert op["requestBody"]["content"] == {NPY: binary, SAFETENSORS: binary}
+                assert op["responses"]["200"]["content"] == {NPY: binary, SAFETENSORS: binary}
+            else:
+                body, answer = op["requestBody"]["content"], op["responses"]["200"]["content"]
+                assert unref(body["application/json"]["schema"]) == "KServeInferRequest"
+                assert unref(answer["application/json"]["schema"]) == "KServeInferResponse"
+                assert body["application/octet-stream"] == answer["application/octet-stream"] == binary
+        assert len(set(ids)) == 3
+        component(KServeInferRequest)
+        component(KServeInferResponse, "serialization")
+        for answer in answers:  # the documented response is what the server answers, JSON or binary
+            assert KServeInferResponse.model_validate(answer).outputs[0].shape == [1, 6, 10, 10]
+
+    run(main())
 
 
 def _kserve_json(x: np.ndarray, datatype: str = "FP32", **extra: Any) -> dict[str, Any]:
@@ -616,24 +703,47 @@ def _dispatch_cases() -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def test_direct_and_framework_dispatch_answer_alike(repo):
-    # App answers the inference routes straight from ASGI; FastAPI's routes of the same paths (which document them)
-    # adapt the same handlers. Every answer must be the same, error bodies and headers included (but Connection:
-    # App closes a connection whose body it could not read to its end, as on an unreadable Content-Length).
-    async def answers(via_framework: bool) -> list[tuple[int, str, dict[str, str], bytes]]:
-        out = []
-        async with serve_app(settings(repo, max_body_bytes=20_000), via_framework=via_framework) as (_, client):
-            for path, kw in _dispatch_cases():
-                r = await client.post(path, **kw)
-                headers = {k: v for k, v in r.headers.items() if k not in ("x-deconv-queue-ms", "date", "connection")}
-                out.append((r.status_code, path, headers, r.content))
-        return out
+def test_the_app_answers_every_inference_case_in_the_routes_error_shape(repo):
+    # App answers the inference routes straight from ASGI: each case gets its status, and an error is the JSON body
+    # every other route writes (FastAPI's JSONResponse of service.errors.error_body), in the route's shape.
+    async def main() -> list[tuple[str, httpx.Response]]:
+        async with serve_app(settings(repo, max_body_bytes=20_000)) as (_, client):
+            return [(path, await client.post(path, **kw)) for path, kw in _dispatch_cases()]
 
-    direct, framework = run(answers(False)), run(answers(True))
-    assert [a[0] for a in direct] == [200, 404, 200, 404, 422, 415, 415, 400, 422, 413, 422, 504, 400, 422, 200,
-                                      200, 404, 404, 400, 415, 307, 404]
-    for a, b in zip(direct, framework, strict=True):
-        assert a == b
+    answers = run(main())
+    assert [r.status_code for _, r in answers] == [200, 404, 200, 404, 422, 415, 415, 400, 422, 413, 422, 504, 400,
+                                                   422, 200, 200, 404, 404, 400, 415, 307, 404]
+    for path, r in answers:
+        if r.status_code == 307:  # not an inference route: the router redirects it to the one without the slash
+            assert r.headers["location"] == f"http://test{path.rstrip('/')}"
+        elif r.status_code >= 400:
+            assert r.headers["content-type"] == "application/json"
+            assert r.content == JSONResponse(r.json()).body
+            model = KServeError if path.startswith("/v2/") else ErrorBody
+            model.model_validate(r.json())
+            assert set(r.json()) == set(model.model_fields)
+
+
+def test_other_methods_on_the_inference_paths_answer_405(repo):
+    # No FastAPI route serves these paths: the app answers their POSTs and the router every other method, as it
+    # answers a route's other methods (405, Allow: POST, the error shape), and redirects a trailing slash.
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            native, kserve = (await client.put("/v1/layers")).content, (await client.post("/v2/health/live")).content
+            for path in ("/deconv?layer=small", "/v2/models/small/infer", "/v2/models/small/versions/1/infer"):
+                for method in ("GET", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS"):
+                    r = await client.request(method, path)
+                    assert (r.status_code, r.headers["allow"]) == (405, "POST"), (method, path)
+                    assert r.headers["content-type"] == "application/json"
+                    assert r.content == (b"" if method == "HEAD" else kserve if path.startswith("/v2/") else native)
+                bare = path.partition("?")[0]
+                for method in ("GET", "POST"):
+                    r = await client.request(method, bare + "/")
+                    assert (r.status_code, r.headers["location"]) == (307, f"http://test{bare}")
+            assert_error(await client.get("/deconv?layer=small"), 405, "method_not_allowed")
+            assert (await client.get("/v2/models/small/infer")).json()["type"] == "method_not_allowed"
+
+    run(main())
 
 
 def test_unexpected_error_on_an_inference_route_is_a_bare_500(repo, monkeypatch, caplog):
