@@ -1,9 +1,10 @@
 """The naive baseline for bench/service_load.py: one FastAPI endpoint, one ``nn.ConvTranspose2d`` call per request.
 
 No batching, no queue, no kernels of ours: decode the .npy body, run PyTorch's module (cuDNN on a GPU), encode.
-It loads the same layer (config + weights) from the layer repository as the service, so the outputs match.
+It loads the same layers (config + weights) from the layer repository as the service, so the outputs match;
+``--layer`` takes a comma list, and a request picks one with ``?layer=NAME`` (the first without it).
 
-    python bench/naive_server.py --port 8001 [--layer demo] [--repository layers] [--device auto]
+    python bench/naive_server.py --port 8001 [--layer demo[,dcgan_up1]] [--repository layers] [--device auto]
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def build_module(repository: Path, layer: str, device: torch.device) -> nn.ConvT
 
 
 def create_app(repository: Path, layer: str, device: torch.device) -> FastAPI:
-    """One POST /deconv route and the health route the load generator waits for."""
-    module = build_module(repository, layer, device)
+    """One POST /deconv route for the layers of the comma list ``layer`` and the health route the load generator
+    waits for."""
+    names = [name.strip() for name in layer.split(",") if name.strip()]
+    modules = {name: build_module(repository, name, device) for name in names}
     app = FastAPI(title="naive deconv")
 
     @app.get("/health/ready")
     def ready() -> dict[str, str]:
         return {"status": "ready"}
 
-    def compute(body: bytes) -> tuple[bytes, int]:
+    def compute(module: nn.ConvTranspose2d, body: bytes) -> tuple[bytes, int]:
         x = np.load(io.BytesIO(body), allow_pickle=False)
         with torch.no_grad():
             y = module(torch.from_numpy(x).to(device)).cpu().numpy()
@@ -59,10 +62,12 @@ def create_app(repository: Path, layer: str, device: torch.device) -> FastAPI:
         return out.getvalue(), len(x)
 
     @app.post("/deconv")
-    async def deconv(request: Request, layer: str = layer) -> Response:
+    async def deconv(request: Request, layer: str = names[0]) -> Response:
         # The module runs in FastAPI's thread pool (as a sync endpoint would), one request per call.
+        if layer not in modules:
+            raise HTTPException(404, f"no layer {layer!r}")
         try:
-            content, n = await run_in_threadpool(compute, await request.body())
+            content, n = await run_in_threadpool(compute, modules[layer], await request.body())
         except ValueError as exc:
             raise HTTPException(400, "not a .npy body") from exc
         return Response(content, media_type="application/x-npy", headers={"X-Deconv-Batch-Size": str(n)})

@@ -1,9 +1,11 @@
-"""Load generator for the service: requests/s, p50/p99 latency and mean batch size, batching on vs off vs naive.
+"""Load generator for the service: requests/s, payload GB/s, p50/p99 latency, mean batch size and server CPU per
+request, batching on vs off vs naive, over the native route or the KServe v2 protocol.
 
 Scenarios (each server started here as a subprocess on 127.0.0.1, then stopped):
 
 - ``batching``: ``python -m service`` with the bundled layers and its default batching limits;
-- ``no-batching``: the same with ``DECONV_MAX_BATCH_SIZE=1`` (every kernel call holds one request);
+- ``no-batching``: the same with ``DECONV_MAX_BATCH_SIZE`` set to the samples of one request (``--batch``), so that
+  every kernel call holds exactly one request (a smaller limit would refuse multi-sample requests with 413);
   ``--http-processes N`` runs both as a multi-process server (N HTTP processes feeding one engine process);
 - ``naive``: ``bench/naive_server.py``, a FastAPI endpoint calling ``nn.ConvTranspose2d`` per request.
 
@@ -11,28 +13,50 @@ Each scenario runs a bounded number of requests from ``--clients`` concurrent cl
 connection each; ``--client raw``: a minimal asyncio protocol in a closed loop, ~20x cheaper per request) spread
 over ``--procs`` load-generator processes (one Python process with httpx tops out near 1000 requests/s, less than
 the server; they run uvloop's event loop when it is installed), after a warm-up, and checks one response against
-PyTorch in float64.
-``--url`` drives an already running server instead (scenario ``external``). ``--rounds N`` starts every server
+PyTorch in float64. ``--max-seconds`` stops sending after that long, whatever requests remain.
+``--url`` drives an already running server instead (scenario ``external``; ``--server-pid`` names its process, so
+that its CPU time is sampled too). ``--rounds N`` starts every server
 first and measures the scenarios N times in turn (batching, no-batching, batching, ...); the figures are the
 medians over the rounds, and the ratio of batching to batching off is given for each round too. Machines drift
 (the same server can lose or gain 20% within minutes), so compare only figures measured side by side.
 
     python bench/service_load.py --clients 64 --requests 5000 --out docs/benchmarks/service_load.json
 
+``--protocol`` (``--client raw`` only) picks what a request is:
+
+- ``npy`` (default): ``POST /deconv?layer=NAME`` with a .npy body, answered with .npy;
+- ``kserve``: ``POST /v2/models/NAME/infer`` with the KServe binary tensor extension (the JSON header, then the
+  input's raw bytes; ``Inference-Header-Content-Length``), the output asked for as binary;
+- ``shm``: KServe system shared memory: each client (connection) creates a POSIX shared-memory object of its own
+  (the SDK's ``deconv_client._shm.Region``) for the input and, after it, the output, registers it once, writes the
+  input once; each request is then a small KServe JSON request naming the region for both, and the answer carries
+  no tensor bytes. Regions are unregistered and unlinked at the end, also after an error, SIGINT or SIGTERM (and
+  a load process that died is swept after it by the process that started it).
+
+Every 200 answer's length is checked (a tensor's bytes, or none for ``shm``); one output is read and compared.
+Payload bytes per request are the input's and the output's tensor bytes; payload GB/s is requests/s times that.
 The mean batch size comes from the ``X-Deconv-Batch-Size`` response header (samples per kernel call).
-The JSON records the load generators' CPU time: when it approaches procs x wall time, the clients, not the
-server, are the limit.
+The JSON records the load generators' CPU time (when it approaches procs x wall time, the clients, not the
+server, are the limit) and the server's CPU time per process and per request in each kind of process
+(``server_cpu_ms_per_request``: ``http`` is the HTTP processes' CPU over all requests divided by the requests,
+``engine`` the engine process's, ``main`` that of ``python -m service`` itself: the supervisor of a multi-process
+server, or the whole of a single-process one; ``naive`` the naive server's). With ``shm`` the window of those
+samples also holds the registering and unregistering of the measured clients' regions (two small requests a
+client: noise only in runs of a few requests).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
+import math
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -41,19 +65,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
+from deconv_client import CodecError, LayerInfo, _shm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("batching", "no-batching", "naive")
+PROTOCOLS = ("npy", "kserve", "shm")
 
 
 def free_port() -> int:
@@ -62,8 +86,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def server_command(scenario: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``scenario``'s server on ``port``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if scenario == "naive":
         cmd = [sys.executable, str(ROOT / "bench" / "naive_server.py"), "--port", str(port), "--layer", args.layer,
@@ -74,11 +98,19 @@ def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tup
         env.update({"DECONV_LAYER_REPOSITORY": str(args.repository), "DECONV_DEVICES": args.devices,
                     "DECONV_LOG_LEVEL": "warning"})
         env["DECONV_HTTP_PROCESSES"] = str(args.http_processes)
-        if scenario == "no-batching":
-            env["DECONV_MAX_BATCH_SIZE"] = "1"
+        if scenario == "no-batching":  # one request a kernel call: the limit is a request's samples
+            env["DECONV_MAX_BATCH_SIZE"] = str(args.batch)
         elif args.max_queue_delay_ms is not None:
             env["DECONV_MAX_QUEUE_DELAY_MS"] = str(args.max_queue_delay_ms)
         env["DECONV_MAX_QUEUE_SIZE"] = str(max(256, 2 * args.clients))
+        if args.protocol == "shm":  # a region per client (the warm-up's are gone before the measured ones come)
+            env["DECONV_SYSTEM_SHM_MAX_REGIONS"] = str(max(64, 2 * args.clients))
+    return cmd, env
+
+
+def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd, env = server_command(scenario, args, port)
     log = open(log_path, "wb")  # noqa: SIM115  (the child keeps writing to it)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
@@ -141,26 +173,163 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(10)
 
 
-def make_payload(args: argparse.Namespace) -> tuple[bytes, np.ndarray]:
-    cfg = json.loads((args.repository / f"{args.layer}.json").read_text())
+def layer_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The layer's config from the repository."""
+    return json.loads((args.repository / f"{args.layer}.json").read_text())  # type: ignore[no-any-return]
+
+
+def make_input(args: argparse.Namespace) -> np.ndarray:
+    """The input every request sends: [--batch, C_in, --height, --width] of the layer's dtype, seeded."""
+    cfg = layer_config(args)
     if cfg["dtype"] not in ("float32", "float16", "float64"):
-        raise SystemExit(f"layer {args.layer} is {cfg['dtype']}; the load generator sends .npy (fp16/32/64)")
+        raise SystemExit(f"layer {args.layer} is {cfg['dtype']}; the load generator sends fp16/32/64")
     x = np.random.default_rng(0).standard_normal((args.batch, cfg["in_channels"], args.height, args.width))
-    x = x.astype(cfg["dtype"])
+    return x.astype(cfg["dtype"])
+
+
+def npy_body(x: np.ndarray) -> bytes:
+    """``x`` as a .npy body."""
     buf = io.BytesIO()
     np.save(buf, x, allow_pickle=False)
-    return buf.getvalue(), x
+    return buf.getvalue()
 
 
-def check_output(args: argparse.Namespace, x: np.ndarray, body: bytes) -> float:
-    """Norm-wise relative error of one response against PyTorch in float64."""
-    cfg = json.loads((args.repository / f"{args.layer}.json").read_text())
+def check_output(args: argparse.Namespace, x: np.ndarray, sample: bytes | np.ndarray) -> float:
+    """Norm-wise relative error of one output (an array, or a .npy body) against PyTorch in float64."""
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+
+    cfg = layer_config(args)
     t = load_file(str(args.repository / f"{args.layer}.safetensors"))
     bias = t["bias"].double() if cfg["bias"] else None
     ref = F.conv_transpose2d(torch.from_numpy(x).double(), t["weight"].double(), bias, cfg["stride"], cfg["padding"],
                              cfg["output_padding"], cfg["groups"], cfg["dilation"])
-    y = torch.from_numpy(np.load(io.BytesIO(body), allow_pickle=False).astype(np.float64))
+    y = sample if isinstance(sample, np.ndarray) else np.load(io.BytesIO(sample), allow_pickle=False)
+    y = torch.from_numpy(np.asarray(y, dtype=np.float64))
+    if y.shape != ref.shape:
+        raise RuntimeError(f"the output has shape {list(y.shape)}, PyTorch's {list(ref.shape)}")
     return float((y - ref).norm() / ref.norm())
+
+
+Decode = Callable[[int, bytes, bytes], Any]  # (client slot, lower-cased response head, body) -> the output
+
+
+@dataclass
+class Wire:
+    """What ``--client raw`` sends for one protocol, and how it checks an answer.
+
+    ``bodies`` holds one request body, or one a client slot (``shm``: each client names its own region);
+    a 200 answer's body length must lie within ``answer_bytes``; ``decode`` reads one answer's output.
+    """
+
+    protocol: str
+    path: str
+    content_type: str
+    headers: dict[str, str]
+    bodies: list[bytes]
+    in_bytes: int
+    out_bytes: int
+    answer_bytes: tuple[int, float]
+    decode: Decode
+
+
+MAX_HEAD = 2**16  # bytes of an answer beyond its tensor's: a .npy header, KServe's JSON
+
+
+def output_shape(args: argparse.Namespace, x: np.ndarray) -> tuple[int, ...]:
+    """The layer's output shape for ``x``."""
+    return _shm.output_shape(LayerInfo.from_json(layer_config(args)), tuple(x.shape))
+
+
+def npy_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
+    """``POST /deconv`` with a .npy body."""
+    out_bytes = math.prod(output_shape(args, x)) * x.itemsize
+
+    def decode(_slot: int, _head: bytes, body: bytes) -> np.ndarray:
+        return np.load(io.BytesIO(body), allow_pickle=False)  # type: ignore[no-any-return]
+
+    return Wire("npy", f"/deconv?layer={args.layer}", "application/x-npy", {}, [npy_body(x)], x.nbytes, out_bytes,
+                (out_bytes, out_bytes + MAX_HEAD), decode)
+
+
+def kserve_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
+    """``POST /v2/models/{layer}/infer`` with the binary tensor extension, the output asked for as binary."""
+    t = _shm.prepare(x)
+    shape = output_shape(args, x)
+    out_bytes = math.prod(shape) * x.itemsize
+    head = json.dumps({"inputs": [{"name": "input", "shape": list(t.shape), "datatype": t.datatype,
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
+
+    def decode(_slot: int, response_head: bytes, body: bytes) -> np.ndarray:
+        n = int(header(response_head, b"inference-header-content-length") or b"-1")
+        out = json.loads(body[:n])["outputs"][0]
+        if out["parameters"]["binary_data_size"] != len(body) - n or tuple(out["shape"]) != shape:
+            raise ValueError(f"the answer's output does not fit: {out}")
+        return np.frombuffer(body[n:], dtype=x.dtype).reshape(shape)
+
+    return Wire("kserve", f"/v2/models/{args.layer}/infer", "application/octet-stream",
+                {"inference-header-content-length": str(len(head))}, [head + t.raw.tobytes()], x.nbytes, out_bytes,
+                (out_bytes, out_bytes + MAX_HEAD), decode)
+
+
+@contextlib.contextmanager
+def shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) -> Iterator[Wire]:
+    """KServe system shared memory: a region for each of ``clients`` clients, registered with the server at
+    ``url`` and holding the input, for as long as the context lasts; then unregistered and unlinked."""
+    t = _shm.prepare(x)
+    shape = output_shape(args, x)
+    size = _shm.region_bytes(t, shape, x.itemsize)
+    free = shutil.disk_usage("/dev/shm").free
+    if clients * size > free:
+        raise SystemExit(f"{clients} regions of {size} bytes do not fit the {free} bytes free in /dev/shm")
+    regions: list[_shm.Region] = []
+    try:
+        with httpx.Client(base_url=url, timeout=min(args.timeout, 30.0)) as http:
+            for _ in range(clients):
+                region = _shm.Region(size)
+                regions.append(region)
+                region.shm.buf[:x.nbytes] = t.raw
+                http.post(_shm.register_path(region), json=region.register_body()).raise_for_status()
+                region.registered = True
+
+        def decode(slot: int, _head: bytes, body: bytes) -> Any:
+            return _shm.read_output(t, regions[slot], json.loads(body))
+
+        bodies = [json.dumps(_shm.infer_request(t, r, shape, x.itemsize)).encode() for r in regions]
+        yield Wire("shm", f"/v2/models/{args.layer}/infer", "application/json", {}, bodies, x.nbytes,
+                   math.prod(shape) * x.itemsize, (1, MAX_HEAD), decode)
+    finally:
+        unregister(url, [r.name for r in regions if r.registered])
+        for region in regions:
+            region.destroy()
+
+
+def unregister(url: str, names: list[str]) -> None:
+    """Unregister these regions from the server at ``url`` (bounded: a few seconds each at most)."""
+    if not names:
+        return
+    with httpx.Client(base_url=url, timeout=5.0) as http:
+        for name in names:
+            with contextlib.suppress(httpx.HTTPError):
+                http.post(f"/v2/systemsharedmemory/region/{quote(name, safe='')}/unregister")
+
+
+def sweep_regions(url: str, pids: list[int]) -> list[str]:
+    """Unregister and unlink what processes ``pids`` (load workers that may have died) left of their regions
+    (the SDK names its objects ``deconv-client-<pid>-...``); the names swept."""
+    prefixes = tuple(f"deconv-client-{pid}-" for pid in pids)
+    try:
+        status = httpx.get(f"{url}/v2/systemsharedmemory/status", timeout=5.0).json()
+        names = [r["name"] for r in status if r["name"].startswith(prefixes)]
+    except (httpx.HTTPError, ValueError, TypeError, KeyError):
+        names = []
+    unregister(url, names)
+    left = [p for p in Path("/dev/shm").glob("deconv-client-*") if p.name.startswith(prefixes)]
+    for path in left:
+        path.unlink(missing_ok=True)
+    return sorted({*names, *(p.name for p in left)})
 
 
 class RawClient(asyncio.Protocol):
@@ -174,8 +343,9 @@ class RawClient(asyncio.Protocol):
     "The load generator in a closed loop").
     """
 
-    def __init__(self, load: RawLoad) -> None:
+    def __init__(self, load: RawLoad, slot: int = 0) -> None:
         self.load = load
+        self.slot = slot  # which client this connection serves (its request body; shm: its region)
         self.transport: asyncio.Transport | None = None
         self.sent_at = 0.0  # perf_counter() when the request in flight left; 0.0: none in flight
         self.finished = False  # no more requests for this client
@@ -204,10 +374,10 @@ class RawClient(asyncio.Protocol):
                 self._head, self._need = head, int(length)
             if len(buf) < self._need:
                 return
-            head, body = self._head, bytes(buf[:self._need]) if self.load.want_sample else b""
+            head, body, length = self._head, bytes(buf[:self._need]) if self.load.want_sample else b"", self._need
             del buf[:self._need]
             self._head = None
-            self.load.answered(self, head, body)
+            self.load.answered(self, head, body, length)
             if not buf or self.transport is None:
                 return
 
@@ -238,13 +408,29 @@ def header(head: bytes, name: bytes) -> bytes | None:
 class RawLoad:
     """``count`` requests from ``clients`` ``RawClient`` connections; every failure is counted under its exception's
     name (a timeout, a refused or lost connection, a malformed response) and the client goes on with a new
-    connection, as long as requests remain."""
+    connection, as long as requests remain (and, with ``max_seconds``, until that long after ``run`` began).
 
-    def __init__(self, url: str, path: str, payload: bytes, content_type: str, count: int, timeout: float) -> None:
+    ``wire`` (a protocol's requests, one body a client slot or one for all) replaces ``path``, ``payload`` and
+    ``content_type``; a 200 answer whose length lies outside its ``answer_bytes`` counts as ``wrong_size``, and
+    ``sample`` is the first 200 answer's output as its ``decode`` reads it (the body itself without a wire).
+    """
+
+    def __init__(self, url: str, path: str, payload: bytes, content_type: str, count: int, timeout: float,
+                 wire: Wire | None = None, max_seconds: float | None = None) -> None:
         u = httpx.URL(url)
         self.host, self.port, self.timeout = u.host, u.port or 80, timeout
-        self.request = (f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n"
-                        f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+        extra = ""
+        if wire is not None:
+            path, content_type, bodies = wire.path, wire.content_type, wire.bodies
+            extra = "".join(f"{k}: {v}\r\n" for k, v in wire.headers.items())
+        else:
+            bodies = [payload]
+        self.requests = [(f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n{extra}"
+                          f"content-length: {len(body)}\r\n\r\n").encode() + body for body in bodies]
+        self.answer_bytes = wire.answer_bytes if wire is not None else (0, math.inf)
+        self.decode = wire.decode if wire is not None else None
+        self.max_seconds = max_seconds
+        self.stop_at = math.inf  # perf_counter() after which no request leaves (set by run)
         self.remaining = count
         self.latencies: list[float] = []
         self.batch_sizes: list[int] = []
@@ -262,8 +448,10 @@ class RawLoad:
         loop = asyncio.get_running_loop()
         self._finished = loop.create_future()
         self._running = clients
-        for _ in range(clients):
-            self._connect(loop)
+        if self.max_seconds is not None:
+            self.stop_at = time.perf_counter() + self.max_seconds
+        for slot in range(clients):
+            self._connect(loop, slot)
         self._watchdog = loop.call_later(min(1.0, self.timeout / 4), self._watch, loop)
         try:
             await self._finished
@@ -273,8 +461,8 @@ class RawLoad:
                 client.close()
 
     def send_next(self, client: RawClient) -> None:
-        """Send ``client``'s next request, or finish it when none remain."""
-        if self.remaining <= 0:
+        """Send ``client``'s next request, or finish it when none remain (or time is up)."""
+        if self.remaining <= 0 or time.perf_counter() >= self.stop_at:
             self._finish(client)
             return
         self.remaining -= 1
@@ -284,23 +472,30 @@ class RawLoad:
         """Send a request (already counted off ``remaining``) on ``client``'s connection."""
         assert client.transport is not None
         client.sent_at = time.perf_counter()
-        client.transport.write(self.request)
+        client.transport.write(self.requests[client.slot % len(self.requests)])
 
-    def answered(self, client: RawClient, head: bytes, body: bytes) -> None:
-        """A complete response to ``client``'s request."""
+    def answered(self, client: RawClient, head: bytes, body: bytes, length: int) -> None:
+        """A complete response to ``client``'s request, of ``length`` body bytes (``body``: them, while a sample
+        is wanted)."""
         if not client.sent_at:  # nothing was asked on this connection
             client.fail(ValueError("a response without a request"))
             return
         dt = time.perf_counter() - client.sent_at
         client.sent_at = 0.0
         status = head[9:12].decode("latin-1")
+        if status == "200" and not self.answer_bytes[0] <= length <= self.answer_bytes[1]:
+            status = "wrong_size"
+        if status == "200" and self.want_sample:
+            try:
+                self.sample = body if self.decode is None else self.decode(client.slot, head, body)
+                self.want_sample = False
+            except (ValueError, KeyError, IndexError, TypeError, CodecError) as exc:
+                status = f"bad_answer {type(exc).__name__}"
         self.statuses[status] += 1
         if status == "200":
             self.latencies.append(dt)
             batch = header(head, b"x-deconv-batch-size")
             self.batch_sizes.append(int(batch) if batch else 1)
-            if self.want_sample:
-                self.sample, self.want_sample = body, False
         if header(head, b"connection") == b"close":
             client.close()  # the next request goes out on a new connection (lost())
         else:
@@ -318,7 +513,7 @@ class RawLoad:
         self.clients.discard(client)
         if not client.finished:
             client.finished = True  # this connection's client lives on in the new one
-            self._connect(asyncio.get_running_loop())
+            self._connect(asyncio.get_running_loop(), client.slot)
 
     def _finish(self, client: RawClient) -> None:
         if not client.finished:
@@ -331,23 +526,24 @@ class RawLoad:
         if self._running == 0 and self._finished is not None and not self._finished.done():
             self._finished.set_result(None)
 
-    def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Open a connection for a client's next request (counted off ``remaining`` now), or finish the client."""
-        if self.remaining <= 0:
+    def _connect(self, loop: asyncio.AbstractEventLoop, slot: int) -> None:
+        """Open a connection for client ``slot``'s next request (counted off ``remaining`` now), or finish the
+        client."""
+        if self.remaining <= 0 or time.perf_counter() >= self.stop_at:
             self._client_done()
             return
         self.remaining -= 1
-        task = loop.create_task(self._open(loop))
+        task = loop.create_task(self._open(loop, slot))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _open(self, loop: asyncio.AbstractEventLoop, slot: int) -> None:
         try:
             _, client = await asyncio.wait_for(
-                loop.create_connection(lambda: RawClient(self), self.host, self.port), self.timeout)
+                loop.create_connection(lambda: RawClient(self, slot), self.host, self.port), self.timeout)
         except (OSError, asyncio.TimeoutError) as exc:  # the request it was for fails; the client tries again
             self.statuses[type(exc).__name__] += 1
-            self._connect(loop)
+            self._connect(loop, slot)
             return
         if not client.finished:
             self.clients.add(client)
@@ -370,20 +566,31 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def drive(url: str, args: argparse.Namespace, payload: bytes, count: int) -> dict[str, Any]:
-    """Send ``count`` requests from ``args.clients`` concurrent clients; collect latencies and batch sizes."""
-    path = f"/deconv?layer={args.layer}"
-    content_type = "application/x-npy"
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
-    if args.client == "raw":
-        load = RawLoad(url, path, payload, content_type, count, args.timeout)
-        await load.run(args.clients)
-        latencies, batch_sizes, statuses, sample = load.latencies, load.batch_sizes, load.statuses, load.sample
-    else:
-        latencies, batch_sizes, statuses, sample = await drive_httpx(url, args, path, payload, content_type, count)
-    wall = time.perf_counter() - t0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+def make_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
+    """The requests of ``args.protocol`` (``npy`` or ``kserve``; ``shm`` needs the server: ``shm_wire``)."""
+    return kserve_wire(args, x) if args.protocol == "kserve" else npy_wire(args, x)
+
+
+async def drive(url: str, args: argparse.Namespace, x: np.ndarray, count: int,
+                start_at: float = 0.0) -> dict[str, Any]:
+    """Send ``count`` requests of input ``x`` from ``args.clients`` concurrent clients, from wall-clock time
+    ``start_at`` on (once ``shm``'s regions are registered); collect latencies, batch sizes and one output."""
+    with contextlib.ExitStack() as stack:
+        wire = (stack.enter_context(shm_wire(url, args, x, args.clients)) if args.protocol == "shm"
+                else make_wire(args, x))
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        if args.client == "raw":
+            load = RawLoad(url, wire.path, b"", wire.content_type, count, args.timeout, wire=wire,
+                           max_seconds=args.max_seconds)
+            await load.run(args.clients)
+            latencies, batch_sizes, statuses, sample = load.latencies, load.batch_sizes, load.statuses, load.sample
+        else:
+            latencies, batch_sizes, statuses, sample = await drive_httpx(url, args, wire.path, wire.bodies[0],
+                                                                         wire.content_type, count)
+        wall = time.perf_counter() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "latencies_ms": [v * 1e3 for v in latencies],
         "batch_sizes": batch_sizes,
@@ -429,6 +636,8 @@ async def drive_httpx(url: str, args: argparse.Namespace, path: str, payload: by
 
 
 def summarize(count: int, parts: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """The figures of ``parts`` (the load processes' results) over ``wall`` seconds; ``requests`` counts those
+    made (each answered or failed: ``count``, unless ``--max-seconds`` ended the run first)."""
     lat = np.array([v for p in parts for v in p["latencies_ms"]])
     batch_sizes = [b for p in parts for b in p["batch_sizes"]]
     statuses: dict[str, int] = {}
@@ -436,7 +645,8 @@ def summarize(count: int, parts: list[dict[str, Any]], wall: float) -> dict[str,
         for k, v in p["statuses"].items():
             statuses[k] = statuses.get(k, 0) + v
     return {
-        "requests": count,
+        "requests": sum(statuses.values()),
+        "requests_asked": count,
         "ok": len(lat),
         "statuses": statuses,
         "wall_s": wall,
@@ -458,7 +668,7 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     uvloop's event loop was seen to deliver only the first 64 KiB of what it printed to its standard output).
     """
     procs = max(1, min(args.procs, args.clients))
-    start_at = time.time() + 3.0 + 0.5 * procs
+    start_at = time.time() + 1.0 + 0.25 * procs  # the workers import neither torch nor the service
     parts = []
     with tempfile.TemporaryDirectory(prefix="deconv-load-") as tmp:
         files = [Path(tmp) / f"{i}.json" for i in range(procs)]
@@ -469,7 +679,10 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
             cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
                    "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
                    "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
-                   "--client", args.client, "--start-at", repr(start_at), "--result-file", str(files[i])]
+                   "--client", args.client, "--protocol", args.protocol, "--start-at", repr(start_at),
+                   "--result-file", str(files[i])]
+            if args.max_seconds is not None:
+                cmd += ["--max-seconds", str(args.max_seconds)]
             children.append(subprocess.Popen(cmd))
         try:
             for child, path in zip(children, files, strict=True):
@@ -477,28 +690,60 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
                     raise RuntimeError(f"load worker failed with exit code {child.returncode}")
                 parts.append(json.loads(path.read_text()))
         finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
+            stop_workers(children)
+            if args.protocol == "shm":
+                swept = sweep_regions(url, [child.pid for child in children])
+                if swept:
+                    print(f"swept {len(swept)} shared-memory region(s) the load processes left", flush=True)
     wall = max(p["end"] for p in parts) - start_at
     return summarize(count, parts, wall)
 
 
+def stop_workers(children: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to the load processes still running (they unregister and unlink their regions), SIGKILL to those
+    not gone 10 s later."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(10)
+
+
+def sigterm_as_sigint() -> None:
+    """Take SIGTERM like SIGINT (KeyboardInterrupt, or asyncio's cancellation of the main task), so that a
+    terminated run cleans up like an interrupted one: servers stopped, regions unregistered and unlinked. SIGINT
+    gets Python's own handler back, also where the shell that started this process ignores it (a background job)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+
+
 def worker_main(args: argparse.Namespace) -> None:
-    payload, _ = make_payload(args)
-    time.sleep(max(0.0, args.start_at - time.time()))
+    sigterm_as_sigint()
+    x = make_input(args)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        result = runner.run(drive(args.url, args, payload, args.requests))
+        result = runner.run(drive(args.url, args, x, args.requests, start_at=args.start_at))
     result["end"] = time.time()
     result.pop("_sample")
     Path(args.result_file).write_text(json.dumps(result))
 
 
 def device_name(devices: str) -> str:
+    import torch
+
     if devices != "cpu" and torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         return f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
     return f"CPU: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 TIMINGS = ("deconv_queue_time_seconds", "deconv_batch_seconds", "deconv_request_latency_seconds")
@@ -538,10 +783,11 @@ class Target:
     url: str
     proc: subprocess.Popen[bytes] | None
     limits: dict[str, Any] | None
-    sample: bytes
+    sample: bytes | np.ndarray
+    pid: int | None = None  # the server's process, whose tree's CPU time is sampled (None: not sampled)
 
 
-def start_scenario(name: str, args: argparse.Namespace, payload: bytes, workdir: Path) -> Target:
+def start_scenario(name: str, args: argparse.Namespace, x: np.ndarray, workdir: Path) -> Target:
     """Start the scenario's server (none for ``external``), wait until it is ready and warm it up."""
     proc = None
     log_path = workdir / f"{name}.log"
@@ -553,27 +799,28 @@ def start_scenario(name: str, args: argparse.Namespace, payload: bytes, workdir:
         wait_ready(url, proc, args.startup_timeout, log_path if proc else None,
                    args.http_processes if name in ("batching", "no-batching") else 0)  # naive: no /metrics
         limits = None
-        if name != "naive":  # the batching limits the server applied to the layer (defaults included)
-            info = httpx.get(f"{url}/v1/layers/{args.layer}", timeout=5).json()
+        r = httpx.get(f"{url}/v1/layers/{args.layer}", timeout=5) if name != "naive" else None
+        if r is not None and r.status_code == 200:  # the batching limits the server applied (defaults included)
+            info = r.json()
             limits = {k: info[k] for k in ("max_batch_size", "max_batch_bytes", "max_queue_delay_ms",
                                           "max_queue_size")}
-        sample = asyncio.run(drive(url, args, payload, max(args.warmup, 1)))["_sample"]
+        sample = asyncio.run(drive(url, args, x, max(args.warmup, 1)))["_sample"]
     except BaseException:
         if proc is not None:
             stop_server(proc)
         raise
-    return Target(name, url, proc, limits, sample)
+    return Target(name, url, proc, limits, sample, proc.pid if proc is not None else args.server_pid)
 
 
 def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     """One round: ``args.requests`` requests, with the server's own timings and CPU time over them."""
-    proc, url = target.proc, target.url
+    pid, url = target.pid, target.url
     timings = server_timings(url, args.layer) if target.name != "naive" else {}
-    before = process_tree_cpu(proc.pid) if proc is not None else {}
-    before_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+    before = process_tree_cpu(pid) if pid is not None else {}
+    before_main = process_tree_cpu(pid, main_thread=True) if pid is not None else {}
     result = drive_processes(url, args, args.requests)
-    after = process_tree_cpu(proc.pid) if proc is not None else {}
-    after_main = process_tree_cpu(proc.pid, main_thread=True) if proc is not None else {}
+    after = process_tree_cpu(pid) if pid is not None else {}
+    after_main = process_tree_cpu(pid, main_thread=True) if pid is not None else {}
     # Where a request's time went on the server: queue, batch (start to outputs), receipt to response.
     result["server_timings"] = timing_breakdown(timings, server_timings(url, args.layer)) if timings else None
     # Server CPU seconds during the measured requests, per process (supervisor, engine, HTTP processes), and
@@ -581,7 +828,26 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     result["server_cpu_s"] = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
     result["server_main_thread_cpu_s"] = {k: round(after_main[k] - before_main.get(k, 0.0), 2)
                                           for k in after_main}
+    result["server_cpu_ms_per_request"] = cpu_per_request(
+        {k: after[k] - before.get(k, 0.0) for k in after}, result["ok"])
     return result
+
+
+ROLES = {"service.http.frontend": "http", "service.engine.process": "engine", "service": "main",
+         "naive_server": "naive"}
+
+
+def cpu_per_request(cpu_s: dict[str, float], requests: int) -> dict[str, float] | None:
+    """Server CPU milliseconds per request in each kind of process (``ROLES``), from CPU seconds keyed as
+    ``process_tree_cpu`` keys them: the sum over a kind's processes divided by ``requests``, so that ``http`` is
+    what a request costs in the HTTP process that served it. None without requests or samples."""
+    if not requests or not cpu_s:
+        return None
+    out: dict[str, float] = {}
+    for key, seconds in cpu_s.items():
+        role = ROLES.get(key.partition(" ")[2], "main")
+        out[role] = out.get(role, 0.0) + seconds
+    return {role: round(1e3 * seconds / requests, 4) for role, seconds in sorted(out.items())}
 
 
 ROUND_MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "mean_ms", "mean_batch_size")
@@ -600,12 +866,17 @@ def finish(target: Target, args: argparse.Namespace, x: np.ndarray, rounds: list
             result[key] = statistics.median(values) if values else None
         result["rounds"] = rounds
     result["layer_limits"] = target.limits
-    result["max_rel_err_vs_fp64"] = check_output(args, x, target.sample) if target.sample else None
+    result["max_rel_err_vs_fp64"] = (check_output(args, x, target.sample)
+                                     if isinstance(target.sample, np.ndarray) or target.sample else None)
     result["scenario"] = target.name
+    result["protocol"] = args.protocol
+    out_bytes = math.prod(output_shape(args, x)) * x.itemsize
+    result["payload_bytes"] = {"input": x.nbytes, "output": out_bytes, "request": x.nbytes + out_bytes}
+    result["payload_gb_per_s"] = result["requests_per_s"] * (x.nbytes + out_bytes) / 1e9
     return result
 
 
-def run_scenarios(scenarios: list[str], args: argparse.Namespace, payload: bytes, x: np.ndarray,
+def run_scenarios(scenarios: list[str], args: argparse.Namespace, x: np.ndarray,
                   workdir: Path) -> list[dict[str, Any]]:
     """Every scenario's result. One round: each server in turn, started and stopped. Several (``--rounds``):
     every server is started first and the rounds interleave the scenarios (batching, no-batching, ..., batching,
@@ -614,7 +885,7 @@ def run_scenarios(scenarios: list[str], args: argparse.Namespace, payload: bytes
         results = []
         for name in scenarios:
             print(f"== {name}: {args.requests} requests from {args.clients} clients", flush=True)
-            target = start_scenario(name, args, payload, workdir)
+            target = start_scenario(name, args, x, workdir)
             try:
                 results.append(finish(target, args, x, [measure(target, args)]))
             finally:
@@ -625,7 +896,7 @@ def run_scenarios(scenarios: list[str], args: argparse.Namespace, payload: bytes
     try:
         for name in scenarios:
             print(f"== starting {name}", flush=True)
-            targets.append(start_scenario(name, args, payload, workdir))
+            targets.append(start_scenario(name, args, x, workdir))
         rounds: dict[str, list[dict[str, Any]]] = {t.name: [] for t in targets}
         for i in range(args.rounds):
             for target in targets:
@@ -654,8 +925,9 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    head = (f"{'scenario':<12} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} {'ok':>7} {'errors':>7} "
-            f"{'srv us/req':>10} {'busiest loop':>12} {'queue/batch/server ms':>22}")
+    head = (f"{'scenario':<12} {'proto':<6} {'req/s':>9} {'GB/s':>7} {'p50 ms':>9} {'p99 ms':>9} {'batch':>7} "
+            f"{'ok':>7} {'errors':>7} {'srv us/req':>10} {'http/engine ms/req':>18} {'busiest loop':>12} "
+            f"{'queue/batch/server ms':>22}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -670,9 +942,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
         busiest = 100 * max(loops.values()) / r["wall_s"] if loops else None  # % of one core, busiest event loop
         t = r.get("server_timings") or {}
         split = "/".join(fmt(t.get(k), ".2f") for k in ("queue_ms", "batch_ms", "server_latency_ms"))
-        print(f"{r['scenario']:<12} {r['requests_per_s']:>9.1f} {fmt(r['p50_ms'], '>9.2f')} "
+        roles = r.get("server_cpu_ms_per_request") or {}
+        by_role = "/".join(fmt(roles.get(k), ".3f") for k in ("http", "engine")) if "http" in roles else (
+            fmt(roles.get("main", roles.get("naive")), ".3f"))  # one process: all of it
+        print(f"{r['scenario']:<12} {r.get('protocol', 'npy'):<6} {r['requests_per_s']:>9.1f} "
+              f"{fmt(r.get('payload_gb_per_s'), '>7.3f')} {fmt(r['p50_ms'], '>9.2f')} "
               f"{fmt(r['p99_ms'], '>9.2f')} {fmt(r['mean_batch_size'], '>7.2f')} {r['ok']:>7} {errors:>7} "
-              f"{fmt(per_req, '>10.0f')} {f'{busiest:.0f}%' if busiest is not None else '-':>12} {split:>22}")
+              f"{fmt(per_req, '>10.0f')} {by_role:>18} {f'{busiest:.0f}%' if busiest is not None else '-':>12} "
+              f"{split:>22}")
 
 
 def main() -> None:
@@ -702,6 +979,14 @@ def main() -> None:
     p.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                    help="load-generator HTTP client: httpx (default), or a minimal asyncio protocol (~20x less client "
                         "CPU per request; use it when client_cpu_s approaches procs x wall_s)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="npy",
+                   help="with --client raw: npy (POST /deconv, .npy), kserve (KServe v2 binary tensor extension) or "
+                        "shm (KServe system shared memory, a region per client; the server must run on this host)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop sending after this many seconds of a measured run (or warm-up), requests left or not")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="with --url: the server's process (python -m service, or the naive server), whose CPU time "
+                        "and its children's is sampled")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -711,15 +996,20 @@ def main() -> None:
         return
     if args.clients < 1 or args.requests < 1 or args.rounds < 1:
         raise SystemExit("--clients, --requests and --rounds must be positive")
+    if args.protocol != "npy" and args.client != "raw":
+        raise SystemExit(f"--protocol {args.protocol} needs --client raw")
+    sigterm_as_sigint()
     scenarios = ["external"] if args.url else [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(scenarios) - {*SCENARIOS, "external"}
     if unknown:
         raise SystemExit(f"unknown scenario(s): {sorted(unknown)}")
 
-    payload, x = make_payload(args)
+    x = make_input(args)
+    if args.protocol != "npy" and "naive" in scenarios:
+        raise SystemExit("the naive server speaks .npy only (--protocol npy)")
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"deconv-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
-    results = run_scenarios(scenarios, args, payload, x, workdir)
+    results = run_scenarios(scenarios, args, x, workdir)
     print()
     print_table(results)
     ratio = ratios(results)
@@ -731,7 +1021,7 @@ def main() -> None:
         report = {
             "benchmark": "service_load",
             "device": device_name(args.devices),
-            "torch": torch.__version__,
+            "torch": torch_version(),
             "python": platform.python_version(),
             "host_cpus": os.cpu_count(),
             "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -740,6 +1030,7 @@ def main() -> None:
                        "warmup": args.warmup, "devices": args.devices, "load_processes": args.procs,
                        "http_processes": args.http_processes,
                        "client": args.client, "client_loop": "uvloop" if event_loop_factory() else "asyncio",
+                       "protocol": args.protocol, "max_seconds": args.max_seconds,
                        "rounds": args.rounds,
                        "max_queue_delay_ms": args.max_queue_delay_ms,
                        # settings the started servers inherit from this environment (the API key left out)
