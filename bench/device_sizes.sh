@@ -23,13 +23,14 @@
 # A dry run on a CPU machine, from the repository with its venv:
 #   DEVICE_ENV=0 PYTHON=.venv/bin/python DEVICES=cpu HTTP_PROCS=2 LOAD_PROCS=2 SIZES="64KiB 1MiB" REQUESTS=40 \
 #     MAX_SECONDS=2 OUT=/tmp/sizes bash bench/device_sizes.sh
-# Needs the wheels of ../shared/device/fetch-wheels in .whl (carried) on the GPU machine. $OUT gets the servers'
-# logs, every run's log, all results in one JSON (sizes.json) and the table (sizes.txt), which comes last.
+# Needs the wheels of ../shared/device/fetch-wheels in .whl (carried) on the GPU machine. $OUT gets all results in
+# one JSON (sizes.json), the table (sizes.txt), which comes last, and the servers' and runs' logs (logs.tar.gz).
 set -uo pipefail
 if [ "${DEVICE_ENV:-1}" = 1 ]; then
   source bench/device_env.sh
 else
   OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+  logs=$OUT/logs; mkdir -p "$logs"  # packed into one file at the end: the lent machine returns few files
 fi
 PY=${PYTHON:-python3}
 DEVICES=${DEVICES:-auto}
@@ -67,14 +68,14 @@ declare -A port=([on]=18401 [off]=18402 [naive]=18403) pid=()
 common=(DECONV_HTTP_PROCESSES="$HTTP_PROCS" DECONV_DEVICES="$DEVICES" DECONV_LOG_LEVEL=warning
         DECONV_MAX_QUEUE_SIZE=256 DECONV_SYSTEM_SHM_MAX_REGIONS=256)
 env "${common[@]}" DECONV_LAYER_REPOSITORY="$work/on" "$PY" -m service --host 127.0.0.1 --port "${port[on]}" \
-  > "$OUT/server-on.log" 2>&1 &
+  > "$logs/server-on.log" 2>&1 &
 pid[on]=$!
 env "${common[@]}" DECONV_LAYER_REPOSITORY="$work/off" "$PY" -m service --host 127.0.0.1 --port "${port[off]}" \
-  > "$OUT/server-off.log" 2>&1 &
+  > "$logs/server-off.log" 2>&1 &
 pid[off]=$!
 naive_device=auto; [ "$DEVICES" = cpu ] && naive_device=cpu
 "$PY" bench/naive_server.py --port "${port[naive]}" --layer "$layers" --repository "$work/on" \
-  --device "$naive_device" > "$OUT/server-naive.log" 2>&1 &
+  --device "$naive_device" > "$logs/server-naive.log" 2>&1 &
 pid[naive]=$!
 stop_servers() {
   kill -TERM "${pid[@]}" 2> /dev/null
@@ -88,7 +89,7 @@ for key in on off naive; do  # ready, and (the service) every HTTP process servi
       n=$(curl -s "http://127.0.0.1:${port[$key]}/metrics" | awk '/^deconv_http_processes /{print int($2)}')
       [ "${n:-0}" -ge "$HTTP_PROCS" ] && break
     fi
-    kill -0 "${pid[$key]}" 2> /dev/null || { echo "server $key exited"; tail -20 "$OUT/server-$key.log"; exit 1; }
+    kill -0 "${pid[$key]}" 2> /dev/null || { echo "server $key exited"; tail -20 "$logs/server-$key.log"; exit 1; }
     sleep 0.2
   done
 done
@@ -106,7 +107,7 @@ for size in $SIZES; do
       --height "$height" --width "$width" --client raw --protocol "$proto" --procs "${LOAD_PROCS:-4}" \
       --clients "$clients" --requests "${REQUESTS:-$requests}" --warmup "$((2 * clients))" \
       --max-seconds "${MAX_SECONDS:-3}" --timeout 30 --out "$work/runs/$size-$c.json" \
-      > "$OUT/run-$size-$c.log" 2>&1 || { echo "$size $c failed:"; tail -3 "$OUT/run-$size-$c.log"; }
+      > "$logs/run-$size-$c.log" 2>&1 || { echo "$size $c failed:"; tail -3 "$logs/run-$size-$c.log"; }
   done
   echo "$size: $SECONDS s"
 done
@@ -114,6 +115,7 @@ stop_servers; trap - EXIT
 leftover=$(ls /dev/shm | grep -c '^deconv-client-')
 [ "$leftover" = 0 ] || echo "left in /dev/shm: $leftover deconv-client-* objects"
 
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$logs"
 "$PY" - "$work/runs" "$OUT" "$SIZES" "${CASES:-on-npy on-kserve on-shm off-npy naive}" <<'PY' | tee "$OUT/sizes.txt"
 import json, os, sys
 runs, out, sizes, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
