@@ -8,7 +8,8 @@ service's request path) or a torch tensor (``decode``, ``torch.frombuffer``). He
 writable buffer (``bytearray``) to share it; a read-only one (``bytes``) is shared too, and the tensor must then be
 treated as read-only.
 
-Encoding writes a small header followed by the tensor's bytes (one copy, into the response body).
+Encoding gives a small header and a view of the tensor's bytes (``encode_parts``), which a response writes to the
+socket as they are; ``encode`` joins them (one copy of the tensor).
 bfloat16 travels only as safetensors: .npy has no bf16 dtype.
 """
 
@@ -228,11 +229,16 @@ def decode_npy_raw(body: BufferLike, max_bytes: int | None = None) -> AnyTensor:
 
 def encode_npy(t: AnyTensor) -> bytes:
     """``t`` as a ``.npy`` file (C order, little-endian, ``wire.npy_header``). float16/32/64 only."""
+    return b"".join(npy_parts(t))
+
+
+def npy_parts(t: AnyTensor) -> tuple[bytes, memoryview]:
+    """``encode_npy(t)`` as its header and a view of ``t``'s bytes, not joined (a response writes them as they are)."""
     descr = _NPY_DESCR.get(t.dtype)
     if descr is None:
         raise UnsupportedMediaTypeError(f"{DTYPE_NAMES.get(t.dtype, t.dtype)} cannot be written as .npy; "
                                         f"accept {SAFETENSORS} instead")
-    return b"".join((npy_header(descr, t.shape), bytes_of(t)))
+    return npy_header(descr, t.shape), bytes_of(t)
 
 
 # --- safetensors ----------------------------------------------------------------------------------------------
@@ -265,8 +271,13 @@ def decode_safetensors_raw(body: BufferLike, max_bytes: int | None = None) -> Ra
 
 def encode_safetensors(t: AnyTensor, name: str = "output") -> bytes:
     """``t`` as a safetensors file holding one tensor called ``name`` (``wire.safetensors_header``)."""
+    return b"".join(safetensors_parts(t, name))
+
+
+def safetensors_parts(t: AnyTensor, name: str = "output") -> tuple[bytes, memoryview]:
+    """``encode_safetensors(t, name)`` as its header and a view of ``t``'s bytes, not joined."""
     data = bytes_of(t)
-    return b"".join((safetensors_header(name, _ST_NAMES[t.dtype], t.shape, data.nbytes), data))
+    return safetensors_header(name, _ST_NAMES[t.dtype], t.shape, data.nbytes), data
 
 
 # --- dispatch by media type -----------------------------------------------------------------------------------
@@ -333,4 +344,10 @@ def decode_raw(body: BufferLike, media_type: str, max_bytes: int | None = None) 
 
 def encode(t: AnyTensor, media_type: str) -> bytes:
     """Encode ``t`` in ``media_type`` (one of ``MEDIA_TYPES``)."""
-    return encode_npy(t) if media_type == NPY else encode_safetensors(t)
+    return b"".join(encode_parts(t, media_type))
+
+
+def encode_parts(t: AnyTensor, media_type: str) -> tuple[bytes, memoryview]:
+    """``encode(t, media_type)`` as its header and a view of ``t``'s bytes: a response body written as these two
+    parts costs no copy of the tensor before the socket."""
+    return npy_parts(t) if media_type == NPY else safetensors_parts(t)

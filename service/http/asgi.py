@@ -105,9 +105,10 @@ class Call:
 
 
 class Reply(NamedTuple):
-    """A complete answer: status, body, media type and extra headers."""
+    """A complete answer: status, body, media type and extra headers. The body is bytes, or a tuple of byte
+    buffers written one after the other (a header and a view of a tensor's bytes: no copy joins them)."""
 
-    body: bytes
+    body: bytes | tuple[bytes | memoryview, ...]
     media_type: str
     headers: dict[str, str]
     status: int = 200
@@ -132,11 +133,17 @@ def error_reply(error: ServiceError, path: str) -> Reply:
 
 
 async def send_reply(send: Send, reply: Reply) -> None:
-    """Write ``reply`` as one response start and one body message."""
-    headers = [(b"content-length", str(len(reply.body)).encode()), (b"content-type", reply.media_type.encode())]
+    """Write ``reply`` as one response start and one body message per part of its body (the server's transport
+    writes them together, ``service.http.server.CoalescingTransport``)."""
+    body = reply.body
+    parts = (body,) if isinstance(body, bytes) else body
+    size = sum(memoryview(part).nbytes for part in parts)
+    headers = [(b"content-length", str(size).encode()), (b"content-type", reply.media_type.encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in reply.headers.items()]
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": reply.body})
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        await send({"type": "http.response.body", "body": part, "more_body": i < last})
 
 
 def call_of(request: Request) -> Call:

@@ -413,7 +413,7 @@ async def deconv_call(call: Call) -> Reply:
         call.hold(output_bytes(spec, x4))
         result = await run_inference(engine, spec, batcher, x4, call.receive, received, x_deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
-        reply = Reply(codec.encode(y, out_media), out_media, _batch_headers(result))
+        reply = Reply(codec.encode_parts(y, out_media), out_media, _batch_headers(result))
         status = 200
         return reply
     except ServiceError as exc:
@@ -846,7 +846,7 @@ async def v2_infer_call(call: Call) -> Reply:
             out["parameters"] = {"binary_data_size": len(data)}
             head = json.dumps(response, separators=(",", ":")).encode()
             headers["Inference-Header-Content-Length"] = str(len(head))
-            reply = Reply(b"".join((head, data)), "application/octet-stream", headers)
+            reply = Reply((head, data), "application/octet-stream", headers)
         else:
             reply = Reply(await _json_answer(response, out, y), "application/json", headers)
         status = 200
