@@ -9,10 +9,14 @@ into it, and the ``RESULT`` frame says so. The tensor bytes then cross no socket
 serial stage of the server, neither reads nor writes them.
 
 Slot lifetime, decided by the HTTP process alone: a slot is taken before ``SUBMIT`` and given back when the
-engine's last word on that request arrives (``RESULT``, ``ERROR`` or ``DONE``), never earlier, so that the engine
-never writes into memory that serves another request. A request the HTTP process gives up on keeps its slot until
-then. If the engine connection is lost, the arena is dropped with it. A request that does not fit (the arena is
-full, or the request is larger than the arena) travels inline in its frames, as without an arena.
+engine's last word on that request arrives (``ERROR`` or ``DONE``), never earlier, so that the engine never writes
+into memory that serves another request. A request the HTTP process gives up on keeps its slot until then. After a
+``RESULT`` (the engine's last word too) the output stays where the engine wrote it: the request's answer is a view
+of the slot (``Arena.lend``), written from there to the client's socket or shared-memory region without a copy,
+and the slot is given back once the last view of it is gone (the response written, the request's objects
+dropped), never while anything can still read it. If the engine connection is lost, the arena is dropped with it.
+A request that does not fit (the arena is full, slots lent to answers still being written included, or the request
+is larger than the arena) travels inline in its frames, as without an arena.
 
 The pages are the kernel's anonymous shared memory: they are not in ``/dev/shm`` (whose size containers limit) and
 only the pages touched count; ``Arena.alloc`` takes the lowest free slot, so under a steady load the same few
@@ -21,12 +25,17 @@ pages are reused.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import mmap
 import os
 import socket
 import struct
+import threading
+import weakref
+
+import numpy as np
 
 # Slots start on cache-line boundaries.
 ALIGN = 64
@@ -112,10 +121,32 @@ class Arena:
         else:
             free.insert(i, (start, end))
 
+    def lend(self, start: int, offset: int, nbytes: int) -> memoryview:
+        """A writable view of the ``nbytes`` bytes at ``offset``, inside the slot at ``start`` (from ``alloc``),
+        that holds the slot: it is given back (``free``) once that view and every view, array or tensor made from
+        it are gone, on this event loop's thread, and never before. The slot must not be given back otherwise.
+
+        The view's exporter is a numpy array over the bytes: slices of the view, ``torch.frombuffer`` and
+        numpy arrays of it keep that array alive, and its end gives the slot back.
+        """
+        owner = np.frombuffer(self.view[offset:offset + nbytes], dtype=np.uint8)
+        done = weakref.finalize(owner, _give_back, self, start, asyncio.get_running_loop(), threading.get_ident())
+        done.atexit = False
+        return memoryview(owner)
+
     def close(self) -> None:
         """Close the file descriptor (the engine holds its own copy); the mapping stays while views of it live."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _give_back(arena: Arena, start: int, loop: asyncio.AbstractEventLoop, thread: int) -> None:
+    """Give back a lent slot (``Arena.lend``) on the thread of the arena's event loop."""
+    if threading.get_ident() == thread:
+        arena.free(start)
+    else:  # the last view went in another thread (a garbage collection there): the loop frees it
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending, nobody allocates
+            loop.call_soon_threadsafe(arena.free, start)
 
 
 def send_hello(sock: socket.socket, arena: Arena | None) -> None:

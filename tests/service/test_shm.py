@@ -315,11 +315,13 @@ def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers
         y = _expected(demo, x)
         out_bytes = y.numel() * 4
 
-        # A result in the slot: copied out, so the slot is free at once and later writes do not show.
+        # A result in the slot: answered from there, so the slot stays taken while the answer can be read.
         _answer(client, reqs[0].request_id, y, engine_view[reqs[0].out_offset:reqs[0].out_offset + out_bytes])
         result: Result = items[0].future.result()
-        engine_view[reqs[0].out_offset:reqs[0].out_offset + 4] = b"\0\0\0\0"
         assert torch.equal(result.output.tensor(), y)
+        assert arena.slots == 4
+        del result
+        items[0] = None  # its future held the result: the last view of the slot is gone
         assert arena.slots == 3
 
         # An error frees the slot too.
@@ -343,6 +345,65 @@ def test_http_process_sends_through_slots_and_frees_them_on_the_engine_s_answers
         assert arena.alloc(arena.size) == 0
         text = engine.metrics.render().decode()
         assert 'deconv_ipc_requests_total{path="shared"} 4.0' in text
+
+    run(main())
+
+
+def test_an_answer_in_a_slot_holds_it_until_its_last_view_is_gone(demo: Layer) -> None:
+    """A result the engine wrote into a slot is answered from the slot (no copy): the slot is not given back, so no
+    other request's input or output can be written there, while anything (the result, a slice, a tensor over
+    it) can still read it; its last view gone, the slot serves the next request."""
+    async def main() -> None:
+        x = torch.randn(1, 16, 4, 4)
+        y = _expected(demo, x)
+        out_bytes = y.numel() * 4
+        arena = shm.Arena(shm.aligned(x.numel() * 4) + out_bytes)  # room for one request
+        client, transport, _ = _client(arena)
+        batcher = RemoteQueue(demo, 0, client)
+        engine_view = memoryview(arena._map)
+
+        def answer_in_slot(item: Any) -> Result:
+            ((_, body),) = _sent(client, transport)
+            req = frames.parse_submit(body, engine_view)
+            assert req.out_offset is not None
+            _answer(client, req.request_id, _expected(demo, req.x.tensor().clone()),
+                    engine_view[req.out_offset:req.out_offset + out_bytes])
+            return item.future.result()  # type: ignore[no-any-return]
+
+        item = batcher.submit(x)
+        first = answer_in_slot(item)
+        del item  # (its future holds the result too)
+        assert first.output.data.obj is not arena._map  # a view of the slot, made to hold it
+        assert torch.equal(first.output.tensor(), y)
+        assert arena.slots == 1
+        part = first.output.data[out_bytes // 2:]
+        tensor = first.output.tensor()
+        del first
+        assert arena.slots == 1  # a slice and a tensor still read it
+
+        other = torch.randn(1, 16, 4, 4)
+        inline = batcher.submit(other)  # the arena is full: this one travels inline and cannot touch the slot
+        ((_, body),) = _sent(client, transport)
+        assert frames._SUBMIT.unpack_from(body)[3] == 0
+        _answer(client, frames.parse_submit(body).request_id, _expected(demo, other), None)
+        assert torch.equal(inline.future.result().output.tensor(), _expected(demo, other))
+        assert torch.equal(tensor, y)
+        assert bytes(part) == bytes(tensor_bytes(y))[out_bytes // 2:]
+
+        del part
+        assert arena.slots == 1
+        del tensor  # the last view: the slot is given back at once
+        assert arena.slots == 0
+        item = batcher.submit(other)  # and serves the next request, whose answer is its own
+        second = answer_in_slot(item)
+        assert torch.equal(second.output.tensor(), _expected(demo, other))
+        assert arena.slots == 1
+
+        # The last view dropped in another thread: the slot is given back on the event loop's thread.
+        holder = [second]
+        del second, item
+        await asyncio.to_thread(holder.clear)
+        assert arena.slots == 0
 
     run(main())
 
