@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from deconv_client import wire
@@ -151,6 +151,37 @@ class SlotTensor(RawTensor):
         t = cls.__new__(cls)
         t.data, t.dtype, t.shape, t.out = x.data, x.dtype, x.shape, out
         return t
+
+
+class SourceTensor:
+    """A request's input still at its source (a client's shared-memory region, checked): ``fill`` copies its
+    bytes into a buffer of exactly ``nbytes``, so that they can go straight to where they are needed (a slot of
+    the engine link's arena) instead of through a copy of their own; ``load`` is that copy, as a ``RawTensor``."""
+
+    __slots__ = ("dtype", "fill", "shape")
+
+    def __init__(self, fill: Callable[[memoryview], None], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.fill = fill
+        self.dtype = dtype
+        self.shape = shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def element_size(self) -> int:
+        """Bytes per element, as ``torch.Tensor.element_size``."""
+        return self.dtype.itemsize
+
+    def reshape(self, shape: tuple[int, ...]) -> SourceTensor:
+        """The same bytes as ``shape`` (same number of elements)."""
+        return SourceTensor(self.fill, self.dtype, shape)
+
+    def load(self) -> RawTensor:
+        """The bytes, copied out of their source."""
+        data = memoryview(bytearray(self.nbytes))
+        self.fill(data)
+        return RawTensor(data, self.dtype, self.shape)
 
 
 AnyTensor = torch.Tensor | RawTensor

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from service.codec import AnyTensor, RawTensor, bytes_of
+from service.codec import AnyTensor, RawTensor, SourceTensor, bytes_of
 from service.config import Settings
 from service.engine.interface import LayerQueue, Readiness, Result, wait_idle
 from service.engine.registry import Layer, Registry, load_registry
@@ -112,22 +112,37 @@ class EngineClient(frames.FrameProtocol):
         if slot is not None and self.arena is not None:
             self.arena.free(slot[0])
 
-    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor, received: float,
+    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor | SourceTensor, received: float,
                    deadline: float | None) -> None:
-        """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes."""
+        """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes. An input
+        still at its source (``SourceTensor``) is read straight into the slot, or into a copy to send inline.
+
+        Raises:
+            ServiceError: the source could not be read (nothing is sent, the slot is given back).
+        """
         arena = self.arena
         if arena is not None:
-            data = bytes_of(x)
+            data = None if isinstance(x, SourceTensor) else bytes_of(x)
+            nbytes = x.nbytes if data is None else data.nbytes
             n, _, h, w = x.shape
             out_bytes = layer.output_bytes(int(n), int(h), int(w))
-            in_bytes = shm.aligned(data.nbytes)
+            in_bytes = shm.aligned(nbytes)
             start = arena.alloc(in_bytes + out_bytes)
             if start is not None:
-                arena.view[start:start + data.nbytes] = data
+                try:
+                    if data is None:
+                        x.fill(arena.view[start:start + nbytes])
+                    else:
+                        arena.view[start:start + nbytes] = data
+                except BaseException:
+                    arena.free(start)
+                    raise
                 self.slots[request_id] = (start, start + in_bytes, out_bytes)
                 self.send(frames.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
                 self.sent_shared.inc()
                 return
+        if isinstance(x, SourceTensor):
+            x = x.load()
         self.send(frames.submit_frame(request_id, index, x, received, deadline))
         self.sent_inline.inc()
 
@@ -149,6 +164,9 @@ class EngineClient(frames.FrameProtocol):
 class RemoteQueue:
     """A layer's ``LayerQueue`` in an HTTP process: each request goes to the engine's batcher of the layer."""
 
+    # An input may come still at its source (codec.SourceTensor): read when sent, into the arena when it fits.
+    takes_sources = True
+
     def __init__(self, layer: Layer, index: int, client: EngineClient) -> None:
         self.layer = layer
         self.index = index  # the layer's position in the engine's list (checked against the engine's STATE)
@@ -165,7 +183,7 @@ class RemoteQueue:
         """Refuse new requests from now on; those sent are still answered."""
         self._draining = True
 
-    def submit(self, x: AnyTensor, *, received: float | None = None,
+    def submit(self, x: AnyTensor | SourceTensor, *, received: float | None = None,
                deadline: float | None = None) -> RemotePending:
         """Send ``x`` ([n, C_in, H, W], validated) to the engine; the returned entry's future gets the answer.
 
@@ -179,8 +197,12 @@ class RemoteQueue:
             raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
         item = RemotePending(next(client.ids), client.loop.create_future())
         client.pending[item.request_id] = (item, x.dtype, self._queue_time)
-        client.send_input(item.request_id, self.layer, self.index, x,
-                          time.monotonic() if received is None else received, deadline)
+        try:
+            client.send_input(item.request_id, self.layer, self.index, x,
+                              time.monotonic() if received is None else received, deadline)
+        except BaseException:
+            del client.pending[item.request_id]
+            raise
         return item
 
     def drop(self, item: RemotePending, reason: str) -> bool:

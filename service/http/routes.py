@@ -729,11 +729,12 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
     return None
 
 
-def _read_region_input(call: Call, regions: RegionTable, x: RegionInput) -> AnyTensor:
-    """The input's bytes, copied out of its region (the copy held in the bytes-in-flight budget)."""
+def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.SourceTensor:
+    """The input in its region, checked; its bytes are read when the request is queued, straight into the engine
+    link's arena where its queue takes them there (``RemoteQueue.takes_sources``), else into a copy (held in the
+    bytes-in-flight budget either way). No await comes between the check and the read."""
     call.hold(x.ref.byte_size)
-    data = regions.read(x.ref.region, x.ref.offset, x.ref.byte_size)
-    return RawTensor(memoryview(data), x.dtype, x.shape)
+    return codec.SourceTensor(regions.reader(x.ref.region, x.ref.offset, x.ref.byte_size), x.dtype, x.shape)
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
@@ -804,7 +805,7 @@ async def v2_infer_call(call: Call) -> Reply:
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),
                                                 limit)
         regions: RegionTable = call.scope["app"].state.regions
-        x = _read_region_input(call, regions, parsed) if isinstance(parsed, RegionInput) else parsed
+        x = _region_input(call, regions, parsed) if isinstance(parsed, RegionInput) else parsed
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
@@ -825,6 +826,8 @@ async def v2_infer_call(call: Call) -> Reply:
                     f"{engine.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
                     "true, or binary_data: true in the output's parameters)")
             call.hold(json_bytes)
+        if isinstance(x4, codec.SourceTensor) and not getattr(batcher, "takes_sources", False):
+            x4 = x4.load()
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
         result = await run_inference(engine, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)

@@ -40,7 +40,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -358,17 +358,33 @@ class RegionTable:
         Raises:
             UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
         """
-        region, at = self._span(name, offset, byte_size)
         buf = bytearray(byte_size)
-        view = memoryview(buf)
-        done = 0
-        while done < byte_size:
-            n = os.preadv(region.fd, [view[done:]], at + done)
-            if n == 0:
-                raise RegionError(f"shared-memory object of region {name!r} ended before {byte_size} bytes at "
-                                  f"offset {offset}")
-            done += n
+        self.reader(name, offset, byte_size)(memoryview(buf))
         return buf
+
+    def reader(self, name: str, offset: int, byte_size: int) -> Callable[[memoryview], None]:
+        """Checks ``byte_size`` bytes at ``offset`` of region ``name`` now (as ``read``), and returns what copies
+        them into a buffer of that size, later on this event loop, so that they go straight where they are needed
+        (``codec.SourceTensor``). Called after the region was unregistered or registered again here, it raises
+        ``UnknownRegionError`` and reads nothing.
+
+        Raises:
+            UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
+        """
+        region, at = self._span(name, offset, byte_size)
+
+        def fill(view: memoryview) -> None:
+            if self._open.get(name) is not region:  # its descriptor closed (and its number perhaps reused)
+                raise UnknownRegionError(f"shared-memory region {name!r} was unregistered while in use")
+            done = 0
+            while done < byte_size:
+                n = os.preadv(region.fd, [view[done:]], at + done)
+                if n == 0:
+                    raise RegionError(f"shared-memory object of region {name!r} ended before {byte_size} bytes "
+                                      f"at offset {offset}")
+                done += n
+
+        return fill
 
     def write(self, name: str, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset`` of region ``name``.

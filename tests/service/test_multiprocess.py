@@ -426,16 +426,38 @@ def test_requests_that_do_not_fit_the_shared_memory_travel_through_the_engine_so
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal((1, 4, 5, 5) if i % 3 else (2, 4, 12, 12)).astype(np.float32) for i in range(30)]
         await _post_all_checked(proc.url, module, xs)
-        async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
-            text = (await client.get("/metrics")).text
+        # Inputs in a client's shared-memory region: read straight into a slot, or into a copy sent inline.
+        key = f"/deconv-mp-{os.getpid()}-{arena_bytes}"
+        fd = os.open(Path("/dev/shm") / key[1:], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.pwrite(fd, xs[0].tobytes() + xs[1].tobytes(), 0)
+            async with httpx.AsyncClient(base_url=proc.url, timeout=20) as client:
+                r = await client.post("/v2/systemsharedmemory/region/in/register",
+                                      json={"key": key, "byte_size": xs[0].nbytes + xs[1].nbytes})
+                assert r.status_code == 200, r.text
+                for x, offset in ((xs[0], 0), (xs[1], xs[0].nbytes), (xs[0], 0)):
+                    params = {"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes,
+                              "shared_memory_offset": offset}
+                    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                        "parameters": params}], "parameters": {"binary_data_output": True}}
+                    r = await client.post("/v2/models/fast/infer", json=body)
+                    assert r.status_code == 200, r.text[:300]
+                    head = int(r.headers["inference-header-content-length"])
+                    y = np.frombuffer(r.content[head:], np.float32).reshape(-1)
+                    ref = reference(module, torch.from_numpy(x))
+                    assert rel_err(y.reshape(tuple(ref.shape)), ref) < 1e-5
+                text = (await client.get("/metrics")).text
+        finally:
+            os.close(fd)
+            (Path("/dev/shm") / key[1:]).unlink()
         shared = metric_value(text, "deconv_ipc_requests_total", path="shared")
         inline = metric_value(text, "deconv_ipc_requests_total", path="inline")
-        assert shared + inline == 30
+        assert shared + inline == 33
         if arena_bytes == "0":
             assert shared == 0
         else:
-            assert 0 < shared <= 20
-            assert inline >= 10
+            assert 0 < shared <= 21
+            assert inline >= 12
 
     run(main())
 
