@@ -26,6 +26,12 @@ bounds hold across processes. Each process opens its own descriptor for a region
 every use, that the record is still there and still the same registration (a token), and that the object is the
 one registered (device and inode), so an unregistered or re-registered name never reaches stale memory. A single
 process keeps its regions in memory (``MemoryStore``).
+
+That check costs no file read per request: every change of the records (register, unregister) also adds one to a
+generation counter, 8 bytes of a file in the directory that every process maps (``DirectoryStore.generation``),
+after the change and under the lock. A process reads the record again only when the counter moved since it last
+read it; a request that comes after an unregister was answered, in whichever process, sees the new count and so
+the record gone.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ import fcntl
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import stat
+import struct
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -53,6 +61,8 @@ SHM_DIR = Path("/dev/shm")
 MAX_NAME_CHARS = 256
 # A key names one object directly under /dev/shm; leading slashes are dropped as shm_open drops them.
 _KEY = re.compile(r"/*([^/\x00]{1,255})")
+# The generation counter of a multi-process server's records (DirectoryStore.generation).
+_GENERATION = struct.Struct("<Q")
 
 
 class RegionError(ServiceError):
@@ -99,6 +109,10 @@ class MemoryStore:
     def get(self, name: str) -> Record | None:
         return self._records.get(name)
 
+    def generation(self) -> int:
+        """Nothing to follow: this process makes every change, and forgets its regions as it does."""
+        return 0
+
     def all(self) -> list[Record]:
         return list(self._records.values())
 
@@ -116,6 +130,21 @@ class DirectoryStore:
         self.root = root
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lock_path = root / ".lock"
+        fd = os.open(root / ".generation", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < _GENERATION.size:  # the first process (a longer file is never shortened)
+                os.ftruncate(fd, _GENERATION.size)
+            self._generation = mmap.mmap(fd, _GENERATION.size)
+        finally:
+            os.close(fd)
+
+    def generation(self) -> int:
+        """The count of changes to the records, in every process (read from the shared mapping: no system call)."""
+        return _GENERATION.unpack_from(self._generation)[0]
+
+    def _changed(self) -> None:
+        """Count a change, once it is made (under the lock)."""
+        _GENERATION.pack_into(self._generation, 0, self.generation() + 1)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -149,20 +178,24 @@ class DirectoryStore:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(record)))
         os.replace(tmp, path)  # readers see the whole record or none
+        self._changed()
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path(name).unlink()
+        self._changed()
 
 
 class Region:
-    """A registered region opened by this process: its record and the object's descriptor."""
+    """A registered region opened by this process: its record, the object's descriptor, and the store's generation
+    when the record was last read (``DirectoryStore.generation``)."""
 
-    __slots__ = ("fd", "record")
+    __slots__ = ("fd", "generation", "record")
 
-    def __init__(self, record: Record, fd: int) -> None:
+    def __init__(self, record: Record, fd: int, generation: int) -> None:
         self.record = record
         self.fd = fd
+        self.generation = generation
 
 
 def _object_path(key: str) -> Path:
@@ -264,7 +297,7 @@ class RegionTable:
             os.close(fd)
             raise
         self._forget(name)
-        self._open[name] = Region(record, fd)
+        self._open[name] = Region(record, fd, -1)  # read again on first use: other changes may have come between
         log.info("shared memory: registered region %r (%d bytes at offset %d of %s)", name, byte_size, offset, key)
 
     def unregister(self, name: str) -> None:
@@ -322,13 +355,18 @@ class RegionTable:
     # --- tensors -------------------------------------------------------------------------------------------
 
     def _region(self, name: str) -> Region:
-        """Region ``name`` opened here, checked against the store (it may have changed in another process)."""
-        record = self.store.get(name)
+        """Region ``name`` opened here, checked against the store (it may have changed in another process): the
+        record is read again when the store's generation moved since it was last read."""
+        generation = self.store.generation()
         region = self._open.get(name)
+        if region is not None and region.generation == generation:
+            return region
+        record = self.store.get(name)
         if record is None:
             self._forget(name)
             raise UnknownRegionError(f"no shared-memory region named {name!r} is registered")
         if region is not None and region.record.token == record.token:
+            region.generation = generation
             return region
         self._forget(name)
         fd, st = _open_object(record.key)
@@ -336,7 +374,7 @@ class RegionTable:
             os.close(fd)
             raise RegionError(f"shared-memory object {record.key!r} of region {name!r} was replaced after the region "
                               "was registered; register it again")
-        region = self._open[name] = Region(record, fd)
+        region = self._open[name] = Region(record, fd, generation)
         return region
 
     def _span(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:

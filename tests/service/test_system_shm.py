@@ -380,3 +380,28 @@ def test_processes_share_registrations(tmp_path, objects):
     finally:
         a.close()
         b.close()
+
+
+def test_a_record_is_read_again_only_after_a_change_in_any_process(tmp_path, objects, monkeypatch):
+    key, _ = objects.new(64)
+    a = RegionTable(8, 2**20, tmp_path / "regions")
+    b = RegionTable(8, 2**20, tmp_path / "regions")
+    reads: list[str] = []
+    get = b.store.get
+    monkeypatch.setattr(b.store, "get", lambda name: reads.append(name) or get(name))
+    try:
+        a.register("r", key, 0, 32)
+        a.register("s", key, 32, 32)
+        for _ in range(3):
+            b.read("r", 0, 4)
+        assert reads == ["r"]  # once, then nothing changed
+        a.unregister("s")  # any change counts, in any process
+        b.read("r", 0, 4)
+        assert reads == ["r", "r"]
+        a.unregister("r")
+        with pytest.raises(UnknownRegionError, match="no shared-memory region named 'r'"):
+            b.read("r", 0, 4)
+        assert b.open_regions == 0
+    finally:
+        a.close()
+        b.close()
