@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for design measurements: cold build, bench/probes.py (PROBES, default "tf32 staging host"), then the
-# kernels' GPU tests (TESTS; "none" skips) in the time left. The built extension is copied to $OUT/kcache when
-# KEEP_BUILD=1, so that a later call can carry it (DECONV_KERNEL_CACHE) instead of building again. Logs and JSON go
-# to $OUT; the test summary comes last.
+# kernels' GPU tests (TESTS; "none" skips) in the time left. The built extension is packed into $OUT/kcache.tar.gz
+# (one file: the lent machine returns few) when KEEP_BUILD=1, so that a later call can unpack and carry it
+# (DECONV_KERNEL_CACHE) instead of building again. Logs and JSON go to $OUT; the test summary comes last.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 DECONV_KERNEL_CACHE=${DECONV_KERNEL_CACHE:-/tmp/deconv-kernel-cache}
@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 python3 -c "import kernels.build as b; b.load()" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $SECONDS s"
 if [ "${KEEP_BUILD:-0}" = 1 ]; then
-  cp -r "$DECONV_KERNEL_CACHE" "$OUT/kcache" && find "$OUT/kcache" -name '*.o' -delete && du -sh "$OUT/kcache"
+  tar -czf "$OUT/kcache.tar.gz" --exclude='*.o' -C "$DECONV_KERNEL_CACHE" . && du -sh "$OUT/kcache.tar.gz"
 fi
 for probe in ${PROBES:-tf32 staging host}; do
   timeout 200 python3 bench/probes.py "$probe" --out "$OUT/probe-$probe.json" > "$OUT/probe-$probe.log" 2>&1 \

@@ -31,6 +31,7 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "mma.cuh"
 #include "phase.cuh"
 
 namespace deconv {
@@ -55,10 +56,7 @@ struct SparseGeom {
 
 // An operand as staged: rounded to TF32 (to nearest, ties away from zero: what the tensor-core kernels do) or as is.
 __device__ __forceinline__ float sparse_operand(float v, bool round_tf32) {
-  if (!round_tf32) return v;
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return __uint_as_float(r);
+  return round_tf32 ? __uint_as_float(tc::to_tf32(v)) : v;
 }
 
 // Output channels a chunk: 32, or 16 when a group has at most 16.
