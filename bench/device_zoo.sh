@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 python3 -c "import kernels.build as b; b.load()" > "$OUT/build.log" 2>&1 || tail -20 "$OUT/build.log"
 TESTS=${TESTS:-tests/kernels/test_cuda_gemm.py}
 if [ "$TESTS" != none ]; then
-  timeout 120 python3 -m pytest -q -m cuda $TESTS -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m cuda $TESTS -p no:cacheprovider > "$OUT/pytest.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20; tail -1 "$OUT/pytest.log"
 fi
 left=$((585 - SECONDS))

@@ -10,6 +10,9 @@ document at the end; bench/NOTES.md says which version used which.
   choice) against ``F.conv_transpose2d`` (cuDNN), for layers whose GPU time is small, and where ours goes.
 - ``kernels``: the GPU time of each kernel a call launches (torch.profiler), as a library call and as the service
   calls it (packed weights kept), for the same small layers.
+- ``weights``: the gemm kernel on a channels-last input with NCHW weights (packed every call, and packed once and
+  kept: the kernel alone with K-major B) against channels-last weights (16-bit: read as they are, B N-major; TF32:
+  packed from that layout every call), every tile configuration.
 
     PYTHONPATH=. python bench/probes.py staging [--only NAME ...] [--out FILE]
 """
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels
 from bench import layer_kernels, zoo
-from kernels._ops import _forward_cuda, check_tensors, normalize_args
+from kernels._ops import _forward_cuda, _load_extension, check_tensors, normalize_args
 from kernels.tuning import TUNER, Timer
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
@@ -203,9 +206,39 @@ def kernel_times(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def weights(problems: Sequence[dict]) -> list[dict]:
+    from service.engine.ops import WeightPacks
+
+    timer = _timer()
+    rows = []
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            x, w, b = zoo.inputs(p, dtype)
+            x = x.contiguous(memory_format=torch.channels_last)
+            w_cl = w.contiguous(memory_format=torch.channels_last)
+            args = _args(p)
+            packs = WeightPacks(w)
+            row: dict[str, Any] = {"name": p["name"], "precision": precision}
+            with torch.no_grad():
+                for c in range(int(_load_extension().num_gemm_configs)):
+                    calls = {"nchw_ms": partial(_forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                                                force_config=c),
+                             "nchw_kept_ms": partial(_forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                                                     force_config=c, packs=packs),
+                             "cl_ms": partial(_forward_cuda, x, w_cl, b, args, "tf32", force_path="gemm",
+                                              force_config=c)}
+                    if calls["nchw_ms"]()[1] != "gemm":
+                        break
+                    row[f"gemm{c}"] = {k: round(timer(fn), 4) for k, fn in calls.items()}
+            if len(row) > 2:
+                rows.append(row)
+                print("weights", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels"))
+    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -222,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                     "deconvnet-s1", "dcgan64-up2")]
     else:
         chosen = every
-    rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times}[a.probe](chosen)
+    rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights}[a.probe](
+        chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:

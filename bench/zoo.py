@@ -4,8 +4,10 @@ For each problem (bench/layer_zoo.py's 25 decoder layers, then bench/kernelbench
 precision (tf32, bf16, fp16 and exact fp32) and each input layout (NCHW contiguous, channels_last), one row:
 
 - ``ours_ms``: ``kernels.conv_transpose2d(x, w, b, stride, padding, output_padding, groups, dilation,
-  precision=...)`` as a library user calls it, with measured kernel choice on (``kernels.tuning.enable()``) and x in
-  the row's layout; ``choice`` is the kernel measured choice kept (bench/kernelbench.py's ``tuned_label``).
+  precision=...)`` as a library user calls it, with measured kernel choice on (``kernels.tuning.enable()``) and x
+  and w in the row's layout (channels_last rows: input AND weight channels_last, as for cuDNN's channels_last
+  figure and as ``model.to(memory_format=torch.channels_last)`` leaves a model); ``choice`` is the kernel measured
+  choice kept (bench/kernelbench.py's ``tuned_label``).
 - ``served_ms`` (NCHW rows; null for channels_last rows): the call as the service's GPU worker makes it, on NCHW
   device tensors: weights packed once and kept (``WeightPacks``), the kernel measured with them.
 - ``cudnn_nchw_ms`` / ``cudnn_cl_ms``: ``F.conv_transpose2d`` with ``torch.backends.cudnn.benchmark = True``, with
@@ -488,19 +490,20 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
             res: dict[str, Any] = {"ours_ms": None, "served_ms": None, "choice": "-", "errs": [], "ok": True}
             results[layout] = res
             xin = x if layout == "nchw" else x.contiguous(memory_format=torch.channels_last)
-            ours = partial(kernels.conv_transpose2d, xin, w, b, kw["stride"], kw["padding"], kw["output_padding"],
+            win = w if layout == "nchw" else w.contiguous(memory_format=torch.channels_last)
+            ours = partial(kernels.conv_transpose2d, xin, win, b, kw["stride"], kw["padding"], kw["output_padding"],
                            kw["groups"], kw["dilation"], precision=prec_arg)
             try:
                 t0 = time.perf_counter()
                 ours()  # with measured choice: tunes on the problem's first call (outside the timed calls)
                 sync()
                 res["tune_s"] = time.perf_counter() - t0
-                res["choice"] = tuned_choice(xin, w, b, args, mode).label
+                res["choice"] = tuned_choice(xin, win, b, args, mode).label
                 poison_allocator(shape, dtype)
                 y = ours()
                 # PyTorch's layout rule: channels-last out when the input or the weight is, by their strides (a
                 # one-pixel input made channels-last stays NCHW-contiguous, and so does PyTorch's output).
-                want_cl = suggests_channels_last(xin) or suggests_channels_last(w)
+                want_cl = suggests_channels_last(xin) or suggests_channels_last(win)
                 if want_cl and not y.is_contiguous(memory_format=torch.channels_last):
                     errors.append(f"{tag}/cl: output not channels_last")
                     res["ok"] = False
@@ -521,7 +524,7 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
                 res["ok"] = False
                 if isinstance(exc, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
-            del xin
+            del xin, win
         cudnn: dict[str, float | None] = {"nchw": None, "cl": None}
         try:
             cudnn["nchw"] = cudnn_time(timer, partial(F.conv_transpose2d, x, w, b, **kw))

@@ -219,9 +219,10 @@ class Tuner:
     @staticmethod
     def key(shape: Sequence[int], weight: torch.Tensor, has_bias: bool, args: Any, precision: str,
             aligned: bool, packed: bool = False, channels_last: bool = False) -> tuple[Hashable, ...]:
-        """The cache key of a problem (``args``: kernels.functional.ConvArgs, hashable)."""
-        return (torch.Size(shape), weight.shape, weight.dtype, weight.device, has_bias, args, precision, aligned,
-                packed, channels_last)
+        """The cache key of a problem (``args``: kernels.functional.ConvArgs, hashable). The weight's strides count:
+        the gemm kernel reads channels-last 16-bit weights as they are and packs NCHW ones on every call."""
+        return (torch.Size(shape), weight.shape, weight.stride(), weight.dtype, weight.device, has_bias, args,
+                precision, aligned, packed, channels_last)
 
     def lookup(self, key: Hashable) -> KernelChoice | None:
         """The cached choice for ``key``, or None."""

@@ -229,11 +229,10 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
                                           const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
                                           const std::vector<int64_t>& dilation, int64_t groups,
                                           const std::string& precision, const Forced& forced, WeightPacks* packs) {
-  const torch::Tensor wc = weight.contiguous();
   torch::Tensor bc;
   if (bias.has_value()) bc = bias->contiguous();
   deconv::ConvTranspose2dParams p{};
-  p.w = wc.data_ptr();
+  const bool w_cl = channels_last(weight);  // laid out below, once the family is known
   p.bias = bias.has_value() ? bc.data_ptr() : nullptr;
   p.N = pr.N;
   p.C_in = pr.C_in;
@@ -268,6 +267,11 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   p.x_channels_last = gemm;
   p.y_channels_last = gemm && (y_cl || staged);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  // The gemm kernel takes channels-last weights (reading 16-bit ones as they are, packing the others from that
+  // layout); every other family reads NCHW weights, converted here when they are not.
+  p.w_channels_last = gemm && w_cl;
+  const torch::Tensor wc = p.w_channels_last ? weight : in_layout(weight, false, stream);
+  p.w = wc.data_ptr();
   const torch::Tensor xk = in_layout(x, gemm, stream);
   p.x = xk.data_ptr();
   const auto layout = [&](bool cl) {

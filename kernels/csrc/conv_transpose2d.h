@@ -43,6 +43,10 @@ struct ConvTranspose2dParams {
   // gemm path reads a channels-last x (it needs one) and writes a channels-last y; the binding converts for the rest.
   bool x_channels_last;
   bool y_channels_last;
+  // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm path takes such weights (it reads
+  // 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout); the binding makes them
+  // NCHW-contiguous for the rest.
+  bool w_channels_last;
   // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm. A forced path that is not eligible for the
   // problem falls back to the choice of -1.
   int force_path;
@@ -133,6 +137,10 @@ constexpr int kGemmMaxStride = 16;
 bool gemm_eligible(const ConvTranspose2dParams& p);
 int gemm_config(const ConvTranspose2dParams& p);  // force_config when in range, else the configuration chosen
 int gemm_split(const ConvTranspose2dParams& p, int config);
+// Whether the gemm kernel reads p's weights as they are, with no packing: 16-bit channels-last weights whose
+// output-channel rows are whole 16-byte vectors at a 16-byte aligned address and whose groups have their input
+// channels in whole stages (64).
+bool gemm_reads_weights(const ConvTranspose2dParams& p);
 WeightPacking gemm_packing(const ConvTranspose2dParams& p);
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);

@@ -5,7 +5,9 @@
 //   M = N * rows_in_phase * cols_in_phase (output positions), N = C_out / groups, K = taps * C_in / groups,
 // A[m, (tap, ci)] = x[n, hi, wi, ci] read from a channels-last (NHWC) input, so that every row of an A stage is a
 // contiguous run of channels whatever the image size, and B[(tap, ci), co] = w[ci, co, a, b] packed once into
-// [group][a][b][co][ci] (ci padded to a whole stage, TF32-rounded for TF32). Unlike the halo tiles, which cover a
+// [group][a][b][co][ci] (ci padded to a whole stage, TF32-rounded for TF32) -- or, for 16-bit weights already
+// channels-last ([ci][a][b][co] in memory, what model.to(memory_format=torch.channels_last) makes), read as they are:
+// wgmma takes that B N-major (transposed), so no packing pass runs. Unlike the halo tiles, which cover a
 // 2-D window of one image's pixels, an M tile is a box of the phase's positions across images (GemmTiles): a 4 x 4
 // input fills it as well as a 64 x 64.
 //
@@ -70,7 +72,7 @@ struct GemmTiles {
 
 struct GemmArgs {
   const void* x;      // [N, H_in, W_in, C_in]
-  const void* wp;     // [groups][kH][kW][cout_g][ci_pad]
+  const void* wp;     // [groups][kH][kW][cout_g][ci_pad], or the channels-last weights [C_in][kH][kW][cout_g]
   const void* bias;   // [C_out] or nullptr
   void* y;            // through ys*
   float* partial;     // split-K: [splits][N][H_out][W_out][C_out] fp32
@@ -90,7 +92,16 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
-template <int N, tc::MmaKind K>
+// Descriptor of an N-major (transposed) B tile in 128-byte swizzle, as TMA lands the channels-last weights: chunks
+// of 64 output channels (128 bytes) x the stage's K rows, each chunk K rows of 128 bytes, 8-row groups 1024 bytes
+// apart (stride byte offset, along K), chunks 8192 bytes apart (leading byte offset, along N).
+__device__ __forceinline__ uint64_t sw128_desc_nmajor(uint32_t smem_byte_addr) {
+  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(8192 >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// kTransB: B is N-major (16-bit types only; TF32 wgmma reads K-major operands only).
+template <int N, tc::MmaKind K, bool kTransB>
 __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b);
 
 #define DECONV_GS_F8(d, i)                                                                                      \
@@ -123,10 +134,10 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b);
 
 #if DECONV_WGMMA
 // Operands: the N / 2 accumulators, A's and B's descriptors, scale-d (a predicate set from the immediate 1:
-// accumulate); imm-scale-a/b 1, and for 16-bit types imm-trans-a/b 0 (both K-major).
-#define DECONV_GS(N, KIND, TYPE, K, TRANS)                                                                          \
+// accumulate); imm-scale-a/b 1, and for 16-bit types imm-trans-a 0 (K-major) and imm-trans-b 0 or 1 (N-major).
+#define DECONV_GS(N, KIND, TYPE, K, TRANS, TB)                                                                      \
   template <>                                                                                                      \
-  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND>(float* d, uint64_t a, uint64_t b) {              \
+  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND, TB>(float* d, uint64_t a, uint64_t b) {          \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " DECONV_GS_SCALE##N ", 0;\n"                                 \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TYPE "." TYPE " " DECONV_GS_D##N            \
                  ", p, 1, 1" TRANS ";\n}\n"                                                                      \
@@ -134,23 +145,29 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b);
                  : "l"(a), "l"(b), "n"(1));                                                                       \
   }
 #else
-#define DECONV_GS(N, KIND, TYPE, K, TRANS)                                                                          \
+#define DECONV_GS(N, KIND, TYPE, K, TRANS, TB)                                                                      \
   template <>                                                                                                      \
-  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND>(float* d, uint64_t a, uint64_t b) {              \
+  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND, TB>(float* d, uint64_t a, uint64_t b) {          \
     (void)d, (void)a, (void)b;                                                                                     \
     __trap();                                                                                                      \
   }
 #endif
 
-DECONV_GS(64, kTF32, "tf32", 8, "")
-DECONV_GS(128, kTF32, "tf32", 8, "")
-DECONV_GS(256, kTF32, "tf32", 8, "")
-DECONV_GS(64, kBF16, "bf16", 16, ", 0, 0")
-DECONV_GS(128, kBF16, "bf16", 16, ", 0, 0")
-DECONV_GS(256, kBF16, "bf16", 16, ", 0, 0")
-DECONV_GS(64, kFP16, "f16", 16, ", 0, 0")
-DECONV_GS(128, kFP16, "f16", 16, ", 0, 0")
-DECONV_GS(256, kFP16, "f16", 16, ", 0, 0")
+DECONV_GS(64, kTF32, "tf32", 8, "", false)
+DECONV_GS(128, kTF32, "tf32", 8, "", false)
+DECONV_GS(256, kTF32, "tf32", 8, "", false)
+DECONV_GS(64, kBF16, "bf16", 16, ", 0, 0", false)
+DECONV_GS(128, kBF16, "bf16", 16, ", 0, 0", false)
+DECONV_GS(256, kBF16, "bf16", 16, ", 0, 0", false)
+DECONV_GS(64, kFP16, "f16", 16, ", 0, 0", false)
+DECONV_GS(128, kFP16, "f16", 16, ", 0, 0", false)
+DECONV_GS(256, kFP16, "f16", 16, ", 0, 0", false)
+DECONV_GS(64, kBF16, "bf16", 16, ", 0, 1", true)
+DECONV_GS(128, kBF16, "bf16", 16, ", 0, 1", true)
+DECONV_GS(256, kBF16, "bf16", 16, ", 0, 1", true)
+DECONV_GS(64, kFP16, "f16", 16, ", 0, 1", true)
+DECONV_GS(128, kFP16, "f16", 16, ", 0, 1", true)
+DECONV_GS(256, kFP16, "f16", 16, ", 0, 1", true)
 
 // ---------------------------------------------------------------------------------------------------------
 // The GEMM kernel.
@@ -230,8 +247,9 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 // B rows of its packed weights) once the multipliers have released the buffer; for TF32, warps 1-3 of the loader
 // round each landed A box to TF32 in place before the multipliers may read it. The loader runs through the same
 // tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the next tile's first stages land
-// while the multipliers store the last one's output.
-template <typename T, tc::MmaKind K, int BN, int kStages>
+// while the multipliers store the last one's output. kTransB: B is the channels-last weights as they are, brought
+// as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
+template <typename T, tc::MmaKind K, int BN, int kStages, bool kTransB>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
                                  const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
@@ -240,6 +258,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr int kStage = (kGemmBM + BN) * kGemmRowBytes;
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
   constexpr bool kTF32 = K == tc::MmaKind::kTF32;
+  static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
+  constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   // Registers: 168 a thread at launch (__launch_bounds__ with 384 threads); the loader gives back down to 56 and
   // the multipliers take what it freed (setmaxnreg.inc waits for registers the block does not hold, forever).
   constexpr int kLaunchRegs = 65536 / kGemmThreads / 8 * 8;
@@ -270,6 +290,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int wgi = threadIdx.x >> 7;
   const int rows = static_cast<int>(tl.bw.d * tl.bh.d) * tl.bni;  // A rows a box fills
   const uint32_t stage_bytes = static_cast<uint32_t>((rows + BN) * kGemmRowBytes);
+  const uint32_t a_bytes = static_cast<uint32_t>(rows * kGemmRowBytes);
   uint32_t it = 0;  // stages loaded (loader) or consumed (multipliers) so far
 
   if (wgi == 0) {
@@ -283,17 +304,28 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
         const int tap0 = d.k_begin / cpt;
         int cc = d.k_begin - tap0 * cpt;
+        // N-major B: only the chunks that hold output channels are brought (a box wholly past C_out / groups
+        // costs the copy engine as much as a full one); the columns of the others are never stored.
+        const int b_chunks = min(BN / 64, (g.cout_g - d.c0 + 63) / 64);
         int th = tap0 / d.aw.taps;
         int tw = tap0 - th * d.aw.taps;
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          wg::mbar_arrive_expect_tx(&full[s], stage_bytes);
+          wg::mbar_arrive_expect_tx(&full[s], kTransB ? a_bytes + b_chunks * kBChunk : stage_bytes);
           const uint32_t st = base + s * kStage;
           tma_load_5d(st, &map_x, cc * kCH, d.grp, d.qw0 + d.aw.base - tw * d.aw.dstep,
                       d.qh0 + d.ah.base - th * d.ah.dstep, d.n0, &full[s]);
           const int tap = (d.ah.a0 + th * d.ah.step) * g.kw + d.aw.a0 + tw * d.aw.step;
-          tma_load_3d(st + kAStage, &map_w, cc * kCH, d.c0, d.grp * g.kh * g.kw + tap, &full[s]);
+          if constexpr (kTransB) {
+#pragma unroll
+            for (int j = 0; j < BN / 64; ++j)
+              if (j < b_chunks)
+                tma_load_3d(st + kAStage + j * kBChunk, &map_w, d.c0 + 64 * j, tap, d.grp * g.cin_g + cc * kCH,
+                          &full[s]);
+          } else {
+            tma_load_3d(st + kAStage, &map_w, cc * kCH, d.c0, d.grp * g.kh * g.kw + tap, &full[s]);
+          }
           if (++cc == cpt) {
             cc = 0;
             if (++tw == d.aw.taps) {
@@ -347,8 +379,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       const uint32_t b_addr = base + s * kStage + kAStage;
       wg::fence();
 #pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk)
-        wgmma_ss<BN, K>(acc, sw128_desc(a_addr + 32 * kk), sw128_desc(b_addr + 32 * kk));
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        if constexpr (kTransB)  // k16 steps are 16 rows of 128 bytes down each B chunk
+          wgmma_ss<BN, K, true>(acc, sw128_desc(a_addr + 32 * kk), sw128_desc_nmajor(b_addr + 2048 * kk));
+        else
+          wgmma_ss<BN, K, false>(acc, sw128_desc(a_addr + 32 * kk), sw128_desc(b_addr + 32 * kk));
+      }
       wg::commit();
       wg::wait<1>();  // the previous stage's wgmma are done: its buffer goes back to the loader
       if (prev >= 0) wg::mbar_arrive(&empty[prev]);
@@ -427,9 +463,10 @@ __global__ void conv_transpose2d_gemm_reduce(const GemmArgs g, int splits) {
 
 // Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32:
 // per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a 32 x 32 tile in shared memory so
-// that both the reads (j fastest) and the writes (ci fastest) are coalesced. Block (32, 8); grid (j tiles, ci tiles,
-// groups).
-template <typename T, bool kRound>
+// that both the reads (j fastest) and the writes (ci fastest) are coalesced. kSrcCL: w is channels-last,
+// [C_in][kH][kW][cout_g] in memory, so j = tap * cout_g + co is already the packed row. Block (32, 8); grid
+// (j tiles, ci tiles, groups).
+template <typename T, bool kRound, bool kSrcCL>
 __global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g,
                                            int khw, int ci_pad) {
   __shared__ T tile[32][33];
@@ -452,8 +489,12 @@ __global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restric
   for (int r = threadIdx.y; r < 32; r += 8) {
     const int j = j0 + r, ci = ci0 + threadIdx.x;
     if (j >= jn || ci >= ci_pad) continue;
-    const int co = j / khw, tap = j - co * khw;
-    out[(tap * cout_g + co) * ci_pad + ci] = tile[threadIdx.x][r];
+    if constexpr (kSrcCL) {
+      out[j * ci_pad + ci] = tile[threadIdx.x][r];
+    } else {
+      const int co = j / khw, tap = j - co * khw;
+      out[(tap * cout_g + co) * ci_pad + ci] = tile[threadIdx.x][r];
+    }
   }
 }
 
@@ -585,8 +626,20 @@ int gemm_split(const ConvTranspose2dParams& p, int config) {
   return split >= 2 ? static_cast<int>(split) : 1;
 }
 
+bool gemm_reads_weights(const ConvTranspose2dParams& p) {
+  // 16-bit channels-last weights as TMA can read them: 16-byte rows of output channels at a 16-byte aligned address,
+  // and a group's input channels in whole stages: a stage must not reach into the next group's rows, and stages
+  // with channels past C_in would be boxes mostly zero-filled by the copy engine, which costs it as much as reading
+  // them (KernelBench 71, 32 channels: 1.55 ms against 0.97 ms packed; bench/NOTES.md v17).
+  if (!p.w_channels_last || p.dtype == DType::kFloat32 || p.dtype == DType::kFloat64) return false;
+  const int64_t cout_g = p.C_out / p.groups, cin_g = p.C_in / p.groups;
+  const int64_t ch = kGemmRowBytes / 2;
+  return cout_g % 8 == 0 && cin_g % ch == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
+}
+
 WeightPacking gemm_packing(const ConvTranspose2dParams& p) {
   WeightPacking w{};
+  if (gemm_reads_weights(p)) return w;  // read as they are
   const int64_t ci_pad = gemm_ci_pad(p);
   w.bytes = static_cast<size_t>(p.groups * p.kH * p.kW * (p.C_out / p.groups) * ci_pad * gemm_elem_bytes(p));
   w.kind = static_cast<int64_t>(p.dtype == DType::kFloat32 ? tc::MmaKind::kTF32
@@ -601,6 +654,7 @@ WeightPacking gemm_packing(const ConvTranspose2dParams& p) {
 }
 
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
+  // No room for packed weights when they come packed or are read as they are (gemm_packing's 0 bytes).
   const size_t packed = p.packed_weights == nullptr ? (gemm_packing(p).bytes + 255) / 256 * 256 : 0;
   const int split = gemm_split(p, config);
   const size_t partial =
@@ -608,39 +662,43 @@ size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
   return packed + partial;
 }
 
+namespace {
+template <typename T, bool kRound, bool kSrcCL>
+cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, dim3 grid,
+                         cudaStream_t stream) {
+  conv_transpose2d_gemm_pack<T, kRound, kSrcCL><<<grid, dim3(32, 8), 0, stream>>>(
+      static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad);
+  return cudaGetLastError();
+}
+}  // namespace
+
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
   const int cin_g = static_cast<int>(p.C_in / p.groups), cout_g = static_cast<int>(p.C_out / p.groups);
   const int ci_pad = static_cast<int>(gemm_ci_pad(p)), khw = static_cast<int>(p.kH * p.kW);
   const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, 32)), static_cast<unsigned>(tc::div_up(ci_pad, 32)),
                   static_cast<unsigned>(p.groups));  // y and z within 65535: gemm_eligible
   if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
-  const dim3 block(32, 8);
-  switch (p.dtype) {
-    case DType::kFloat32:
-      conv_transpose2d_gemm_pack<float, true><<<grid, block, 0, stream>>>(
-          static_cast<const float*>(p.w), static_cast<float*>(dst), cin_g, cout_g, khw, ci_pad);
-      break;
-    case DType::kBFloat16:
-      conv_transpose2d_gemm_pack<__nv_bfloat16, false><<<grid, block, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(p.w), static_cast<__nv_bfloat16*>(dst), cin_g, cout_g, khw, ci_pad);
-      break;
-    case DType::kFloat16:
-      conv_transpose2d_gemm_pack<__half, false><<<grid, block, 0, stream>>>(
-          static_cast<const __half*>(p.w), static_cast<__half*>(dst), cin_g, cout_g, khw, ci_pad);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  if (p.dtype == DType::kFloat32)
+    return p.w_channels_last ? gemm_pack_as<float, true, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
+                             : gemm_pack_as<float, true, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+  if (p.dtype == DType::kBFloat16)
+    return p.w_channels_last
+               ? gemm_pack_as<__nv_bfloat16, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
+               : gemm_pack_as<__nv_bfloat16, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+  if (p.dtype == DType::kFloat16)
+    return p.w_channels_last ? gemm_pack_as<__half, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
+                             : gemm_pack_as<__half, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+  return cudaErrorInvalidValue;
 }
 
 namespace {
 
 // Tensor maps of x ([N][H_in][W_in][groups][cin_g], boxes of one stage's channels x the M box) and of the packed
-// weights ([groups * kH * kW][cout_g][ci_pad], boxes of one stage's channels x BN rows), in 128-byte swizzle,
-// zero-filled outside the tensors.
-bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox& box, int bn, CUtensorMap* mx,
-               CUtensorMap* mw) {
+// weights ([groups * kH * kW][cout_g][ci_pad], boxes of one stage's channels x BN rows) or, read as they are, the
+// channels-last weights ([C_in][kH * kW][cout_g], boxes of 64 output channels x one tap x one stage's channels), in
+// 128-byte swizzle, zero-filled outside the tensors.
+bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox& box, int bn, bool trans_b,
+               CUtensorMap* mx, CUtensorMap* mw) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return false;
   const CUtensorMapDataType dt = p.dtype == DType::kFloat32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
@@ -659,6 +717,15 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
+  if (trans_b) {
+    const cuuint64_t khw = static_cast<cuuint64_t>(p.kH * p.kW);
+    const cuuint64_t tdim[3] = {static_cast<cuuint64_t>(a.cout_g), khw, static_cast<cuuint64_t>(p.C_in)};
+    const cuuint64_t tstride[2] = {a.cout_g * eb, khw * a.cout_g * eb};
+    const cuuint32_t tbox[3] = {64, 1, ch};
+    return encode(mw, dt, 3, const_cast<void*>(a.wp), tdim, tstride, tbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  }
   const cuuint64_t wdim[3] = {static_cast<cuuint64_t>(a.ci_pad), static_cast<cuuint64_t>(a.cout_g),
                               static_cast<cuuint64_t>(p.groups * p.kH * p.kW)};
   const cuuint64_t wstride[2] = {a.ci_pad * eb, a.cout_g * a.ci_pad * eb};
@@ -668,19 +735,19 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, tc::MmaKind K, int kShape>
+template <typename T, tc::MmaKind K, int kShape, bool kTransB>
 cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a, int split, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages>;
+  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>;
   constexpr size_t smem = gemm_smem_bytes(s);
-  cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages>>();
+  cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>>();
   if (err != cudaSuccess) return err;
   GemmTiles tl{};
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
   for (int64_t r = 0; r < p.stride_w; ++r) tl.aw[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
   const GemmGrid gr = gemm_grid(p, kShape);
   CUtensorMap mx, mw;
-  if (!gemm_maps(p, a, gr.box, s.bn, &mx, &mw)) return cudaErrorInvalidValue;
+  if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
   tl.w_tiles = make_fast_div(static_cast<uint32_t>(gr.box.w_tiles));
   tl.h_tiles = make_fast_div(static_cast<uint32_t>(gr.box.h_tiles));
   tl.bw = make_fast_div(static_cast<uint32_t>(gr.box.bw));
@@ -702,16 +769,16 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   return cudaGetLastError();
 }
 
-template <typename T, tc::MmaKind K>
+template <typename T, tc::MmaKind K, bool kTransB>
 cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const GemmArgs& a, int split,
                              cudaStream_t stream) {
   switch (config) {
     case 0:
-      return gemm_launch_shape<T, K, 0>(p, a, split, stream);
+      return gemm_launch_shape<T, K, 0, kTransB>(p, a, split, stream);
     case 1:
-      return gemm_launch_shape<T, K, 1>(p, a, split, stream);
+      return gemm_launch_shape<T, K, 1, kTransB>(p, a, split, stream);
     case 2:
-      return gemm_launch_shape<T, K, 2>(p, a, split, stream);
+      return gemm_launch_shape<T, K, 2, kTransB>(p, a, split, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -750,7 +817,10 @@ cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t
     a.ys_n = p.C_out * p.H_out * p.W_out;
   }
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  if (p.packed_weights != nullptr) {
+  const bool trans_b = gemm_reads_weights(p);
+  if (trans_b) {
+    a.wp = p.w;
+  } else if (p.packed_weights != nullptr) {
     a.wp = p.packed_weights;
   } else {
     if (ws == nullptr) return cudaErrorInvalidValue;
@@ -766,11 +836,13 @@ cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t
   }
   switch (p.dtype) {
     case DType::kFloat32:
-      return gemm_launch_kind<float, tc::MmaKind::kTF32>(p, config, a, split, stream);
+      return gemm_launch_kind<float, tc::MmaKind::kTF32, false>(p, config, a, split, stream);
     case DType::kBFloat16:
-      return gemm_launch_kind<__nv_bfloat16, tc::MmaKind::kBF16>(p, config, a, split, stream);
+      return trans_b ? gemm_launch_kind<__nv_bfloat16, tc::MmaKind::kBF16, true>(p, config, a, split, stream)
+                     : gemm_launch_kind<__nv_bfloat16, tc::MmaKind::kBF16, false>(p, config, a, split, stream);
     case DType::kFloat16:
-      return gemm_launch_kind<__half, tc::MmaKind::kFP16>(p, config, a, split, stream);
+      return trans_b ? gemm_launch_kind<__half, tc::MmaKind::kFP16, true>(p, config, a, split, stream)
+                     : gemm_launch_kind<__half, tc::MmaKind::kFP16, false>(p, config, a, split, stream);
     default:
       return cudaErrorInvalidValue;
   }

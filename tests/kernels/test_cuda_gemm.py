@@ -39,16 +39,18 @@ PROBLEMS = {
     "dilation": dict(n=1, c_in=48, c_out=33, h=7, w=9, k=3, stride=2, dilation=2, padding=2),
     "asym": dict(n=2, c_in=64, c_out=80, h=5, w=11, k=(2, 5), stride=(2, 3), padding=(0, 2)),
     "groups": dict(n=2, c_in=96, c_out=48, h=6, w=6, k=4, stride=2, padding=1, groups=3),
+    "groups_wide": dict(n=2, c_in=128, c_out=48, h=5, w=6, k=3, stride=2, padding=1, groups=2),  # 64 in a group
     "one_pixel": dict(n=5, c_in=64, c_out=128, h=1, w=1, k=4),
     "many_rows": dict(n=3, c_in=16, c_out=257, h=23, w=19, k=2, stride=2, bias=False),
 }
 
 
 def run(problem: dict, mode: str, *, layout: str, config: int | None = None, split: int | None = None,
-        seed: int = 0, tf32_reference: bool = False, force: bool = True,
-        staged: bool | None = None) -> tuple[float, float, str, torch.Tensor]:
+        seed: int = 0, tf32_reference: bool = False, force: bool = True, staged: bool | None = None,
+        weight_layout: str = "nchw") -> tuple[float, float, str, torch.Tensor]:
     """Run one problem into a poisoned output; returns (rel_err, tol, path, y). ``layout``: "nchw" (into an NCHW
-    ``out``), "nchw_new" (NCHW input, a new output) or "cl" (channels-last input, a new output)."""
+    ``out``), "nchw_new" (NCHW input, a new output) or "cl" (channels-last input, a new output); ``weight_layout``:
+    "nchw" or "cl" (channels-last weights, as ``model.to(memory_format=torch.channels_last)`` makes them)."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     k = p.pop("k")
@@ -61,6 +63,8 @@ def run(problem: dict, mode: str, *, layout: str, config: int | None = None, spl
     x = torch.randn(n, c_in, h, w, device="cuda", generator=g).to(dtype)
     wt = torch.randn(c_in, c_out // args.groups, kh, kw, device="cuda", generator=g).to(dtype)
     b = torch.randn(c_out, device="cuda", generator=g).to(dtype) if bias else None
+    if weight_layout == "cl":
+        wt = wt.contiguous(memory_format=torch.channels_last)
     ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
     wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
     out = None
@@ -94,6 +98,47 @@ def test_gemm_forced(problem: str, config: int, mode: str, layout: str) -> None:
         assert y.is_contiguous(memory_format=torch.channels_last)
         assert not y.is_contiguous()
     assert err <= tol, f"{problem}/gemm{config}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("config", range(NUM_GEMM_CONFIGS))
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_gemm_channels_last_weights(problem: str, config: int, mode: str, layout: str) -> None:
+    """Channels-last weights: 16-bit ones read as they are (B N-major, boxes of 64 output channels, those wholly
+    past C_out / groups not brought) where their rows allow it (C_out / groups % 8 == 0, a group's C_in in whole
+    stages of 64: k2s2, k4s2p1, asym, one_pixel, groups_wide), the others (TF32; 33 or 257 output channels; 16, 32,
+    40 or 72 input channels a group) packed from that layout; split-K too."""
+    for split in (1, 3):
+        err, tol, path, _ = run(PROBLEMS[problem], mode, layout=layout, config=config, split=split,
+                                seed=zlib.crc32(problem.encode()) + 7 * config + split, weight_layout="cl")
+        assert path == "gemm"
+        assert err <= tol, f"{problem}/gemm{config}/{mode}/{layout}/split {split}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "tf32"])
+def test_gemm_reads_channels_last_16bit_weights_without_packing(mode: str) -> None:
+    """A channels-last 16-bit call allocates only its output: no scratch for packed weights (an NCHW weight, or
+    TF32, takes one more allocation: the packed copy)."""
+    dtype, precision, tol = MODES[mode]
+    x = torch.randn(4, 128, 6, 6, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(128, 64, 4, 4, device="cuda").to(dtype)
+    args = normalize_args(2, 1, 0, 1, 1)
+
+    def allocations(weight: torch.Tensor) -> int:
+        _forward_cuda(x, weight, None, args, precision or "fp32", force_path="gemm", force_split=1)  # first-call work
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        y, path = _forward_cuda(x, weight, None, args, precision or "fp32", force_path="gemm", force_split=1)
+        allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+        assert path == "gemm"
+        assert rel_err(y, reference(x, weight, None, stride=2, padding=1)) <= tol
+        return allocated
+
+    assert allocations(w) == 2  # the output and the packed weights
+    assert allocations(w.contiguous(memory_format=torch.channels_last)) == (2 if mode == "tf32" else 1)
 
 
 @needs_sm90
