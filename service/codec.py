@@ -36,6 +36,7 @@ from service.errors import (
     InvalidInputError,
     MalformedBodyError,
     PayloadTooLargeError,
+    RegionError,
     ServiceError,
     UnsupportedMediaTypeError,
 )
@@ -153,7 +154,23 @@ class SlotTensor(RawTensor):
         return t
 
 
-class SourceTensor:
+class _Described:
+    """What a tensor known by its dtype and shape alone answers (``SourceTensor``, ``DeviceTensor``)."""
+
+    __slots__ = ()
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def element_size(self) -> int:
+        """Bytes per element, as ``torch.Tensor.element_size``."""
+        return self.dtype.itemsize
+
+
+class SourceTensor(_Described):
     """A request's input still at its source (a client's shared-memory region, checked): ``fill`` copies its
     bytes into a buffer of exactly ``nbytes``, so that they can go straight to where they are needed (a slot of
     the engine link's arena) instead of through a copy of their own; ``load`` is that copy, as a ``RawTensor``."""
@@ -165,14 +182,6 @@ class SourceTensor:
         self.dtype = dtype
         self.shape = shape
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def element_size(self) -> int:
-        """Bytes per element, as ``torch.Tensor.element_size``."""
-        return self.dtype.itemsize
-
     def reshape(self, shape: tuple[int, ...]) -> SourceTensor:
         """The same bytes as ``shape`` (same number of elements)."""
         return SourceTensor(self.fill, self.dtype, shape)
@@ -182,6 +191,64 @@ class SourceTensor:
         data = memoryview(bytearray(self.nbytes))
         self.fill(data)
         return RawTensor(data, self.dtype, self.shape)
+
+
+class DeviceTensor(_Described):
+    """A tensor in a client's CUDA shared-memory region, by reference: the registration it lies in (``token``,
+    ``service.http.shm_regions``), that region's GPU, the byte offset in the region, dtype and shape. Only the
+    engine's worker of that GPU touches the bytes (``service.engine.cuda_shm``); as a result, the place the output
+    was written to."""
+
+    __slots__ = ("device", "dtype", "offset", "shape", "token")
+
+    def __init__(self, token: str, device: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.token = token
+        self.device = device
+        self.offset = offset
+        self.dtype = dtype
+        self.shape = shape
+
+    def reshape(self, shape: tuple[int, ...]) -> DeviceTensor:
+        """The same bytes as ``shape`` (same number of elements)."""
+        return DeviceTensor(self.token, self.device, self.offset, self.dtype, shape)
+
+
+class CudaJob:
+    """A request with a tensor in CUDA shared memory: its input ``x`` (in a region, or host bytes) and where its
+    output goes (``out``: a region, or None for the host as usual). ``device``: the GPU whose worker runs it, the
+    regions' GPU. Shape and dtype are the input's, as for any request.
+
+    Raises:
+        RegionError: the input and the output lie on different GPUs.
+    """
+
+    __slots__ = ("device", "out", "x")
+
+    def __init__(self, x: AnyTensor | DeviceTensor, out: DeviceTensor | None) -> None:
+        devices = {t.device for t in (x, out) if isinstance(t, DeviceTensor)}
+        if len(devices) != 1:
+            raise RegionError(f"the input's and the output's CUDA shared-memory regions lie on GPUs "
+                              f"{sorted(devices)}; use regions of one GPU" if devices else
+                              "a CUDA shared-memory request names no CUDA region")
+        self.x = x
+        self.out = out
+        self.device = devices.pop()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    def element_size(self) -> int:
+        """Bytes per element, as ``torch.Tensor.element_size``."""
+        return self.x.dtype.itemsize
+
+    def reshape(self, shape: tuple[int, ...]) -> CudaJob:
+        """The same request with its input as ``shape``."""
+        return CudaJob(self.x.reshape(shape), self.out)
 
 
 AnyTensor = torch.Tensor | RawTensor

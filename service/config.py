@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     system_shm_max_bytes: int = Field(
         16 * 2**30, ge=1, description="KServe system shared memory: most bytes of all registered regions together; "
         "a registration that would exceed it is 400.")
+    cuda_shm_max_regions: int = Field(
+        64, ge=0, description="KServe CUDA shared memory (/v2/cudasharedmemory, GPU servers only): most regions "
+        "registered at once over the whole server, each a client's GPU allocation the engine maps; registering "
+        "more is 400. 0: the extension is off.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     access_log: bool = Field(True, description="Log one line per HTTP request at level info (uvicorn's access log).")
     self_test: bool = Field(True, description="Run every layer against the float64 reference before ready.")

@@ -39,6 +39,19 @@ class MalformedBodyError(ServiceError):
     status, type = 400, "malformed_body"
 
 
+class RegionError(ServiceError):
+    """A shared-memory region request, or a tensor in a region, that cannot be honoured (400, as Triton answers):
+    KServe system and CUDA shared memory (``service.http.shm_regions``, ``service.engine.cuda_shm``)."""
+
+    status, type = 400, "invalid_shared_memory"
+
+
+class UnknownRegionError(RegionError):
+    """No region of that name is registered (or it was unregistered while a request used it)."""
+
+    type = "unknown_shared_memory_region"
+
+
 class UnauthorizedError(ServiceError):
     """An API key is configured and the request did not carry it."""
 

@@ -119,7 +119,8 @@ class Metrics:
             "server, the HTTP processes connected to the engine.", registry=r, multiprocess_mode="livesum")
         self.ipc_requests = Counter(
             "deconv_ipc_requests", "Multi-process server: requests an HTTP process sent to the engine, by the way "
-            "their tensors went: 'shared' (the HTTP process's shared memory) or 'inline' (the engine socket).",
+            "their tensors went: 'shared' (the HTTP process's shared memory), 'inline' (the engine socket) or "
+            "'cuda' (a client's CUDA shared memory, named in the request).",
             ["path"], registry=r)
         self.inflight_bytes = Gauge(
             "deconv_inflight_bytes", "Bytes of inference requests in flight: bodies being read, requests queued or "

@@ -1,5 +1,8 @@
 """Dynamic batching: one bounded queue per layer; requests with the same dtype and H x W share a kernel call.
 
+Requests in clients' CUDA shared memory (``codec.CudaJob``) batch only with each other, per GPU (the *lane* of
+``Pending.key``), and their batches go to that GPU's worker (``Executor.acquire(device)``).
+
 A batch is executed when the group of the oldest queued request holds ``max_batch_size`` samples or
 ``max_batch_bytes`` output bytes, or when that request has waited ``max_queue_delay_ms``, whichever comes
 first, and a worker has room for another batch (while every worker is busy the queue keeps filling, so batches grow with
@@ -34,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from service.codec import AnyTensor
+from service.codec import AnyTensor, CudaJob
 from service.engine.interface import Result
 from service.engine.registry import Layer
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
@@ -52,15 +55,17 @@ class Executor(Protocol):
         ...
 
     async def acquire(self) -> Any:
-        """Wait for and reserve room for a batch on some worker (a reservation)."""
+        """Wait for and reserve room for a batch on some worker (a reservation); ``acquire(device)`` on a worker of
+        that GPU (a batch in its CUDA shared memory)."""
         ...
 
     def release(self, reservation: Any) -> None:
         """Give back an unused reservation."""
         ...
 
-    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
-        """Execute one batch on the reservation (released when done); one output per input."""
+    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[Any]:
+        """Execute one batch on the reservation (released when done); one output per input, or the exception of
+        that input's request alone."""
         ...
 
 
@@ -120,7 +125,9 @@ class Pending:
 
     seq: int
     x: AnyTensor  # [n, C_in, H, W]
-    key: tuple[torch.dtype, int, int]  # (dtype, H, W): requests with equal keys can share a kernel call
+    # (dtype, H, W, lane): requests with equal keys can share a kernel call. The lane is None for requests in host
+    # memory, the GPU for requests in its CUDA shared memory (codec.CudaJob), which run on that GPU's worker.
+    key: tuple[torch.dtype, int, int, int | None]
     samples: int
     out_bytes: int
     enqueued: float  # time.monotonic()
@@ -144,7 +151,7 @@ class Batcher:
         self.executor = executor
         self.metrics = metrics
         self._queue: dict[int, Pending] = {}  # insertion order = arrival order
-        self._totals: dict[tuple[torch.dtype, int, int], list[int]] = {}  # key -> [samples, bytes] queued
+        self._totals: dict[tuple[torch.dtype, int, int, int | None], list[int]] = {}  # key -> [samples, bytes]
         self._seq = itertools.count()
         self._changed: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -231,8 +238,9 @@ class Batcher:
                              f"(max_queue_size {limits.max_queue_size}); retry later", retry_after_s=retry)
         n, _, h, w = x.shape
         loop = self._event_loop or asyncio.get_running_loop()
+        lane = x.device if isinstance(x, CudaJob) else None
         item = Pending(
-            seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w)), samples=int(n),
+            seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w), lane), samples=int(n),
             out_bytes=self.layer.output_bytes(int(n), int(h), int(w)),
             enqueued=time.monotonic() if received is None else received, deadline=deadline,
             future=loop.create_future() if on_done is None else Answer(on_done, key, loop),
@@ -278,7 +286,7 @@ class Batcher:
         except asyncio.TimeoutError:
             return False
 
-    def _group_full(self, key: tuple[torch.dtype, int, int]) -> bool:
+    def _group_full(self, key: tuple[torch.dtype, int, int, int | None]) -> bool:
         samples, nbytes = self._totals.get(key, (0, 0))
         limits = self.layer.limits
         return samples >= limits.max_batch_size or nbytes >= limits.max_batch_bytes
@@ -313,8 +321,10 @@ class Batcher:
                 continue
             if self.layer.limits.max_batch_size > 1:  # pack late (module docstring)
                 await self._wait_for_room()
-            reservation = await self.executor.acquire()  # requests keep joining the queue while workers are busy
-            batch = self._pack()
+            # Requests keep joining the queue while workers are busy. A batch in CUDA shared memory needs its GPU.
+            lane = head.key[3]
+            reservation = await (self.executor.acquire() if lane is None else self.executor.acquire(lane))
+            batch = self._pack(lane)
             if not batch:
                 self.executor.release(reservation)
                 continue
@@ -336,7 +346,9 @@ class Batcher:
             self._finished.clear()
             await self._finished.wait()
 
-    def _pack(self) -> list[Pending]:
+    def _pack(self, lane: int | None = None) -> list[Pending]:
+        """The next batch: the oldest queued request of ``lane`` (see ``Pending.key``) and the requests of its key
+        after it, within the layer's limits."""
         now = time.monotonic()
         for item in list(self._queue.values()):
             if item.deadline is not None and now > item.deadline:
@@ -346,10 +358,10 @@ class Batcher:
                 if not item.future.done():  # enqueued is the receipt time the deadline counts from
                     item.future.set_exception(DeadlineExceededError.before_execution(
                         1e3 * (item.deadline - item.enqueued)))
-        if not self._queue:
+        key = next((item.key for item in self._queue.values() if item.key[3] == lane), None)
+        if key is None:
             self._report_depth()
             return []
-        key = next(iter(self._queue.values())).key
         limits = self.layer.limits
         batch: list[Pending] = []
         samples = nbytes = 0
@@ -411,5 +423,9 @@ class Batcher:
         await asyncio.sleep(0)
         worker = getattr(reservation, "name", str(reservation))
         for item, y in zip(batch, outputs, strict=True):
-            if not item.future.done():
+            if item.future.done():
+                continue
+            if isinstance(y, BaseException):  # this request alone failed (its CUDA shared-memory region)
+                item.future.set_exception(y)
+            else:
                 item.future.set_result(Result(y, samples, len(batch), start - item.enqueued, worker))

@@ -78,12 +78,44 @@ class LayerQueue(Protocol):
         ...
 
 
+class CudaMemory(Protocol):
+    """The engine's side of KServe CUDA shared memory: the clients' GPU allocations it maps, one per registration
+    (``token``), where its GPU workers run (``service.engine.cuda_shm.CudaRegions``, or
+    ``service.engine.remote.RemoteCudaMemory``, which asks the engine process). The registrations themselves (names,
+    sizes, status) are the HTTP layer's (``service.http.shm_regions``)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether regions can be opened (a GPU engine, the extension on, the CUDA libraries found)."""
+        ...
+
+    @property
+    def reason(self) -> str:
+        """Why regions cannot be opened ("" when they can)."""
+        ...
+
+    async def open(self, token: str, handle: bytes, device: int, byte_size: int) -> None:
+        """Map the allocation of IPC ``handle`` on GPU ``device`` for registration ``token``.
+
+        Raises:
+            RegionError: unavailable, not a GPU of this engine, a handle that does not open, an allocation smaller
+                than ``byte_size``, or too many regions (400).
+        """
+        ...
+
+    async def close(self, tokens: list[str]) -> None:
+        """Unmap the allocations of these registrations (unknown tokens are ignored); one in use by a batch is
+        unmapped when the batch is done, and no new request reaches it."""
+        ...
+
+
 class Engine(Protocol):
     """What the HTTP layer serves (the module docstring)."""
 
     settings: Settings
     metrics: Metrics
     readiness: Readiness
+    cuda_memory: CudaMemory
     registry: Registry | None  # None until start() loaded it
     backend: str  # "cuda" or "cpu" ("" until known)
     drained: bool  # set by stop(): every request taken was answered in time

@@ -1,5 +1,6 @@
-"""The in-process engine: ``LocalEngine`` holds the layer registry, the workers, one batcher per layer, the metrics
-and the readiness, and runs their life cycle (one of the two ``service.engine.interface.Engine``\\ s).
+"""The in-process engine: ``LocalEngine`` holds the layer registry, the workers, one batcher per layer, the metrics,
+the readiness and the clients' CUDA shared-memory regions (``service.engine.cuda_shm``), and runs their life cycle
+(one of the two ``service.engine.interface.Engine``\\ s).
 
 ``start()`` loads and checks the layer repository (an invalid one stops the server before it accepts anything),
 starts the batchers, and starts a background task that builds the kernels (GPU) and self-tests every layer, so
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 
 from service.config import Settings, parse_devices
 from service.engine.batcher import Batcher
+from service.engine.cuda_shm import CudaRegions
 from service.engine.interface import LayerQueue, Readiness
 from service.engine.registry import Registry, load_registry
 from service.engine.worker import Worker, WorkerPool, select_devices
@@ -41,6 +43,7 @@ class LocalEngine:
         self.readiness = Readiness(self.metrics, "starting: kernels and self-tests have not finished")
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
+        self.cuda_memory = CudaRegions(settings.cuda_shm_max_regions)  # available once start() found GPUs
         self.batchers: dict[str, Batcher] = {}
         self.backend = ""
         self.drained = False
@@ -94,8 +97,9 @@ class LocalEngine:
         log.info("%s", why)
         log.info("layer repository %s: %d layer(s): %s", self.registry.root, len(self.registry),
                  ", ".join(self.registry.names()))
-        self.pool = WorkerPool([Worker(d, self.metrics, faults=self.faults) for d in devices], self.metrics,
-                               worker_timeout_s=s.worker_timeout_s)
+        self.cuda_memory.configure(devices)
+        self.pool = WorkerPool([Worker(d, self.metrics, faults=self.faults, cuda=self.cuda_memory) for d in devices],
+                               self.metrics, worker_timeout_s=s.worker_timeout_s)
         self._watchdog = asyncio.create_task(self.pool.watch(), name="deconv-worker-watchdog")
         if self.backend == "cuda":
             self.metrics.watch_gpus([d.index for d in devices if d.index is not None])
@@ -185,5 +189,6 @@ class LocalEngine:
                 await self._watchdog
         if self.pool is not None:
             await asyncio.to_thread(self.pool.shutdown)
+        await asyncio.to_thread(self.cuda_memory.close_all)  # the clients' allocations, once no batch runs
         self.drained = drained
         log.info("stopped" if drained else "stopped; the drain was incomplete")

@@ -1,9 +1,11 @@
-"""The kernels' batch calls for serving: host memory in, host memory out, the GIL released once per batch.
+"""The kernels' batch calls for serving: host memory in, host memory out, the GIL released once per batch; and
+device memory in, device memory out, for requests in CUDA shared memory.
 
-``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived) and
-``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers (``service.engine.worker``)
-run; ``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal
-layer (``kernels._ops``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
+``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived),
+``conv_transpose2d_staged`` (a host tensor into a host tensor) and ``conv_transpose2d_device`` (a CUDA tensor into
+a given CUDA tensor, such as a client's region) are what the workers (``service.engine.worker``) run;
+``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal layer
+(``kernels._ops``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kernels._ops import (
     ConvArgs,
     ConvTranspose2dArgumentError,
     _ext_packs,
+    _forward_cuda,
     _load_extension,
     _out_hw,
     check_shapes,
@@ -166,3 +169,34 @@ def conv_transpose2d_gathered(
     return _load_extension().forward_gathered(  # type: ignore[no-any-return]
         list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
         list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+
+
+def conv_transpose2d_device(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    out: torch.Tensor | None = None,
+    choice: KernelChoice = DEFAULT,
+    packs: WeightPacks | None = None,
+) -> torch.Tensor:
+    """``conv_transpose2d`` of a CUDA input on the current stream, written into ``out`` when given (a contiguous
+    ``[N, C_out, H_out, W_out]`` CUDA tensor of the input's dtype, such as a view of a client's CUDA shared-memory
+    region), else into a new tensor; returns the output without waiting for the stream. No autograd. ``choice``
+    and ``packs`` as for ``conv_transpose2d_staged``.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
+    """
+    if input.dim() != 4 or not input.is_cuda:
+        raise ConvTranspose2dArgumentError("conv_transpose2d_device takes a 4-D CUDA input")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise ConvTranspose2dArgumentError(
+            f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
+        )
+    check_tensors(input, weight, bias, args)
+    mode = resolve_precision(input.dtype, precision)
+    y, _ = _forward_cuda(input, weight, bias, args, mode, out, force_path=choice.path, force_config=choice.config,
+                         force_split=choice.split, force_staged=choice.staged, packs=packs)
+    return y

@@ -23,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from service.codec import RawTensor, SlotTensor
 from service.config import Settings, configure_logging, load_settings
@@ -61,8 +63,34 @@ class EngineConnection(frames.FrameProtocol):
             self._submit(frames.parse_submit(body, self.arena))
         elif kind == frames.DROP:
             self._drop(*frames.parse_drop(body))
+        elif kind == frames.CUDA_OPEN:
+            call_id, token, handle, device, byte_size = frames.parse_cuda_open(body)
+            self._call(call_id, self.server.engine.cuda_memory.open(token, handle, device, byte_size))
+        elif kind == frames.CUDA_CLOSE:
+            call_id, tokens = frames.parse_cuda_close(body)
+            self._call(call_id, self.server.engine.cuda_memory.close(tokens))
         else:
             raise frames.ProtocolError(f"unexpected frame kind {kind} from an HTTP process")
+
+    def _call(self, call_id: int, work: Coroutine[Any, Any, None]) -> None:
+        """Run a call of the HTTP process (CUDA shared memory) and answer it: ``REPLY``, or ``ERROR``."""
+        task = self.loop.create_task(work)
+        self.server.calls.add(task)
+
+        def answer(done: asyncio.Task[None]) -> None:
+            self.server.calls.discard(done)
+            if done.cancelled():
+                return
+            exc = done.exception()
+            if exc is None:
+                self.send(frames.reply_frame(call_id))
+                return
+            if not isinstance(exc, ServiceError):
+                log.error("engine: a CUDA shared-memory call failed", exc_info=exc)
+                exc = InternalError("the engine failed to map or unmap CUDA shared memory")
+            self.send(frames.error_frame(call_id, exc))
+
+        task.add_done_callback(answer)
 
     def _submit(self, req: frames.Submit) -> None:
         engine = self.server.engine
@@ -103,7 +131,7 @@ class EngineConnection(frames.FrameProtocol):
             error = outcome if isinstance(outcome, ServiceError) else InternalError("batch execution failed")
             self.send(frames.error_frame(request_id, error))
             return
-        r = outcome
+        r = outcome  # (an output in a CUDA region, codec.DeviceTensor, goes as such: result_frame)
         shared = isinstance(x, SlotTensor) and isinstance(r.output, RawTensor) and r.output.data is x.out
         self.send(frames.result_frame(request_id, r.output, r.batch_samples, r.batch_requests, r.queue_s, r.worker,
                                    shared))
@@ -136,11 +164,13 @@ class EngineServer:
         self.socket_path = socket_path
         self.connections: set[EngineConnection] = set()
         self.layers: list[str] = []
+        self.calls: set[asyncio.Task[None]] = set()  # CUDA shared-memory calls of the HTTP processes in progress
 
     def state_frame(self) -> list[bytes | memoryview]:
         """The ``STATE`` frame for the engine as it is now."""
         e = self.engine
-        return frames.state_frame(e.readiness.state, e.readiness.reason, e.backend, self.layers)
+        return frames.state_frame(e.readiness.state, e.readiness.reason, e.backend, self.layers,
+                                  e.cuda_memory.available, e.cuda_memory.reason)
 
     def _broadcast(self) -> None:
         frame = self.state_frame()
@@ -175,6 +205,8 @@ class EngineServer:
         sampler = loop.create_task(self._sample_gpus())
         await stop.wait()
         log.info("engine: stopping")
+        if self.calls:  # a mapping made after the engine stopped would stay
+            await asyncio.gather(*self.calls, return_exceptions=True)
         await self.engine.stop()  # every queued request runs and is answered (or fails past the timeout)
         accepting.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from service.codec import AnyTensor, RawTensor, SourceTensor, bytes_of
+from service.codec import AnyTensor, CudaJob, RawTensor, SourceTensor, bytes_of
 from service.config import Settings
 from service.engine.interface import LayerQueue, Readiness, Result, wait_idle
 from service.engine.registry import Layer, Registry, load_registry
@@ -70,8 +70,10 @@ class EngineClient(frames.FrameProtocol):
         # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
         # output bytes). A request given up on keeps its slot here until then (service.ipc.shm).
         self.slots: dict[int, tuple[int, int, int]] = {}
+        self.calls: dict[int, asyncio.Future[None]] = {}  # CUDA shared-memory calls waiting for the engine's answer
         paths = engine.metrics.ipc_requests
-        self.sent_shared, self.sent_inline = paths.labels("shared"), paths.labels("inline")
+        self.sent_shared, self.sent_inline, self.sent_cuda = paths.labels("shared"), paths.labels("inline"), \
+            paths.labels("cuda")
 
     def frame_received(self, kind: int, body: bytearray) -> None:
         if kind == frames.RESULT:
@@ -97,6 +99,13 @@ class EngineClient(frames.FrameProtocol):
             entry = self.pending.pop(request_id, None)
             if entry is not None and not entry[0].future.done():
                 entry[0].future.set_exception(error)
+            call = self.calls.pop(request_id, None)
+            if call is not None and not call.done():
+                call.set_exception(error)
+        elif kind == frames.REPLY:
+            call = self.calls.pop(frames.result_id(body), None)
+            if call is not None and not call.done():
+                call.set_result(None)
         elif kind == frames.DONE:
             self._release(self.slots.pop(frames.result_id(body), None))
         elif kind == frames.STATE:
@@ -112,15 +121,20 @@ class EngineClient(frames.FrameProtocol):
         if slot is not None and self.arena is not None:
             self.arena.free(slot[0])
 
-    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor | SourceTensor, received: float,
-                   deadline: float | None) -> None:
+    def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor | SourceTensor | CudaJob,
+                   received: float, deadline: float | None) -> None:
         """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes. An input
-        still at its source (``SourceTensor``) is read straight into the slot, or into a copy to send inline.
+        still at its source (``SourceTensor``) is read straight into the slot, or into a copy to send inline. A
+        request in CUDA shared memory (``CudaJob``) only names its regions.
 
         Raises:
             ServiceError: the source could not be read (nothing is sent, the slot is given back).
         """
         arena = self.arena
+        if isinstance(x, CudaJob):  # its tensors are in CUDA regions (an input from the host travels inline)
+            self.send(frames.submit_frame(request_id, index, x, received, deadline))
+            self.sent_cuda.inc()
+            return
         if arena is not None:
             data = None if isinstance(x, SourceTensor) else bytes_of(x)
             nbytes = x.nbytes if data is None else data.nbytes
@@ -150,12 +164,29 @@ class EngineClient(frames.FrameProtocol):
         log.error("engine connection: %s", exc)
         super().protocol_error(exc)
 
+    async def call(self, call_id: int, frame: list[bytes | memoryview]) -> None:
+        """Send a CUDA shared-memory call (``call_id`` from ``self.ids``, in its frame) and wait for the engine's
+        answer.
+
+        Raises:
+            ServiceError: the engine's error; ``NotReadyError`` when the engine is gone.
+        """
+        if self.transport is None or self.transport.is_closing():
+            raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
+        future = self.calls[call_id] = self.loop.create_future()
+        self.send(frame)
+        await future
+
     def lost(self, exc: Exception | None) -> None:
         error = InternalError("the engine process stopped before answering; retry")
         for item, _, _ in self.pending.values():
             if not item.future.done():
                 item.future.set_exception(error)
         self.pending.clear()
+        for call in self.calls.values():
+            if not call.done():
+                call.set_exception(error)
+        self.calls.clear()
         self.slots.clear()
         self.arena = None  # the engine is gone: nothing more goes through it
         self.engine.engine_lost(exc)
@@ -223,6 +254,35 @@ class RemoteQueue:
         return True
 
 
+class RemoteCudaMemory:
+    """The engine process's CUDA shared memory, from an HTTP process (``CudaMemory``): its availability from the
+    engine's ``STATE`` frames, ``open`` and ``close`` as ``CUDA_OPEN`` and ``CUDA_CLOSE`` calls."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self._engine = engine
+        self.available = False
+        self.reason = "CUDA shared memory is not ready: waiting for the engine process"
+
+    def _client(self) -> EngineClient:
+        client = self._engine.client
+        if client is None:
+            raise NotReadyError("the engine process is not connected", retry_after_s=5.0)
+        return client
+
+    async def open(self, token: str, handle: bytes, device: int, byte_size: int) -> None:
+        """Ask the engine to map a client's allocation (``CudaMemory.open``)."""
+        client = self._client()
+        call_id = next(client.ids)
+        await client.call(call_id, frames.cuda_open_frame(call_id, token, handle, device, byte_size))
+
+    async def close(self, tokens: list[str]) -> None:
+        """Ask the engine to unmap these registrations' allocations (``CudaMemory.close``)."""
+        if tokens:
+            client = self._client()
+            call_id = next(client.ids)
+            await client.call(call_id, frames.cuda_close_frame(call_id, tokens))
+
+
 class RemoteEngine:
     """The engine of an HTTP process: the layer repository (to validate and describe) and the engine process's link
     (the module docstring)."""
@@ -236,6 +296,7 @@ class RemoteEngine:
         self.drained = False
         self.engine_socket = engine_socket
         self.client: EngineClient | None = None
+        self.cuda_memory = RemoteCudaMemory(self)
         self._queues: dict[str, RemoteQueue] = {}
         self._faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -320,6 +381,8 @@ class RemoteEngine:
         """Take over the engine's readiness (unless this process is draining, or failed on its own)."""
         assert self.registry is not None
         self.backend = str(state["backend"])
+        self.cuda_memory.available = bool(state.get("cuda_shm", False))
+        self.cuda_memory.reason = str(state.get("cuda_shm_reason", ""))
         if state["layers"] != self.registry.names():
             new, reason = "failed", (f"the engine serves layers {state['layers']}, this process "
                                      f"{self.registry.names()}: the repository changed while starting; restart")

@@ -14,6 +14,11 @@ past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the ol
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
 
+A batch of requests in clients' CUDA shared memory (``codec.CudaJob``; the batcher keeps them in batches of their
+own, on their GPU's worker) takes the device path instead (``Worker._device_batch``): the inputs are read where
+they are, in the regions the engine mapped (``service.engine.cuda_shm``), and the outputs written into theirs, on
+the worker's stream, which is waited for before the batch is answered; a request whose region went fails alone.
+
 ``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) that has room for another
 batch (a *reservation*: ``acquire``, given back when the batch is done). Nothing here imports FastAPI. A *slot*,
 here as everywhere in the service, is a request's range of shared memory (``service.codec.SlotTensor``).
@@ -38,12 +43,14 @@ worker's thread (``_serve``). Everything the loop alone uses (``inflight_batches
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +58,17 @@ import torch.nn.functional as F
 from kernels import conv_transpose2d
 from kernels.functional import resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
-from service.codec import AnyTensor, RawTensor, SlotTensor, copy_into, tensor_bytes
-from service.engine.ops import HostPart, WeightPacks, conv_transpose2d_gathered, conv_transpose2d_staged
+from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, SlotTensor, as_tensor, copy_into, tensor_bytes
+from service.engine.cuda_shm import CudaRegions
+from service.engine.ops import (
+    HostPart,
+    WeightPacks,
+    conv_transpose2d_device,
+    conv_transpose2d_gathered,
+    conv_transpose2d_staged,
+)
 from service.engine.registry import Layer
-from service.errors import InternalError
+from service.errors import InternalError, RegionError, ServiceError
 from service.faults import Faults
 from service.metrics import Metrics
 
@@ -75,6 +89,12 @@ ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Layer], t
 GatheredFn = Callable[[list[AnyTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], torch.Tensor]
 # A batch handed to the worker thread: its future, its layer and its inputs.
 _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
+# A request's answer from a worker: its output (host tensor, or where in CUDA shared memory it was written), or the
+# error of that request alone.
+_Output = AnyTensor | DeviceTensor | ServiceError
+_T = TypeVar("_T")
+# Device addresses the kernels read and write in place: a region's tensor elsewhere is copied once (bytes).
+DEVICE_ALIGN = 16
 
 
 def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
@@ -123,6 +143,14 @@ def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                             serving_choice(tuple(x.shape), weight, bias, layer, packs), packs)
 
 
+def kernel_forward_device(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
+                          out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
+    """``kernel_forward`` of a CUDA input on the current stream, into ``out`` (a contiguous CUDA tensor) when given,
+    without waiting for the stream."""
+    return conv_transpose2d_device(x, weight, bias, layer.args, layer.kernel_precision, out,
+                                   serving_choice(tuple(x.shape), weight, bias, layer, packs), packs)
+
+
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
     """Norm-wise relative error ``||y - y_ref|| / ||y_ref||`` in float64."""
     y, y_ref = y.double().cpu(), y_ref.double().cpu()
@@ -152,8 +180,10 @@ class Worker:
     """
 
     def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
-                 faults: Faults | None = None, gathered: GatheredFn | None = None) -> None:
+                 faults: Faults | None = None, gathered: GatheredFn | None = None,
+                 cuda: CudaRegions | None = None) -> None:
         self.device = device
+        self._cuda = cuda  # the engine's CUDA shared-memory regions, which a batch of CudaJobs leases
         self.name = str(device)
         self.metrics = metrics
         self.faults = faults if faults else None
@@ -202,7 +232,7 @@ class Worker:
                     continue  # already failed by a restart
                 self.busy_since = time.monotonic()
                 try:
-                    outputs = self._deliver(inputs, self._batch_output(layer, inputs), generation)
+                    outputs = self._outputs(layer, inputs, generation)
                 except Exception as exc:
                     _settle(future, error=exc)
                 else:
@@ -218,6 +248,14 @@ class Worker:
                 return
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
+
+    def _outputs(self, layer: Layer, inputs: list[AnyTensor], generation: int) -> list[_Output]:
+        """The batch's answers, one per request: a batch of requests in CUDA shared memory (``codec.CudaJob``;
+        the batcher never mixes them with others) on the device path, every other batch through host memory."""
+        if isinstance(inputs[0], CudaJob):
+            jobs: list[CudaJob] = inputs  # type: ignore[assignment]
+            return self._guarded(layer, inputs, lambda: self._device_batch(layer, jobs))
+        return self._deliver(inputs, self._batch_output(layer, inputs), generation)  # type: ignore[return-value]
 
     def _deliver(self, inputs: list[AnyTensor], y: torch.Tensor, generation: int) -> list[AnyTensor]:
         """The batch's output ``y`` split per request: for an input with a slot (``SlotTensor``) its rows are
@@ -309,12 +347,17 @@ class Worker:
 
     def _batch_output(self, layer: Layer, inputs: list[AnyTensor]) -> torch.Tensor:
         """The whole batch's output ``[N, C_out, H_out, W_out]`` on the host (``_deliver`` splits it)."""
+        return self._guarded(layer, inputs, lambda: self._forward_span(layer, inputs, None))
+
+    def _guarded(self, layer: Layer, inputs: list[AnyTensor], run: Callable[[], _T]) -> _T:
+        """``run()``, the batch's execution, with the worker's metrics, fault hooks and errors around it: any
+        failure becomes ``InternalError`` (out of memory: after the halving in ``_forward_span`` gave up)."""
         if self.metrics is not None:
             self.metrics.worker_busy.labels(self.name).set(1)
         try:
             if self.faults is not None:
                 self.faults.before_batch(layer.name, sum(int(x.shape[0]) for x in inputs))
-            return self._forward_span(layer, inputs, None)
+            return run()
         except InternalError:
             raise
         except torch.cuda.OutOfMemoryError as exc:
@@ -379,6 +422,111 @@ class Worker:
             with torch.inference_mode():
                 kernel_forward_staged(_gather(inputs), weight, bias, layer, out, packs)
             return out
+
+    # --- requests in CUDA shared memory -----------------------------------------------------------------
+
+    def _device_batch(self, layer: Layer, jobs: list[CudaJob]) -> list[_Output]:
+        """A batch of requests with tensors in CUDA shared memory, on this worker's GPU and stream: each input read
+        where it is (in its region, no copy; host bytes are uploaded), the batch computed, each output written where
+        it goes (its region; else back to the host), then the stream waited for, so that the answer finds the
+        output in place. A lone request whose output region is aligned is computed straight into it; otherwise the
+        batch's output is computed once and each request's rows copied into its region (one device copy). Regions
+        are leased for the batch (``CudaRegions.lease``): one unregistered meanwhile is unmapped after it. A request
+        whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer)."""
+        regions = self._cuda
+        if regions is None:
+            raise InternalError(f"worker {self.name} has no CUDA shared memory")
+        weight, bias, packs = self._weights[layer.name]
+        answers: list[_Output | None] = [job.out for job in jobs]  # None: a host output, set once computed
+        runs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (request, input, output region's bytes)
+        leased: list[str] = []
+        with contextlib.ExitStack() as stack:
+            if self.is_cuda:
+                stack.enter_context(torch.cuda.device(self.device))
+                stack.enter_context(torch.cuda.stream(self._stream))
+            stack.enter_context(torch.inference_mode())
+            try:
+                for i, job in enumerate(jobs):
+                    try:
+                        x = self._device_input(regions, job, leased)
+                        out = self._device_output(regions, layer, job, leased)
+                    except ServiceError as exc:
+                        answers[i] = exc
+                        continue
+                    runs.append((i, x, out))
+                if runs:
+                    self._device_forward(layer, runs, answers, weight, bias, packs)
+            finally:
+                try:
+                    if self._stream is not None:  # the regions read and written, also after a failure
+                        self._stream.synchronize()
+                finally:
+                    for token in leased:
+                        regions.release(token)
+        return [InternalError("no output") if a is None else a for a in answers]
+
+    def _gpu(self, job: CudaJob) -> int:
+        """The GPU whose regions this worker reads (a CPU worker, in tests, reads any)."""
+        return self.device.index if self.is_cuda and self.device.index is not None else job.device
+
+    def _device_input(self, regions: CudaRegions, job: CudaJob, leased: list[str]) -> torch.Tensor:
+        """The job's input on this worker's device: a view of its region (a copy of its bytes when it is not
+        ``DEVICE_ALIGN``-aligned), or its host bytes uploaded."""
+        x = job.x
+        if not isinstance(x, DeviceTensor):
+            return as_tensor(x).to(self.device)
+        raw = regions.lease(x.token, x.offset, x.nbytes, self._gpu(job))
+        leased.append(x.token)
+        if raw.data_ptr() % DEVICE_ALIGN:
+            raw = raw.clone()
+        return raw.view(x.dtype).view(x.shape)
+
+    def _device_output(self, regions: CudaRegions, layer: Layer, job: CudaJob,
+                       leased: list[str]) -> torch.Tensor | None:
+        """The bytes of the job's output region (exactly the output's), or None: the output goes to the host.
+
+        Raises:
+            RegionError: the region does not hold this output.
+        """
+        out = job.out
+        if out is None:
+            return None
+        n, _, h, w = job.shape
+        need = layer.output_bytes(n, h, w)
+        if out.nbytes != need:
+            raise RegionError(f"the output region holds {out.nbytes} bytes for an output of {need}")
+        raw = regions.lease(out.token, out.offset, need, self._gpu(job))
+        leased.append(out.token)
+        return raw
+
+    def _device_forward(self, layer: Layer, runs: list[tuple[int, torch.Tensor, torch.Tensor | None]],
+                        answers: list[_Output | None], weight: torch.Tensor, bias: torch.Tensor | None,
+                        packs: WeightPacks | None) -> None:
+        """Compute ``runs`` (request, input, output bytes) together; set each request's answer."""
+        x = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
+        n, _, h, w = x.shape
+        out_shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
+        first = runs[0][2]
+        if len(runs) == 1 and first is not None and first.data_ptr() % DEVICE_ALIGN == 0:
+            self._forward_device(layer, x, weight, bias, first.view(x.dtype).view(out_shape), packs)
+            return  # the answer is the output's region, set already
+        y = self._forward_device(layer, x, weight, bias, None, packs)
+        start = 0
+        for i, xi, out in runs:
+            rows = y[start:start + xi.shape[0]].contiguous()
+            start += xi.shape[0]
+            if out is None:
+                answers[i] = rows.cpu()
+            else:
+                out.copy_(rows.reshape(-1).view(torch.uint8))
+
+    def _forward_device(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        out: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:
+        """The layer on ``x`` on this worker's device, into ``out`` when given (a CPU worker, in tests, copies)."""
+        if self.is_cuda:
+            return kernel_forward_device(x, weight, bias, layer, out, packs)
+        y = self._forward(x, weight, bias, layer)
+        return y if out is None else out.copy_(y)
 
     def _stage(self, layer: Layer, inputs: list[AnyTensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch copied into pinned memory ``[N, C_in, H, W]``, and a pinned output for it."""
@@ -448,12 +596,16 @@ class WorkerPool:
         for w in self.workers:
             w.load(layer)
 
-    async def acquire(self) -> Worker:
-        """Wait for a worker with room for another batch and reserve it: the one with the fewest samples in flight."""
+    async def acquire(self, device: int | None = None) -> Worker:
+        """Wait for a worker with room for another batch and reserve it: the one with the fewest samples in flight
+        (with ``device``, among the workers of that GPU: a batch in its CUDA shared memory)."""
         if self._freed is None:
             self._freed = asyncio.Event()
+        candidates = self.workers
+        if device is not None:
+            candidates = [w for w in self.workers if w.is_cuda and w.device.index == device] or self.workers
         while True:
-            free = [w for w in self.workers if w.inflight_batches < self.max_inflight_batches]
+            free = [w for w in candidates if w.inflight_batches < self.max_inflight_batches]
             if free:
                 worker = min(free, key=lambda w: (w.inflight_samples, w.inflight_batches))
                 worker.inflight_batches += 1

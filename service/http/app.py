@@ -74,7 +74,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.engine = engine = engine if engine is not None else LocalEngine(settings)
     app.state.budget = Budget(inflight_limit(settings), engine.metrics)  # bytes of requests in flight
     app.state.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
-    app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir)
+    app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir,
+                                    settings.cuda_shm_max_regions)
     install_error_handlers(app)
     app.include_router(routes.router)
     app.include_router(shm_routes.router)

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from service import codec
-from service.codec import AnyTensor, RawTensor
+from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor
 from service.config import VERSION
 from service.engine.interface import LayerQueue, Result, Ticket
 from service.engine.registry import Layer
@@ -42,7 +42,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, disconnected, read_body
-from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
+from service.http.shm_regions import CUDA, RegionError, RegionTable, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -474,6 +474,8 @@ async def v2_server_metadata(request: Request) -> dict[str, Any]:
     extensions = ["binary_tensor_data"]
     if request.app.state.regions.enabled:
         extensions.append("system_shared_memory")
+    if get_engine(request).cuda_memory.available:
+        extensions.append("cuda_shared_memory")
     return {"name": "deconv", "version": VERSION, "extensions": extensions}
 
 
@@ -729,12 +731,32 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
     return None
 
 
-def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.SourceTensor:
-    """The input in its region, checked; its bytes are read when the request is queued, straight into the engine
-    link's arena where its queue takes them there (``RemoteQueue.takes_sources``), else into a copy (held in the
-    bytes-in-flight budget either way). No await comes between the check and the read."""
-    call.hold(x.ref.byte_size)
-    return codec.SourceTensor(regions.reader(x.ref.region, x.ref.offset, x.ref.byte_size), x.dtype, x.shape)
+def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.SourceTensor | DeviceTensor:
+    """The input in its region, checked. In a system region its bytes are read when the request is queued, straight
+    into the engine link's arena where its queue takes them there (``RemoteQueue.takes_sources``), else into a copy
+    (held in the bytes-in-flight budget either way); no await comes between the check and the read. In a CUDA
+    region it stays there: the request names it, and the engine's GPU worker reads it."""
+    ref = x.ref
+    if regions.kind_of(ref.region) == CUDA:
+        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x.dtype, x.shape)
+    call.hold(ref.byte_size)
+    return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), x.dtype, x.shape)
+
+
+def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
+                   ref: TensorRef) -> DeviceTensor | None:
+    """Check the output's region: large enough, and its bytes inside it. A CUDA region's output place (the engine
+    writes it there); None for a system region (written here once the result is back, held in the budget)."""
+    need = output_bytes(layer, x4)
+    if ref.byte_size < need:
+        raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
+    if regions.kind_of(ref.region) == CUDA:
+        n, _, h, w = (int(d) for d in x4.shape)
+        shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
+        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
+    regions.check(ref.region, ref.offset, ref.byte_size)
+    call.hold(need)
+    return None
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
@@ -809,13 +831,9 @@ async def v2_infer_call(call: Call) -> Reply:
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
+        out_device = None
         if out_ref is not None:
-            need = output_bytes(layer, x4)
-            if out_ref.byte_size < need:
-                raise RegionError(f"output shared_memory_byte_size is {out_ref.byte_size}; the output needs {need} "
-                                  "bytes")
-            regions.check(out_ref.region, out_ref.offset, out_ref.byte_size)
-            call.hold(need)
+            out_device = _output_region(call, regions, layer, x4, out_ref)
         elif binary_out:
             call.hold(output_bytes(layer, x4))
         else:
@@ -826,8 +844,11 @@ async def v2_infer_call(call: Call) -> Reply:
                     f"{engine.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
                     "true, or binary_data: true in the output's parameters)")
             call.hold(json_bytes)
-        if isinstance(x4, codec.SourceTensor) and not getattr(batcher, "takes_sources", False):
+        if isinstance(x4, codec.SourceTensor) and (out_device is not None or not getattr(batcher, "takes_sources",
+                                                                                            False)):
             x4 = x4.load()
+        if isinstance(x4, DeviceTensor) or out_device is not None:
+            x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
         result = await run_inference(engine, layer, batcher, x4, call.receive, received,
                                      min(timeouts) if timeouts else None)
@@ -838,9 +859,13 @@ async def v2_infer_call(call: Call) -> Reply:
             response["id"] = req["id"]
         headers = _batch_headers(result)
         if out_ref is not None:
-            data = codec.bytes_of(y)
-            regions.write(out_ref.region, out_ref.offset, data)
-            out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": data.nbytes}
+            if out_device is None:
+                data = codec.bytes_of(y)
+                regions.write(out_ref.region, out_ref.offset, data)
+                written = data.nbytes
+            else:  # the engine wrote it into the CUDA region
+                written = math.prod(y.shape) * y.element_size()
+            out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": written}
             if out_ref.offset:
                 out["parameters"]["shared_memory_offset"] = out_ref.offset
             reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)

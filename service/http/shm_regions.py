@@ -1,4 +1,5 @@
-"""KServe v2 system shared memory (Triton's ``systemsharedmemory`` extension): the clients' registered regions.
+"""KServe v2 shared memory: the clients' registered regions, system (Triton's ``systemsharedmemory`` extension)
+and CUDA (``cudasharedmemory``).
 
 A client creates a POSIX shared-memory object (``shm_open``, under ``/dev/shm``), registers a region of it by name
 (``key``, ``offset``, ``byte_size``), and then names the region in an inference request's input or output
@@ -27,6 +28,14 @@ every use, that the record is still there and still the same registration (a tok
 one registered (device and inode), so an unregistered or re-registered name never reaches stale memory. A single
 process keeps its regions in memory (``MemoryStore``).
 
+CUDA regions (docs/protocol.md, "CUDA shared memory") are a client's GPU allocations, registered by IPC handle.
+Their records live in the same store, so that one name is one region of one kind across every process (a name
+taken by a region of either kind is refused), and the same checks hold for them: the bounds of every tensor
+against the registered ``byte_size``, the token of the registration, the bound on their number
+(``Settings.cuda_shm_max_regions``). This process never maps their memory: the engine does, where the GPU workers
+run (``service.engine.cuda_shm``), under the record's token, and a request names the region to it
+(``device_tensor``, a ``codec.DeviceTensor``).
+
 That check costs no file read per request: every change of the records (register, unregister) also adds one to a
 generation counter, 8 bytes of a file in the directory that every process maps (``DirectoryStore.generation``),
 after the change and under the lock. A process reads the record again only when the counter moved since it last
@@ -53,7 +62,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from service.errors import ServiceError
+import torch
+
+from service.codec import DeviceTensor
+from service.errors import RegionError, UnknownRegionError
 
 log = logging.getLogger("deconv.service")
 
@@ -63,24 +75,16 @@ MAX_NAME_CHARS = 256
 _KEY = re.compile(r"/*([^/\x00]{1,255})")
 # The generation counter of a multi-process server's records (DirectoryStore.generation).
 _GENERATION = struct.Struct("<Q")
-
-
-class RegionError(ServiceError):
-    """A region request or a tensor in a region that cannot be honoured (400, as Triton answers)."""
-
-    status, type = 400, "invalid_shared_memory"
-
-
-class UnknownRegionError(RegionError):
-    """No region of that name is registered."""
-
-    type = "unknown_shared_memory_region"
+# The kinds of region (Record.kind), and what names them in messages.
+SYSTEM, CUDA = "system", "cuda"
+_KIND_NAMES = {SYSTEM: "system", CUDA: "CUDA"}
 
 
 @dataclass(frozen=True)
 class Record:
-    """One registration as the store keeps it (``dev``/``ino``: the object registered; ``token``: this
-    registration, so that a name unregistered and registered again is never taken for the old one)."""
+    """One registration as the store keeps it: a system region (``key``, ``offset``; ``dev``/``ino``: the object
+    registered) or a CUDA region (``device_id``; the engine maps its allocation under ``token``). ``token``: this
+    registration, so that a name unregistered and registered again is never taken for the old one."""
 
     name: str
     key: str
@@ -89,9 +93,13 @@ class Record:
     dev: int
     ino: int
     token: str
+    kind: str = SYSTEM
+    device_id: int = -1
 
     def status(self) -> dict[str, Any]:
-        """The region's entry in a status answer (Triton's fields)."""
+        """The region's entry in a status answer (Triton's fields for its kind)."""
+        if self.kind == CUDA:
+            return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
@@ -187,12 +195,13 @@ class DirectoryStore:
 
 
 class Region:
-    """A registered region opened by this process: its record, the object's descriptor, and the store's generation
-    when the record was last read (``DirectoryStore.generation``)."""
+    """A registered region as this process knows it: its record, the object's descriptor (a system region; None for
+    a CUDA region, whose memory only the engine maps), and the store's generation when the record was last read
+    (``DirectoryStore.generation``)."""
 
     __slots__ = ("fd", "generation", "record")
 
-    def __init__(self, record: Record, fd: int, generation: int) -> None:
+    def __init__(self, record: Record, fd: int | None, generation: int) -> None:
         self.record = record
         self.fd = fd
         self.generation = generation
@@ -236,28 +245,43 @@ def _non_negative_int(value: Any, what: str) -> int:
     return value
 
 
-class RegionTable:
-    """This process's view of the registered regions: register, unregister, status, and bounded reads and writes.
+def _positive_int(value: Any, what: str) -> int:
+    if _non_negative_int(value, what) == 0:
+        raise RegionError(f"{what} must be positive")
+    return value  # type: ignore[no-any-return]
 
-    ``directory``: the shared directory of a multi-process server (``DirectoryStore``); None: in memory.
-    Event-loop only.
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise RegionError(f"a region name has 1 to {MAX_NAME_CHARS} characters")
+
+
+class RegionTable:
+    """This process's view of the registered regions, system and CUDA: register, unregister, status, and bounded
+    reads and writes (system regions) or references (CUDA regions, ``device_tensor``).
+
+    Both kinds share one namespace (one store): a name is a system region's or a CUDA region's, never both, so
+    that an inference request's ``shared_memory_region`` names exactly one region. ``directory``: the shared
+    directory of a multi-process server (``DirectoryStore``); None: in memory. Event-loop only.
     """
 
-    def __init__(self, max_regions: int, max_bytes: int, directory: Path | None = None) -> None:
+    def __init__(self, max_regions: int, max_bytes: int, directory: Path | None = None,
+                 cuda_max_regions: int = 0) -> None:
         self.max_regions = max_regions
         self.max_bytes = max_bytes
+        self.cuda_max_regions = cuda_max_regions
         self.store: MemoryStore | DirectoryStore = DirectoryStore(directory) if directory else MemoryStore()
         self._open: dict[str, Region] = {}  # name -> the region as this process opened it
 
     @property
     def enabled(self) -> bool:
-        """Whether clients may register regions (``system_shm_max_regions`` > 0)."""
+        """Whether clients may register system regions (``system_shm_max_regions`` > 0)."""
         return self.max_regions > 0
 
     # --- registration ----------------------------------------------------------------------------------------
 
     def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
-        """Register ``byte_size`` bytes at ``offset`` of object ``key`` as region ``name``.
+        """Register ``byte_size`` bytes at ``offset`` of object ``key`` as system region ``name``.
 
         Raises:
             RegionError: the extension is off, a field is invalid, the object cannot be opened or is too small,
@@ -265,34 +289,18 @@ class RegionTable:
         """
         if not self.enabled:
             raise RegionError("system shared memory is off on this server (DECONV_SYSTEM_SHM_MAX_REGIONS=0)")
-        if not name or len(name) > MAX_NAME_CHARS:
-            raise RegionError(f"a region name has 1 to {MAX_NAME_CHARS} characters")
+        _check_name(name)
         if not isinstance(key, str):
             raise RegionError(f"key must be a string, got {key!r}")
         offset = _non_negative_int(offset, "offset")
-        byte_size = _non_negative_int(byte_size, "byte_size")
-        if byte_size == 0:
-            raise RegionError("byte_size must be positive")
+        byte_size = _positive_int(byte_size, "byte_size")
         fd, st = _open_object(key)
         try:
             if offset + byte_size > st.st_size:
                 raise RegionError(f"region of {byte_size} bytes at offset {offset} does not fit object {key!r} "
                                   f"of {st.st_size} bytes")
-            with self.store.locked():
-                records = self.store.all()
-                if any(r.name == name for r in records):
-                    raise RegionError(f"a shared-memory region named {name!r} is already registered; unregister "
-                                      "it first")
-                if len(records) >= self.max_regions:
-                    raise RegionError(f"{len(records)} regions are registered, the most this server holds "
-                                      f"(DECONV_SYSTEM_SHM_MAX_REGIONS={self.max_regions}); unregister one first")
-                total = sum(r.byte_size for r in records)
-                if total + byte_size > self.max_bytes:
-                    raise RegionError(f"registering {byte_size} bytes would bring the registered regions to "
-                                      f"{total + byte_size} bytes, over the limit of {self.max_bytes} "
-                                      "(DECONV_SYSTEM_SHM_MAX_BYTES)")
-                record = Record(name, key, offset, byte_size, st.st_dev, st.st_ino, uuid.uuid4().hex)
-                self.store.add(record)
+            record = Record(name, key, offset, byte_size, st.st_dev, st.st_ino, uuid.uuid4().hex)
+            self._add(record)
         except BaseException:
             os.close(fd)
             raise
@@ -300,40 +308,105 @@ class RegionTable:
         self._open[name] = Region(record, fd, -1)  # read again on first use: other changes may have come between
         log.info("shared memory: registered region %r (%d bytes at offset %d of %s)", name, byte_size, offset, key)
 
-    def unregister(self, name: str) -> None:
-        """Unregister region ``name`` (nothing happens when none is registered, as in Triton)."""
-        with self.store.locked():
-            found = self.store.get(name) is not None
-            self.store.remove(name)
-        self._forget(name)
-        if found:
-            log.info("shared memory: unregistered region %r", name)
-
-    def unregister_all(self) -> None:
-        """Unregister every region."""
-        with self.store.locked():
-            names = [r.name for r in self.store.all()]
-            for name in names:
-                self.store.remove(name)
-        self.close()
-        if names:
-            log.info("shared memory: unregistered %d region(s)", len(names))
-
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Every region's status, or region ``name``'s.
+    def cuda_record(self, name: str, device_id: Any, byte_size: Any) -> Record:
+        """A new CUDA region's record (not stored yet: ``add_cuda`` does, once the engine mapped its memory under
+        the record's token), checked against the registrations there are now.
 
         Raises:
-            UnknownRegionError: no region ``name``.
+            RegionError: the extension is off, a field is invalid, the name is taken or the bound on regions is
+                reached.
+        """
+        if self.cuda_max_regions <= 0:
+            raise RegionError("CUDA shared memory is off on this server (DECONV_CUDA_SHM_MAX_REGIONS=0)")
+        _check_name(name)
+        device_id = _non_negative_int(device_id, "device_id")
+        byte_size = _positive_int(byte_size, "byte_size")
+        record = Record(name, "", 0, byte_size, 0, 0, uuid.uuid4().hex, CUDA, device_id)
+        with self.store.locked():
+            self._admit(record, self.store.all())
+        return record
+
+    def add_cuda(self, record: Record) -> None:
+        """Store a CUDA region's record (from ``cuda_record``), checked again against the registrations now.
+
+        Raises:
+            RegionError: the name was taken or the bound reached meanwhile.
+        """
+        self._add(record)
+        self._forget(record.name)
+        log.info("shared memory: registered CUDA region %r (%d bytes on GPU %d)", record.name, record.byte_size,
+                 record.device_id)
+
+    def _add(self, record: Record) -> None:
+        with self.store.locked():
+            self._admit(record, self.store.all())
+            self.store.add(record)
+
+    def _admit(self, record: Record, records: list[Record]) -> None:
+        """Raise unless ``record`` may join ``records``: its name free (in either kind), its kind's bounds kept."""
+        taken = next((r for r in records if r.name == record.name), None)
+        if taken is not None:
+            also = "" if taken.kind == record.kind else f" as a {_KIND_NAMES[taken.kind]} region"
+            raise RegionError(f"a shared-memory region named {record.name!r} is already registered{also}; unregister "
+                              "it first")
+        same = [r for r in records if r.kind == record.kind]
+        limit, setting = ((self.max_regions, "DECONV_SYSTEM_SHM_MAX_REGIONS") if record.kind == SYSTEM
+                          else (self.cuda_max_regions, "DECONV_CUDA_SHM_MAX_REGIONS"))
+        if len(same) >= limit:
+            raise RegionError(f"{len(same)} {_KIND_NAMES[record.kind]} regions are registered, the most this server "
+                              f"holds ({setting}={limit}); unregister one first")
+        if record.kind == SYSTEM:
+            total = sum(r.byte_size for r in same)
+            if total + record.byte_size > self.max_bytes:
+                raise RegionError(f"registering {record.byte_size} bytes would bring the registered regions to "
+                                  f"{total + record.byte_size} bytes, over the limit of {self.max_bytes} "
+                                  "(DECONV_SYSTEM_SHM_MAX_BYTES)")
+
+    def unregister(self, name: str, kind: str = SYSTEM) -> list[str]:
+        """Unregister region ``name`` of ``kind`` (nothing happens when none is registered, as in Triton); the
+        tokens of what was unregistered (the engine unmaps a CUDA region's memory by its token)."""
+        with self.store.locked():
+            record = self.store.get(name)
+            if record is not None and record.kind == kind:
+                self.store.remove(name)
+            else:
+                record = None
+        if record is None:
+            return []
+        self._forget(name)
+        log.info("shared memory: unregistered %s region %r", _KIND_NAMES[kind], name)
+        return [record.token]
+
+    def unregister_all(self, kind: str = SYSTEM) -> list[str]:
+        """Unregister every region of ``kind``; their tokens."""
+        with self.store.locked():
+            records = [r for r in self.store.all() if r.kind == kind]
+            for r in records:
+                self.store.remove(r.name)
+        for r in records:
+            self._forget(r.name)
+        if records:
+            log.info("shared memory: unregistered %d %s region(s)", len(records), _KIND_NAMES[kind])
+        return [r.token for r in records]
+
+    def status(self, name: str | None = None, kind: str = SYSTEM) -> list[dict[str, Any]]:
+        """Every region's status of ``kind``, or region ``name``'s.
+
+        Raises:
+            UnknownRegionError: no region ``name`` of ``kind``.
         """
         if name is None:
             records = self.store.all()
             for gone in set(self._open) - {r.name for r in records}:
                 self._forget(gone)
-            return [r.status() for r in records]
+            return [r.status() for r in records if r.kind == kind]
         record = self.store.get(name)
         if record is None:
             self._forget(name)
             raise UnknownRegionError(f"no shared-memory region named {name!r} is registered")
+        if record.kind != kind:
+            raise UnknownRegionError(f"shared-memory region {name!r} is a {_KIND_NAMES[record.kind]} region, not a "
+                                     f"{_KIND_NAMES[kind]} one")
         return [record.status()]
 
     def close(self) -> None:
@@ -349,7 +422,7 @@ class RegionTable:
 
     def _forget(self, name: str) -> None:
         region = self._open.pop(name, None)
-        if region is not None:
+        if region is not None and region.fd is not None:
             os.close(region.fd)
 
     # --- tensors -------------------------------------------------------------------------------------------
@@ -369,6 +442,9 @@ class RegionTable:
             region.generation = generation
             return region
         self._forget(name)
+        if record.kind == CUDA:
+            region = self._open[name] = Region(record, None, generation)
+            return region
         fd, st = _open_object(record.key)
         if (st.st_dev, st.st_ino) != (record.dev, record.ino):
             os.close(fd)
@@ -377,13 +453,42 @@ class RegionTable:
         region = self._open[name] = Region(record, fd, generation)
         return region
 
-    def _span(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
-        """The region and the object offset of ``byte_size`` bytes at ``offset`` of region ``name``, checked."""
+    def kind_of(self, name: str) -> str:
+        """The kind of region ``name`` (``SYSTEM`` or ``CUDA``).
+
+        Raises:
+            UnknownRegionError: no region ``name``.
+        """
+        return self._region(name).record.kind
+
+    def _within(self, name: str, offset: int, byte_size: int, kind: str) -> Region:
+        """Region ``name`` of ``kind``, after checking that ``byte_size`` bytes at ``offset`` lie inside it."""
         region = self._region(name)
         r = region.record
+        if r.kind != kind:
+            raise RegionError(f"shared-memory region {name!r} is a {_KIND_NAMES[r.kind]} region")
         if offset + byte_size > r.byte_size:
             raise RegionError(f"{byte_size} bytes at offset {offset} reach past the end of shared-memory region "
                               f"{name!r} of {r.byte_size} bytes")
+        return region
+
+    def device_tensor(self, name: str, offset: int, byte_size: int, dtype: torch.dtype,
+                      shape: tuple[int, ...]) -> DeviceTensor:
+        """A tensor of ``shape`` at ``offset`` of CUDA region ``name``, whose ``byte_size`` bytes (at least the
+        tensor's) are checked to lie inside it: a reference for the engine, which alone maps the memory.
+
+        Raises:
+            UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
+        """
+        r = self._within(name, offset, byte_size, CUDA).record
+        return DeviceTensor(r.token, r.device_id, offset, dtype, shape)
+
+    def _span(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
+        """The system region and the object offset of ``byte_size`` bytes at ``offset`` of region ``name``,
+        checked."""
+        region = self._within(name, offset, byte_size, SYSTEM)
+        r = region.record
+        assert region.fd is not None
         size = os.fstat(region.fd).st_size
         if r.offset + r.byte_size > size:
             raise RegionError(f"shared-memory object {r.key!r} of region {name!r} shrank to {size} bytes after the "

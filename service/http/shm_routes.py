@@ -1,27 +1,41 @@
-"""The routes of KServe v2 system shared memory (Triton's ``systemsharedmemory`` extension), over the app's
-``service.http.shm_regions.RegionTable`` (``app.state.regions``).
+"""The routes of KServe v2 shared memory, over the app's ``service.http.shm_regions.RegionTable``
+(``app.state.regions``): system regions (Triton's ``systemsharedmemory`` extension) and CUDA regions
+(``cudasharedmemory``), whose GPU allocations the engine maps where its GPU workers run
+(``Engine.cuda_memory``, ``service.engine.cuda_shm``).
 
-Every route needs the API key when one is configured, status included: a region's key is what lets a client read
-and write that memory through the server.
+Both kinds have the same five routes (every region's status, one region's status, register, unregister,
+unregister every region), declared once by ``_add_routes`` from a ``_Kind``: what differs is the register body,
+the status entry, and what registering and unregistering do besides the table (a CUDA region is mapped by the
+engine before its record is stored, and unmapped after its record is gone).
+
+Every route needs the API key when one is configured, status included: a region is what lets a client read and
+write that memory through the server.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from service.errors import MalformedBodyError, PayloadTooLargeError
+from service.engine.interface import CudaMemory
+from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError
 from service.http.asgi import call_of
 from service.http.routes import check_api_key
-from service.http.shm_regions import RegionTable
+from service.http.shm_regions import CUDA, SYSTEM, Record, RegionTable
 
 router = APIRouter()
 
 MAX_REGISTER_BODY = 64 * 2**10
+HANDLE_BYTES = 64  # a cudaIpcMemHandle_t
 
 
 class RegisterRequest(BaseModel):
@@ -41,6 +55,28 @@ class RegionStatus(BaseModel):
     byte_size: int
 
 
+class RawHandle(BaseModel):
+    """A CUDA IPC handle, base64-encoded."""
+
+    b64: str = Field(description="The 64 bytes of a cudaIpcMemHandle_t (cudaIpcGetMemHandle), base64-encoded.")
+
+
+class CudaRegisterRequest(BaseModel):
+    """``$cuda_shared_memory_register_request``."""
+
+    raw_handle: RawHandle
+    device_id: int = Field(ge=0, description="The GPU of the allocation (a CUDA device index of the server).")
+    byte_size: int = Field(gt=0, description="Bytes of the region, from the allocation's start.")
+
+
+class CudaRegionStatus(BaseModel):
+    """One entry of ``$cuda_shared_memory_status_response``."""
+
+    name: str
+    device_id: int
+    byte_size: int
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "invalid_shared_memory / unknown_shared_memory_region: {\"error\": ..., \"type\": ...}"},
     401: {"description": "unauthorized (API key configured)"},
@@ -53,27 +89,17 @@ def regions_of(request: Request) -> RegionTable:
     return request.app.state.regions  # type: ignore[no-any-return]
 
 
-@router.get("/v2/systemsharedmemory/status", tags=["kserve"], summary="System shared memory: every region",
-            response_model=list[RegionStatus], responses=_ERRORS)
-async def shm_status(request: Request) -> list[dict[str, Any]]:
-    """Name, key, offset and byte size of every registered region."""
-    return regions_of(request).status()
+def _cuda_memory(request: Request) -> CudaMemory:
+    return request.app.state.engine.cuda_memory  # type: ignore[no-any-return]
 
 
-@router.get("/v2/systemsharedmemory/region/{name}/status", tags=["kserve"],
-            summary="System shared memory: one region", response_model=list[RegionStatus], responses=_ERRORS)
-async def shm_region_status(request: Request, name: str) -> list[dict[str, Any]]:
-    """Region ``name``'s status (400 when it is not registered)."""
-    return regions_of(request).status(name)
+async def _register_body(request: Request, fields: tuple[str, ...], shape: str) -> dict[str, Any]:
+    """The register request's JSON object, with ``fields`` present (``shape``: how it looks, for the error).
 
-
-@router.post("/v2/systemsharedmemory/region/{name}/register", tags=["kserve"],
-             summary="System shared memory: register a region", response_class=Response, responses=_ERRORS,
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": RegisterRequest.model_json_schema()}}}})
-async def shm_register(request: Request, name: str) -> Response:
-    """Register ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` as region ``name``."""
-    regions = regions_of(request)
+    Raises:
+        PayloadTooLargeError: more than ``MAX_REGISTER_BODY`` bytes.
+        MalformedBodyError: not a JSON object with those fields.
+    """
     body = await request.body()
     if len(body) > MAX_REGISTER_BODY:
         raise PayloadTooLargeError(f"a register request has at most {MAX_REGISTER_BODY} bytes")
@@ -81,23 +107,152 @@ async def shm_register(request: Request, name: str) -> Response:
         req = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise MalformedBodyError("register request is not valid JSON") from None
-    if not isinstance(req, dict) or "key" not in req or "byte_size" not in req:
-        raise MalformedBodyError('register request must be {"key": ..., "offset": ..., "byte_size": ...}')
+    if not isinstance(req, dict) or not all(f in req for f in fields):
+        raise MalformedBodyError(f"register request must be {shape}")
+    return req
+
+
+# --- what each kind does besides the table ------------------------------------------------------------------
+
+
+async def _register_system(request: Request, regions: RegionTable, name: str) -> None:
+    req = await _register_body(request, ("key", "byte_size"), '{"key": ..., "offset": ..., "byte_size": ...}')
     regions.register(name, req["key"], req.get("offset", 0), req["byte_size"])
-    return Response(status_code=200)
 
 
-@router.post("/v2/systemsharedmemory/region/{name}/unregister", tags=["kserve"],
-             summary="System shared memory: unregister a region", response_class=Response, responses=_ERRORS)
-async def shm_unregister(request: Request, name: str) -> Response:
-    """Unregister region ``name`` (200 also when it was not registered)."""
-    regions_of(request).unregister(name)
-    return Response(status_code=200)
+async def _unregister_system(request: Request, regions: RegionTable, name: str | None) -> None:
+    if name is None:
+        regions.unregister_all(SYSTEM)
+    else:
+        regions.unregister(name, SYSTEM)
 
 
-@router.post("/v2/systemsharedmemory/unregister", tags=["kserve"],
-             summary="System shared memory: unregister every region", response_class=Response, responses=_ERRORS)
-async def shm_unregister_all(request: Request) -> Response:
-    """Unregister every region."""
-    regions_of(request).unregister_all()
-    return Response(status_code=200)
+def _raw_handle(value: Any) -> bytes:
+    """The IPC handle of a register request's ``raw_handle``: ``{"b64": base64 of 64 bytes}``.
+
+    Raises:
+        RegionError: anything else.
+    """
+    text = value.get("b64") if isinstance(value, dict) else None
+    if not isinstance(text, str):
+        raise RegionError(f'raw_handle must be {{"b64": "<base64 of the {HANDLE_BYTES}-byte CUDA IPC handle>"}}, '
+                          f"got {str(value)[:80]!r}")
+    try:
+        handle = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise RegionError("raw_handle.b64 is not valid base64") from None
+    if len(handle) != HANDLE_BYTES:
+        raise RegionError(f"raw_handle holds {len(handle)} bytes; a CUDA IPC handle (cudaIpcMemHandle_t) has "
+                          f"{HANDLE_BYTES}")
+    return handle
+
+
+# Closings of registrations whose caller went away while the engine mapped them (kept until done).
+_late_closes: set[asyncio.Task[None]] = set()
+
+
+async def _register_cuda(request: Request, regions: RegionTable, name: str) -> None:
+    """Check the request, have the engine map the allocation, then store the record (unmapped again if the name
+    was taken meanwhile). The engine answers a server without a GPU with 400 (``CudaMemory.reason``)."""
+    req = await _register_body(request, ("raw_handle", "device_id", "byte_size"),
+                               '{"raw_handle": {"b64": ...}, "device_id": ..., "byte_size": ...}')
+    handle = _raw_handle(req["raw_handle"])
+    record = regions.cuda_record(name, req["device_id"], req["byte_size"])
+    cuda = _cuda_memory(request)
+    if not cuda.available:
+        raise RegionError(cuda.reason)
+    await _open(cuda, record, handle)
+    try:
+        regions.add_cuda(record)
+    except BaseException:
+        await cuda.close([record.token])
+        raise
+
+
+async def _open(cuda: CudaMemory, record: Record, handle: bytes) -> None:
+    """``cuda.open`` for ``record``; should the caller be cancelled meanwhile, the mapping is closed once made."""
+    opening = asyncio.ensure_future(cuda.open(record.token, handle, record.device_id, record.byte_size))
+    try:
+        await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        def close_when_open(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                task = asyncio.ensure_future(cuda.close([record.token]))
+                _late_closes.add(task)
+                task.add_done_callback(_late_closes.discard)
+
+        opening.add_done_callback(close_when_open)
+        raise
+
+
+async def _unregister_cuda(request: Request, regions: RegionTable, name: str | None) -> None:
+    tokens = regions.unregister_all(CUDA) if name is None else regions.unregister(name, CUDA)
+    await _cuda_memory(request).close(tokens)
+
+
+# --- the routes ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """One kind of region's routes: its table kind, path segment, title, models, and what registering and
+    unregistering do."""
+
+    kind: str
+    path: str
+    title: str
+    register_model: type[BaseModel]
+    status_model: type[BaseModel]
+    register: Callable[[Request, RegionTable, str], Awaitable[None]]
+    unregister: Callable[[Request, RegionTable, str | None], Awaitable[None]]
+    register_doc: str
+
+
+def _add_routes(k: _Kind) -> None:
+    """Declare ``k``'s five routes on ``router``."""
+    prefix = f"/v2/{k.path}"
+    status_list = list[k.status_model]  # type: ignore[name-defined]
+
+    @router.get(f"{prefix}/status", tags=["kserve"], summary=f"{k.title}: every region",
+                response_model=status_list, responses=_ERRORS, name=f"{k.kind}_shm_status",
+                description="Every registered region's status.")
+    async def status(request: Request) -> list[dict[str, Any]]:
+        return regions_of(request).status(kind=k.kind)
+
+    @router.get(f"{prefix}/region/{{name}}/status", tags=["kserve"], summary=f"{k.title}: one region",
+                response_model=status_list, responses=_ERRORS, name=f"{k.kind}_shm_region_status",
+                description="Region ``name``'s status (400 when it is not registered).")
+    async def region_status(request: Request, name: str) -> list[dict[str, Any]]:
+        return regions_of(request).status(name, k.kind)
+
+    @router.post(f"{prefix}/region/{{name}}/register", tags=["kserve"], summary=f"{k.title}: register a region",
+                 response_class=Response, responses=_ERRORS, name=f"{k.kind}_shm_register",
+                 description=k.register_doc, openapi_extra={"requestBody": {"required": True, "content": {
+                     "application/json": {"schema": k.register_model.model_json_schema()}}}})
+    async def register(request: Request, name: str) -> Response:
+        await k.register(request, regions_of(request), name)
+        return Response(status_code=200)
+
+    @router.post(f"{prefix}/region/{{name}}/unregister", tags=["kserve"], summary=f"{k.title}: unregister a region",
+                 response_class=Response, responses=_ERRORS, name=f"{k.kind}_shm_unregister",
+                 description="Unregister region ``name`` (200 also when it was not registered).")
+    async def unregister(request: Request, name: str) -> Response:
+        await k.unregister(request, regions_of(request), name)
+        return Response(status_code=200)
+
+    @router.post(f"{prefix}/unregister", tags=["kserve"], summary=f"{k.title}: unregister every region",
+                 response_class=Response, responses=_ERRORS, name=f"{k.kind}_shm_unregister_all",
+                 description="Unregister every region of this kind.")
+    async def unregister_all(request: Request) -> Response:
+        await k.unregister(request, regions_of(request), None)
+        return Response(status_code=200)
+
+
+_add_routes(_Kind(SYSTEM, "systemsharedmemory", "System shared memory", RegisterRequest, RegionStatus,
+                  _register_system, _unregister_system,
+                  "Register ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` as region ``name``."))
+_add_routes(_Kind(CUDA, "cudasharedmemory", "CUDA shared memory", CudaRegisterRequest, CudaRegionStatus,
+                  _register_cuda, _unregister_cuda,
+                  "Register the first ``byte_size`` bytes of the GPU allocation behind a CUDA IPC handle "
+                  "(``raw_handle.b64``) on GPU ``device_id`` as region ``name``; the server's engine maps it on "
+                  "that GPU. 400 on a server without a GPU."))

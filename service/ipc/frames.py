@@ -11,16 +11,25 @@ HTTP process -> engine:
   arena (``service.ipc.shm``): the input is there and the output is to be written there. ``received`` and
   ``deadline`` are ``time.monotonic()`` values (one clock for every process on the machine); deadline NaN means
   none. ``layer`` indexes the layer names of the engine's ``STATE`` frame.
+  With flag ``DEVICE`` the request has a tensor in CUDA shared memory (``codec.CudaJob``): the head is followed by
+  ``i32 GPU | u8 where | 32s input token | u64 input offset | 32s output token | u64 output offset | u32 N, C, H, W
+  of the output`` (``where``: 1 the input is in a region, 2 the output goes to one; a token names a registration,
+  ``service.engine.cuda_shm``) and by the input's bytes when it is not in a region.
 * ``DROP``: ``u64 id | u8 reason``: the caller gave up on a queued request (reason: ``DROP_REASONS``). The
   engine answers ``ERROR`` (deadline_exceeded) only for reason ``deadline`` and only when the request was still
   queued; otherwise a batch already holds it and its ``RESULT`` or ``ERROR`` follows as usual.
+* ``CUDA_OPEN``: ``u64 call id | i32 GPU | u64 byte size | 32s token | 64s IPC handle``: map a client's GPU
+  allocation for a CUDA shared-memory registration. ``CUDA_CLOSE``: ``u64 call id | 32s token ...``: unmap those
+  registrations'. The engine answers each with ``REPLY`` or ``ERROR`` (call ids and request ids are one sequence).
 
 Engine -> HTTP process:
 
-* ``STATE``: JSON ``{"state", "reason", "backend", "layers": [names]}``, on connect and at every change.
+* ``STATE``: JSON ``{"state", "reason", "backend", "layers": [names], "cuda_shm": bool, "cuda_shm_reason"}``, on
+  connect and at every change.
 * ``RESULT``: ``u64 id | u32 batch_samples | u32 batch_requests | f64 queue_s | u32 N, C, H, W | u8 len | u8 flags``
   + worker name + output bytes (the request's dtype); with flag ``SHARED`` no bytes: the output is in the
-  request's slot.
+  request's slot; with flag ``DEVICE`` no bytes: the output is in the request's CUDA shared-memory region.
+* ``REPLY``: ``u64 call id``: a ``CUDA_OPEN`` or ``CUDA_CLOSE`` is done.
 * ``ERROR``: ``u64 id`` + JSON ``{"type", "message", "headers"}`` (a ``ServiceError`` of that type).
 * ``DONE``: ``u64 id``: a request with a slot that the engine took out of its queue after a ``DROP``; it holds
   nothing of it any more (the HTTP process may reuse the slot).
@@ -42,10 +51,13 @@ from typing import Any, NamedTuple
 import torch
 
 from service import errors
-from service.codec import AnyTensor, RawTensor, bytes_of
+from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, bytes_of
 
-SUBMIT, DROP, STATE, RESULT, ERROR, DONE = 1, 2, 3, 4, 5, 6
+SUBMIT, DROP, STATE, RESULT, ERROR, DONE, CUDA_OPEN, CUDA_CLOSE, REPLY = 1, 2, 3, 4, 5, 6, 7, 8, 9
 SHARED = 1  # flag of SUBMIT and RESULT: the tensor is in the HTTP process's arena, not in the frame
+DEVICE = 2  # flag of SUBMIT and RESULT: a tensor is in a client's CUDA shared-memory region
+IN_REGION, OUT_REGION = 1, 2  # a DEVICE SUBMIT's "where"
+TOKEN_BYTES = 32  # a CUDA shared-memory registration's token (uuid4().hex)
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DROP_REASONS: tuple[str, ...] = ("disconnected", "timeout", "deadline", "cancelled")
@@ -57,6 +69,8 @@ _SLOT = struct.Struct("<QQ")  # input offset, output offset
 _RESULT = struct.Struct("<QIId4IBB")
 _SHARED_RESULT = struct.Struct("<IB" + _RESULT.format[1:])  # a RESULT's prefix and head in one pack (see result_frame)
 _ID = struct.Struct("<Q")
+_DEVICE = struct.Struct(f"<iB{TOKEN_BYTES}sQ{TOKEN_BYTES}sQ4I")
+_CUDA_OPEN = struct.Struct(f"<QiQ{TOKEN_BYTES}s64s")
 
 # The length field is 32 bits: a larger frame cannot be sent (the sender raises ProtocolError).
 MAX_FRAME_BYTES = 2**32 - 1
@@ -88,15 +102,30 @@ def _frame(kind: int, *parts: bytes | memoryview) -> list[bytes | memoryview]:
     return [_PREFIX.pack(size, kind), *parts]
 
 
-def submit_frame(request_id: int, layer: int, x: AnyTensor, received: float,
+def _token(t: DeviceTensor | None) -> bytes:
+    return b"" if t is None else _token_bytes(t.token)
+
+
+def submit_frame(request_id: int, layer: int, x: AnyTensor | CudaJob, received: float,
                  deadline: float | None, slot: tuple[int, int] | None = None) -> list[bytes | memoryview]:
     """``SUBMIT`` for input ``x`` ``[N, C, H, W]`` of layer index ``layer``: its bytes, or with ``slot`` (input
-    offset, output offset in the sender's arena, where ``x``'s bytes already are) only the slot."""
+    offset, output offset in the sender's arena, where ``x``'s bytes already are) only the slot; a ``CudaJob`` names
+    its regions (and carries its input's bytes when they are not in one; never a slot)."""
     n, c, h, w = (int(d) for d in x.shape)
-    head = _SUBMIT.pack(request_id, layer, DTYPES.index(x.dtype), 0 if slot is None else SHARED, n, c, h, w,
-                        received, math.nan if deadline is None else deadline)
+    job = x if isinstance(x, CudaJob) else None
+    flags = DEVICE if job is not None else 0 if slot is None else SHARED
+    head = _SUBMIT.pack(request_id, layer, DTYPES.index(x.dtype), flags, n, c, h, w, received,
+                        math.nan if deadline is None else deadline)
+    if job is not None:
+        src, out = job.x, job.out
+        in_region = isinstance(src, DeviceTensor)
+        where = (IN_REGION if in_region else 0) | (OUT_REGION if out is not None else 0)
+        device = _DEVICE.pack(job.device, where, _token(src if in_region else None),  # type: ignore[arg-type]
+                              src.offset if in_region else 0, _token(out), 0 if out is None else out.offset,
+                              *(out.shape if out is not None else (0, 0, 0, 0)))
+        return _frame(SUBMIT, head, device) if in_region else _frame(SUBMIT, head, device, bytes_of(src))
     if slot is None:
-        return _frame(SUBMIT, head, bytes_of(x))
+        return _frame(SUBMIT, head, bytes_of(x))  # type: ignore[arg-type]
     return _frame(SUBMIT, head, _SLOT.pack(*slot))
 
 
@@ -105,23 +134,53 @@ def drop_frame(request_id: int, reason: str) -> list[bytes | memoryview]:
     return _frame(DROP, _DROP.pack(request_id, DROP_REASONS.index(reason)))
 
 
-def state_frame(state: str, reason: str, backend: str, layers: list[str]) -> list[bytes | memoryview]:
-    """``STATE`` of the engine."""
-    body = json.dumps({"state": state, "reason": reason, "backend": backend, "layers": layers}).encode()
+def state_frame(state: str, reason: str, backend: str, layers: list[str], cuda_shm: bool = False,
+                cuda_shm_reason: str = "") -> list[bytes | memoryview]:
+    """``STATE`` of the engine (``cuda_shm``: whether it maps CUDA shared memory; else why not)."""
+    body = json.dumps({"state": state, "reason": reason, "backend": backend, "layers": layers,
+                       "cuda_shm": cuda_shm, "cuda_shm_reason": cuda_shm_reason}).encode()
     return _frame(STATE, body)
 
 
-def result_frame(request_id: int, y: AnyTensor, batch_samples: int, batch_requests: int,
+def result_frame(request_id: int, y: AnyTensor | DeviceTensor, batch_samples: int, batch_requests: int,
                  queue_s: float, worker: str, shared: bool = False) -> list[bytes | memoryview]:
-    """``RESULT`` carrying output ``y`` ``[N, C, H, W]``, or with ``shared`` saying it is in the request's slot."""
+    """``RESULT`` carrying output ``y`` ``[N, C, H, W]``, or with ``shared`` saying it is in the request's slot, or
+    (``y`` a ``DeviceTensor``) in the request's CUDA shared-memory region."""
     name = worker.encode()[:255]
     n, c, h, w = y.shape
+    if isinstance(y, DeviceTensor):
+        return _frame(RESULT, _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name),
+                                           DEVICE), name)
     if shared:  # every request of a batch with slots gets one: one pack and one bytes object for the frame
         size = 1 + _RESULT.size + len(name)
         return [_SHARED_RESULT.pack(size, RESULT, request_id, batch_samples, batch_requests, queue_s, n, c, h, w,
                                     len(name), SHARED) + name]
     head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name), 0)
     return _frame(RESULT, head, name, bytes_of(y))
+
+
+def cuda_open_frame(call_id: int, token: str, handle: bytes, device: int, byte_size: int) -> list[bytes | memoryview]:
+    """``CUDA_OPEN``: map the allocation of IPC ``handle`` on GPU ``device`` for registration ``token``."""
+    if len(handle) != 64:
+        raise ProtocolError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
+    return _frame(CUDA_OPEN, _CUDA_OPEN.pack(call_id, device, byte_size, _token_bytes(token), handle))
+
+
+def cuda_close_frame(call_id: int, tokens: list[str]) -> list[bytes | memoryview]:
+    """``CUDA_CLOSE``: unmap these registrations' allocations."""
+    return _frame(CUDA_CLOSE, _ID.pack(call_id), b"".join(_token_bytes(t) for t in tokens))
+
+
+def reply_frame(call_id: int) -> list[bytes | memoryview]:
+    """``REPLY``: the call is done."""
+    return _frame(REPLY, _ID.pack(call_id))
+
+
+def _token_bytes(token: str) -> bytes:
+    data = token.encode()
+    if len(data) != TOKEN_BYTES:
+        raise ProtocolError(f"a CUDA shared-memory token has {TOKEN_BYTES} characters, got {token!r}")
+    return data
 
 
 def done_frame(request_id: int) -> list[bytes | memoryview]:
@@ -143,7 +202,7 @@ class Submit(NamedTuple):
 
     request_id: int
     layer: int
-    x: RawTensor  # a view of the frame's body, or of the sender's arena
+    x: RawTensor | CudaJob  # a view of the frame's body, or of the sender's arena; or a request in CUDA regions
     received: float
     deadline: float | None
     out_offset: int | None  # where in the sender's arena the output goes (None: it travels in a RESULT frame)
@@ -154,7 +213,7 @@ class Output:
     """A decoded ``RESULT``."""
 
     request_id: int
-    y: RawTensor  # a view of the frame's body, or of the request's slot (``shared``)
+    y: RawTensor | DeviceTensor  # a view of the frame's body, or of the request's slot (``shared``), or its region's
     batch_samples: int
     batch_requests: int
     queue_s: float
@@ -178,6 +237,9 @@ def parse_submit(body: bytearray, arena: memoryview | None = None) -> Submit:
         raise ProtocolError(f"bad SUBMIT frame: {exc}") from exc
     shape = (n, c, h, w)
     out_offset = None
+    if flags & DEVICE:
+        return Submit(rid, layer, _cuda_job(body, dtype, shape), received, None if math.isnan(deadline) else deadline,
+                      None)
     if flags & SHARED:
         if arena is None:
             raise ProtocolError("a SUBMIT names a slot, but the connection has no arena")
@@ -192,6 +254,47 @@ def parse_submit(body: bytearray, arena: memoryview | None = None) -> Submit:
         _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
         x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
     return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline, out_offset)
+
+
+def _cuda_job(body: bytearray, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> CudaJob:
+    """The ``CudaJob`` of a ``SUBMIT`` with flag ``DEVICE``."""
+    try:
+        device, where, in_token, in_offset, out_token, out_offset, *out_shape = _DEVICE.unpack_from(body, _SUBMIT.size)
+        start = _SUBMIT.size + _DEVICE.size
+        x: RawTensor | DeviceTensor
+        if where & IN_REGION:
+            if len(body) != start:
+                raise ProtocolError("a SUBMIT with its input in a CUDA region carries no input bytes")
+            x = DeviceTensor(in_token.decode("ascii"), device, in_offset, dtype, shape)
+        else:
+            _check_tensor_bytes(body, start, dtype, shape)
+            x = RawTensor(memoryview(body)[start:], dtype, shape)
+        out = DeviceTensor(out_token.decode("ascii"), device, out_offset, dtype, tuple(out_shape)) \
+            if where & OUT_REGION else None
+        return CudaJob(x, out)
+    except (struct.error, UnicodeDecodeError, errors.RegionError) as exc:
+        raise ProtocolError(f"bad SUBMIT frame with CUDA regions: {exc}") from exc
+
+
+def parse_cuda_open(body: bytearray) -> tuple[int, str, bytes, int, int]:
+    """Decode a ``CUDA_OPEN`` body: (call id, token, handle, device, byte size)."""
+    try:
+        call_id, device, byte_size, token, handle = _CUDA_OPEN.unpack(body)
+        return call_id, token.decode("ascii"), handle, device, byte_size
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"bad CUDA_OPEN frame: {exc}") from exc
+
+
+def parse_cuda_close(body: bytearray) -> tuple[int, list[str]]:
+    """Decode a ``CUDA_CLOSE`` body: (call id, tokens)."""
+    call_id = result_id(body)
+    data = bytes(body[_ID.size:])
+    if len(data) % TOKEN_BYTES:
+        raise ProtocolError(f"bad CUDA_CLOSE frame: {len(data)} bytes of tokens")
+    try:
+        return call_id, [data[i:i + TOKEN_BYTES].decode("ascii") for i in range(0, len(data), TOKEN_BYTES)]
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"bad CUDA_CLOSE frame: {exc}") from exc
 
 
 def parse_drop(body: bytearray) -> tuple[int, str]:
@@ -225,6 +328,10 @@ def parse_result(body: bytearray, dtype: torch.dtype, slot: memoryview | None = 
     worker = bytes(body[start:start + name_len]).decode(errors="replace")
     shape = (n, c, h, w)
     need = math.prod(shape) * dtype.itemsize
+    if flags & DEVICE:
+        if len(body) != start + name_len:
+            raise ProtocolError(f"a RESULT in a CUDA region for request {rid} carries bytes")
+        return Output(rid, DeviceTensor("", -1, 0, dtype, shape), samples, requests, queue_s, worker, False)
     if flags & SHARED:
         if slot is None or slot.nbytes < need or len(body) != start + name_len:
             raise ProtocolError(f"a RESULT in a slot for request {rid}, which has "

@@ -122,12 +122,13 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
     api = [r for r in routes.router.routes if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
     # The router holds every FastAPI route the app serves but the shared-memory ones, which check the key
-    # themselves, status included (tests/service/test_system_shm.py: test_every_route_needs_the_api_key); the
-    # inference routes, which the app answers itself, are the only POST routes.
+    # themselves, status included (tests/service/test_system_shm.py and test_cuda_shm_routes.py:
+    # test_every_route_needs_the_api_key); the inference routes, which the app answers itself, are the only POST
+    # routes.
     shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]
     inference = {r.path for r in routes.INFERENCE_ROUTES.routes}
     assert {r.path for r in api + shm} | inference == set(documented)
-    assert all(r.path.startswith("/v2/systemsharedmemory/") for r in shm)
+    assert all(r.path.startswith(("/v2/systemsharedmemory/", "/v2/cudasharedmemory/")) for r in shm)
     assert inference == {"/deconv", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
     assert not any("POST" in r.methods for r in api)
     for path in inference:

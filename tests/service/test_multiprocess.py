@@ -138,7 +138,7 @@ def test_cpu_worker_answers_raw_inputs_with_raw_outputs() -> None:
 def test_error_state_and_drop_frames() -> None:
     data = (_wire(frames.error_frame(7, OverloadedError("queue full", retry_after_s=2.5)))
             + _wire(frames.error_frame(8, DeadlineExceededError("late")))
-            + _wire(frames.state_frame("ready", "ready", "cuda", ["a", "b"]))
+            + _wire(frames.state_frame("ready", "ready", "cuda", ["a", "b"], True))
             + _wire(frames.drop_frame(9, "deadline")))
     rec = _feed(data, 3)
     (k1, e1), (k2, e2), (k3, s), (k4, d) = rec.frames
@@ -151,7 +151,8 @@ def test_error_state_and_drop_frames() -> None:
     assert rid == 8
     assert isinstance(err, DeadlineExceededError)
     assert err.status == 504
-    assert frames.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"]}
+    assert frames.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"],
+                                     "cuda_shm": True, "cuda_shm_reason": ""}
     assert frames.parse_drop(d) == (9, "deadline")
 
 
