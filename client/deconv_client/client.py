@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
-from . import _shm
+from . import _cuda_shm, _shm
 from ._tensor import encode_input
 from ._version import __version__
 from .codec import Payload
@@ -172,6 +172,7 @@ class _BaseClient:
         retry: Retry | bool,
         headers: Mapping[str, str] | None,
         shared_memory: bool = False,
+        cuda_shared_memory: bool = False,
     ) -> None:
         if retry is True:
             retry = Retry()
@@ -185,6 +186,7 @@ class _BaseClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._headers.update(headers or {})
         self._regions = _shm.RegionPool() if shared_memory else None
+        self._cuda_regions = _cuda_shm.CudaRegions() if cuda_shared_memory else None
         self._layer_infos: dict[str, LayerInfo] = {}  # for the output shapes of shared-memory calls
 
     @property
@@ -196,6 +198,14 @@ class _BaseClient:
     def shared_memory(self) -> bool:
         """Whether tensors travel through system shared memory (``shared_memory=True``)."""
         return self._regions is not None
+
+    @property
+    def cuda_shared_memory(self) -> bool:
+        """Whether CUDA torch tensors stay on their GPU (``cuda_shared_memory=True``)."""
+        return self._cuda_regions is not None
+
+    def _cuda_regions_to_close(self) -> list[_cuda_shm.CudaRegion]:
+        return self._cuda_regions.close() if self._cuda_regions is not None else []
 
 
 class Client(_BaseClient):
@@ -220,6 +230,12 @@ class Client(_BaseClient):
         shared_memory: send tensors through system shared memory (the KServe v2 ``systemsharedmemory`` extension)
             instead of the socket: the server must run on the same host. The client registers its regions on first
             use and unregisters them in :meth:`close`; ``wire_format`` has no effect.
+        cuda_shared_memory: pass CUDA torch tensors through CUDA shared memory (the KServe v2 ``cudasharedmemory``
+            extension): the server's GPU worker reads the input where it is and writes the output into a tensor
+            this client allocates on the same GPU, which :meth:`deconv` returns; no tensor byte crosses the socket
+            or the host. The server must run on the same machine with that GPU. The client registers each GPU
+            allocation its tensors live in once (a bounded number, least recently used out) and unregisters them
+            in :meth:`close`. Other tensors travel as without it.
     """
 
     def __init__(
@@ -233,8 +249,10 @@ class Client(_BaseClient):
         limits: httpx.Limits = DEFAULT_LIMITS,
         headers: Mapping[str, str] | None = None,
         shared_memory: bool = False,
+        cuda_shared_memory: bool = False,
     ) -> None:
-        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory)
+        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory,
+                         cuda_shared_memory=cuda_shared_memory)
         self._http = httpx.Client(
             base_url=base_url, headers=self._headers, timeout=timeout, transport=transport, limits=limits
         )
@@ -262,6 +280,8 @@ class Client(_BaseClient):
             if self._regions is not None:
                 for region in self._regions.close():
                     self._retire(region)
+            for cuda_region in self._cuda_regions_to_close():
+                self._retire_cuda(cuda_region)
         finally:
             self._http.close()
 
@@ -294,18 +314,59 @@ class Client(_BaseClient):
             TransportError: the server could not be reached or the connection broke.
             CodecError: the tensor cannot be sent (unsupported dtype), or the response was not a valid tensor.
         """
+        if self._cuda_regions is not None and _cuda_shm.is_cuda_tensor(x):
+            return self._deconv_cuda(layer, x, deadline_ms)  # type: ignore[no-any-return]
         if self._regions is not None:
             return self._deconv_shm(layer, x, deadline_ms)  # type: ignore[no-any-return]
         encoded = encode_input(x, wire_format)
         body, headers = self._post_deconv(layer, encoded.payload, deadline_ms=deadline_ms)
         return encoded.restore(body, headers.get("content-type"))
 
-    def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
-        assert self._regions is not None
-        t = _shm.prepare(x)
+    def _layer_info(self, layer: str) -> LayerInfo:
         info = self._layer_infos.get(layer)
         if info is None:
             info = self._layer_infos[layer] = self.layer(layer)
+        return info
+
+    def _deconv_cuda(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._cuda_regions is not None
+        call = _cuda_shm.CudaCall(x, self._layer_info(layer))
+        try:
+            for old in call.attach(self._cuda_regions):
+                self._retire_cuda(old)
+            for region in call.unregistered():
+                with region.lock:
+                    if not region.registered:
+                        self._request("POST", _cuda_shm.register_path(region), json_body=region.register_body(),
+                                      retry=Retry.disabled())
+                        region.registered = True
+            _, body = self._request("POST", f"/v2/models/{quote(layer, safe='')}/infer", json_body=call.request(),
+                                    deadline_ms=deadline_ms)
+            return call.result(_json(body, "CUDA shared-memory inference"))
+        finally:
+            call.release(self._cuda_regions)
+
+    def _retire_cuda(self, region: _cuda_shm.CudaRegion) -> None:
+        """Unregister ``region`` (best effort: the server may be gone)."""
+        if region.registered:
+            self._unregister(_cuda_shm.unregister_path(region), region.name)
+
+    def _unregister(self, path: str, name: str) -> None:
+        """``POST path``, an unregister of region ``name``; a failure is logged (the server may be gone)."""
+        try:
+            self._request("POST", path, retry=Retry.disabled())
+        except (APIError, TransportError) as exc:
+            logger.warning("could not unregister shared-memory region %s: %s", name, exc)
+
+    def cuda_shared_memory_status(self) -> list[dict[str, Any]]:
+        """The CUDA shared-memory regions registered on the server (``GET /v2/cudasharedmemory/status``): name,
+        device_id and byte_size of each, this client's and others'."""
+        return self._get_json("/v2/cudasharedmemory/status")  # type: ignore[no-any-return]
+
+    def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._regions is not None
+        t = _shm.prepare(x)
+        info = self._layer_info(layer)
         out_shape, size = _shm.output_shape(info, t.shape), _shm.itemsize(t.datatype)
         region, retired = self._regions.acquire(_shm.region_bytes(t, out_shape, size))
         for old in retired:
@@ -331,9 +392,7 @@ class Client(_BaseClient):
         """Unregister ``region`` (best effort: the server may be gone) and remove it."""
         try:
             if region.registered:
-                self._request("POST", _shm.unregister_path(region), retry=Retry.disabled())
-        except (APIError, TransportError) as exc:
-            logger.warning("could not unregister shared-memory region %s: %s", region.name, exc)
+                self._unregister(_shm.unregister_path(region), region.name)
         finally:
             region.destroy()
 
@@ -477,8 +536,10 @@ class AsyncClient(_BaseClient):
         limits: httpx.Limits = DEFAULT_LIMITS,
         headers: Mapping[str, str] | None = None,
         shared_memory: bool = False,
+        cuda_shared_memory: bool = False,
     ) -> None:
-        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory)
+        super().__init__(api_key=api_key, retry=retry, headers=headers, shared_memory=shared_memory,
+                         cuda_shared_memory=cuda_shared_memory)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=self._headers, timeout=timeout, transport=transport, limits=limits
         )
@@ -506,6 +567,8 @@ class AsyncClient(_BaseClient):
             if self._regions is not None:
                 for region in self._regions.close():
                     await self._retire(region)
+            for cuda_region in self._cuda_regions_to_close():
+                await self._retire_cuda(cuda_region)
         finally:
             await self._http.aclose()
 
@@ -518,18 +581,61 @@ class AsyncClient(_BaseClient):
         wire_format: str | None = None,
     ) -> TensorT:
         """Run ``layer`` on one tensor; see :meth:`Client.deconv`."""
+        if self._cuda_regions is not None and _cuda_shm.is_cuda_tensor(x):
+            return await self._deconv_cuda(layer, x, deadline_ms)  # type: ignore[no-any-return]
         if self._regions is not None:
             return await self._deconv_shm(layer, x, deadline_ms)  # type: ignore[no-any-return]
         encoded = encode_input(x, wire_format)
         body, headers = await self._post_deconv(layer, encoded.payload, deadline_ms=deadline_ms)
         return encoded.restore(body, headers.get("content-type"))
 
-    async def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
-        assert self._regions is not None
-        t = _shm.prepare(x)
+    async def _layer_info(self, layer: str) -> LayerInfo:
         info = self._layer_infos.get(layer)
         if info is None:
             info = self._layer_infos[layer] = await self.layer(layer)
+        return info
+
+    async def _deconv_cuda(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._cuda_regions is not None
+        call = _cuda_shm.CudaCall(x, await self._layer_info(layer))
+        try:
+            # Waiting for the caller's stream blocks: off the event loop.
+            for old in await asyncio.to_thread(call.attach, self._cuda_regions):
+                await self._retire_cuda(old)
+            for region in call.unregistered():
+                if region.alock is None:
+                    region.alock = asyncio.Lock()
+                async with region.alock:
+                    if not region.registered:
+                        await self._request("POST", _cuda_shm.register_path(region),
+                                            json_body=region.register_body(), retry=Retry.disabled())
+                        region.registered = True
+            _, body = await self._request("POST", f"/v2/models/{quote(layer, safe='')}/infer",
+                                          json_body=call.request(), deadline_ms=deadline_ms)
+            return call.result(_json(body, "CUDA shared-memory inference"))
+        finally:
+            call.release(self._cuda_regions)
+
+    async def _retire_cuda(self, region: _cuda_shm.CudaRegion) -> None:
+        """Unregister ``region`` (best effort: the server may be gone)."""
+        if region.registered:
+            await self._unregister(_cuda_shm.unregister_path(region), region.name)
+
+    async def _unregister(self, path: str, name: str) -> None:
+        """``POST path``, an unregister of region ``name``; a failure is logged (the server may be gone)."""
+        try:
+            await self._request("POST", path, retry=Retry.disabled())
+        except (APIError, TransportError) as exc:
+            logger.warning("could not unregister shared-memory region %s: %s", name, exc)
+
+    async def cuda_shared_memory_status(self) -> list[dict[str, Any]]:
+        """The CUDA shared-memory regions registered on the server; see :meth:`Client.cuda_shared_memory_status`."""
+        return await self._get_json("/v2/cudasharedmemory/status")  # type: ignore[no-any-return]
+
+    async def _deconv_shm(self, layer: str, x: Any, deadline_ms: float | None) -> Any:
+        assert self._regions is not None
+        t = _shm.prepare(x)
+        info = await self._layer_info(layer)
         out_shape, size = _shm.output_shape(info, t.shape), _shm.itemsize(t.datatype)
         region, retired = self._regions.acquire(_shm.region_bytes(t, out_shape, size))
         for old in retired:
@@ -555,9 +661,7 @@ class AsyncClient(_BaseClient):
         """Unregister ``region`` (best effort: the server may be gone) and remove it."""
         try:
             if region.registered:
-                await self._request("POST", _shm.unregister_path(region), retry=Retry.disabled())
-        except (APIError, TransportError) as exc:
-            logger.warning("could not unregister shared-memory region %s: %s", region.name, exc)
+                await self._unregister(_shm.unregister_path(region), region.name)
         finally:
             region.destroy()
 
