@@ -20,18 +20,26 @@ __device__ __forceinline__ uint32_t to_tf32(float v) {
   return r;
 }
 
+__device__ __forceinline__ uint4 to_tf32(uint4 v) {
+  return {to_tf32(__uint_as_float(v.x)), to_tf32(__uint_as_float(v.y)), to_tf32(__uint_as_float(v.z)),
+          to_tf32(__uint_as_float(v.w))};
+}
+
 // Rounds `words` fp32 words at `p` (16-byte aligned, a multiple of 4) to TF32 in place, threads [0, nthreads) of
-// the caller taking every nthreads-th 16-byte vector from `tid`.
+// the caller taking every nthreads-th 16-byte vector from `tid`: four vectors loaded before any is stored, so that
+// four loads are in flight (the compiler cannot tell that v4[i] and v4[i + nthreads] differ, and would keep one).
 __device__ __forceinline__ void round_tf32_inplace(void* p, int words, int tid, int nthreads) {
   uint4* v4 = reinterpret_cast<uint4*>(p);
-  for (int i = tid; i < words / 4; i += nthreads) {
-    uint4 v = v4[i];
-    v.x = to_tf32(__uint_as_float(v.x));
-    v.y = to_tf32(__uint_as_float(v.y));
-    v.z = to_tf32(__uint_as_float(v.z));
-    v.w = to_tf32(__uint_as_float(v.w));
-    v4[i] = v;
+  const int vecs = words / 4;
+  int i = tid;
+  for (; i + 3 * nthreads < vecs; i += 4 * nthreads) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = v4[i + u * nthreads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v4[i + u * nthreads] = to_tf32(v[u]);
   }
+  for (; i < vecs; i += nthreads) v4[i] = to_tf32(v4[i]);
 }
 
 template <MmaKind K>
