@@ -38,9 +38,26 @@ class CudaError(RuntimeError):
 
 
 class _Handle(ctypes.Structure):
-    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value."""
+    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value. Its bytes go in and out whole (``to_handle``,
+    ``from_handle``): the field itself reads and writes as a C string, which stops at the first zero byte."""
 
     _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+def to_handle(data: bytes) -> _Handle:
+    """The ``cudaIpcMemHandle_t`` of these 64 bytes.
+
+    Raises:
+        CudaError: not 64 bytes.
+    """
+    if len(data) != HANDLE_BYTES:
+        raise CudaError(f"a CUDA IPC handle has {HANDLE_BYTES} bytes, got {len(data)}")
+    return _Handle.from_buffer_copy(data)
+
+
+def from_handle(handle: _Handle) -> bytes:
+    """The 64 bytes of a ``cudaIpcMemHandle_t``."""
+    return bytes(handle)
 
 
 def _loaded_runtime() -> str | None:
@@ -66,16 +83,17 @@ def _runtime_candidates() -> list[str]:
 
 class Cuda:
     """The CUDA runtime (``libcudart``) and driver (``libcuda``) calls of CUDA IPC. Thread-safe (each call sets
-    and puts back the device of the calling thread).
+    and puts back the device of the calling thread). ``runtime``: the runtime library to load (default: the one
+    this process loaded, else one found); ``driver``: the driver library.
 
     Raises:
         CudaError: either library cannot be loaded.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, runtime: str | None = None, driver: str = "libcuda.so.1") -> None:
         errors = []
         self.runtime_path = ""
-        for path in _runtime_candidates():
+        for path in [runtime] if runtime else _runtime_candidates():
             try:
                 self._rt = ctypes.CDLL(path)
                 self.runtime_path = path
@@ -85,9 +103,9 @@ class Cuda:
         else:
             raise CudaError("no CUDA runtime library (libcudart) found: " + "; ".join(errors[-3:]))
         try:
-            self._drv = ctypes.CDLL("libcuda.so.1")
+            self._drv = ctypes.CDLL(driver)
         except OSError as exc:
-            raise CudaError(f"no CUDA driver library (libcuda.so.1): {exc}") from None
+            raise CudaError(f"no CUDA driver library ({driver}): {exc}") from None
         rt, drv = self._rt, self._drv
         c_int, c_void_p, c_uint = ctypes.c_int, ctypes.c_void_p, ctypes.c_uint
         for name, args in (("cudaGetDevice", [ctypes.POINTER(c_int)]), ("cudaSetDevice", [c_int]),
@@ -146,15 +164,14 @@ class Cuda:
         handle = _Handle()
         with self._on(device):
             self._check(self._rt.cudaIpcGetMemHandle(ctypes.byref(handle), base), "cudaIpcGetMemHandle")
-        return bytes(handle.reserved)
+        return from_handle(handle)
 
     def open(self, device: int, handle: bytes) -> int:
         """Map another process's allocation (its IPC ``handle``) on ``device``; its base address here."""
-        if len(handle) != HANDLE_BYTES:
-            raise CudaError(f"a CUDA IPC handle has {HANDLE_BYTES} bytes, got {len(handle)}")
+        raw = to_handle(handle)
         ptr = ctypes.c_void_p()
         with self._on(device):
-            self._check(self._rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), _Handle(handle), _LAZY_ENABLE_PEER_ACCESS),
+            self._check(self._rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, _LAZY_ENABLE_PEER_ACCESS),
                         "cudaIpcOpenMemHandle")
         if not ptr.value:
             raise CudaError("cudaIpcOpenMemHandle returned no address")
