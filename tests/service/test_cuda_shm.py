@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from deconv_client import AsyncClient, BadRequestError, Client, cuda_ipc
+from deconv_client import AsyncClient, Client, InvalidInputError, cuda_ipc
 
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
@@ -247,7 +247,7 @@ def test_the_sdk_passes_cuda_tensors_in_place(live: ServerProcess, registry: Reg
             client.deconv("demo", x)
         assert {s["name"] for s in client.cuda_shared_memory_status()
                 if s["name"].startswith("deconv-cuda-")} == mine
-        with pytest.raises(BadRequestError, match="channels"):
+        with pytest.raises(InvalidInputError, match="channels"):
             client.deconv("demo", torch.randn(1, 3, 4, 4, device="cuda"))
     with Client(live.url) as plain:
         assert not any(s["name"] in mine for s in plain.cuda_shared_memory_status())  # unregistered by close()
