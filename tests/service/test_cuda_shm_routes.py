@@ -384,7 +384,8 @@ def test_requests_in_cuda_regions_batch_together_and_each_gets_its_rows(repo):
         buffers.append((in_handle, out_handle, out_buf))
 
     async def main() -> None:
-        async with _served(root, memory, max_queue_delay_ms=300.0) as (_, c):
+        # A batch runs when it holds max_batch_size samples (the delay never runs out): all 7, in one call.
+        async with _served(root, memory, max_queue_delay_ms=600_000.0, max_batch_size=7) as (_, c):
             for i, (in_handle, out_handle, out_buf) in enumerate(buffers):
                 assert (await _register(c, f"in{i}", _body(in_handle, byte_size=xs[i].nbytes))).status_code == 200
                 assert (await _register(c, f"out{i}", _body(out_handle, byte_size=len(out_buf)))).status_code == 200
@@ -395,7 +396,7 @@ def test_requests_in_cuda_regions_batch_together_and_each_gets_its_rows(repo):
                     shape=x.shape)) for i, x in enumerate(xs)))
             for r in rs:
                 assert r.status_code == 200, r.text
-            assert max(int(r.headers["x-deconv-batch-size"]) for r in rs) > 3  # several requests in one call
+            assert {int(r.headers["x-deconv-batch-size"]) for r in rs} == {7}
             for x, (_, _, out_buf), r in zip(xs, buffers, rs, strict=True):
                 y = np.frombuffer(bytes(out_buf), np.float32).reshape(r.json()["outputs"][0]["shape"])
                 assert rel_err(y, reference(module, torch.from_numpy(x))) < 1e-5
