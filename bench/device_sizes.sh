@@ -30,8 +30,8 @@ if [ "${DEVICE_ENV:-1}" = 1 ]; then
   source bench/device_env.sh
 else
   OUT=${OUT:-out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-  logs=$OUT/logs; mkdir -p "$logs"  # packed into one file at the end: the lent machine returns few files
 fi
+logs=$OUT/logs; mkdir -p "$logs"  # packed into one file at the end: the lent machine returns few files
 PY=${PYTHON:-python3}
 DEVICES=${DEVICES:-auto}
 HTTP_PROCS=${HTTP_PROCS:-8}
