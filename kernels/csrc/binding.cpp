@@ -219,6 +219,14 @@ torch::Tensor in_layout(const torch::Tensor& t, bool to_channels_last, cudaStrea
   return d;
 }
 
+// x [N, C, H, W] (any layout) as a channels-last [N, H, W, pitch] tensor whose channels past C are zeros, on the
+// current stream.
+torch::Tensor padded_rows(const torch::Tensor& x, int64_t pitch) {
+  torch::Tensor d = torch::zeros({x.size(0), x.size(2), x.size(3), pitch}, x.options());
+  d.narrow(3, 0, x.size(1)).copy_(x.permute({0, 2, 3, 1}));
+  return d;
+}
+
 // Runs a checked problem on x's CUDA device, on its current stream, into `out` when given (a contiguous NCHW tensor)
 // or a new tensor: channels-last when x is and the gemm kernel runs (otherwise NCHW; the Python layer converts).
 // x may have any layout: the gemm kernel reads it channels-last, the others NCHW, each converted here if needed.
@@ -259,7 +267,21 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new copy.
   p.x_channels_last = true;
   p.x = x_cl ? x.data_ptr() : nullptr;
-  const bool gemm = deconv::conv_transpose2d_plan(p).path == deconv::KernelPath::kGemm;
+  bool gemm = deconv::conv_transpose2d_plan(p).path == deconv::KernelPath::kGemm;
+  // With one group, input channels that do not fill whole 16-byte vectors (a DCGAN generator's 100 latent channels
+  // in 16 bits) are padded for the gemm path where it would then run: a zero-padded channels-last copy of x, as an
+  // NCHW x gets a channels-last one.
+  int64_t pitch = 0;
+  const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
+  if (!gemm && groups == 1 && pr.C_in % vec != 0) {
+    deconv::ConvTranspose2dParams q = p;
+    q.x = nullptr;
+    q.x_pitch = (pr.C_in + vec - 1) / vec * vec;
+    if (deconv::conv_transpose2d_plan(q).path == deconv::KernelPath::kGemm) {
+      gemm = true;
+      pitch = q.x_pitch;
+    }
+  }
   // The caller gets y in x's layout (NCHW into `out`). The gemm kernel writes either layout; the others write NCHW,
   // staged in scratch and converted for a channels-last y. The gemm kernel may stage an NCHW y channels-last too.
   const bool y_cl = x_cl && !out.has_value();
@@ -272,8 +294,9 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   p.w_channels_last = gemm && w_cl;
   const torch::Tensor wc = p.w_channels_last ? weight : in_layout(weight, false, stream);
   p.w = wc.data_ptr();
-  const torch::Tensor xk = in_layout(x, gemm, stream);
+  const torch::Tensor xk = pitch > 0 ? padded_rows(x, pitch) : in_layout(x, gemm, stream);
   p.x = xk.data_ptr();
+  p.x_pitch = pitch;
   const auto layout = [&](bool cl) {
     return x.options().memory_format(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
   };

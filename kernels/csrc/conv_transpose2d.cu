@@ -19,8 +19,9 @@
 //   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles;
 //               conv_transpose2d_wgmma.cu: warp-specialized halo tiles on sm_90 wgmma) for dense layers in
 //               float32 / bfloat16 / float16;
-//   gemm        (conv_transpose2d_gemm.cu) for channel-heavy layers on sm_90: 128-pixel tiles across images over a
-//               channels-last input, wgmma with both operands in shared memory;
+//   gemm        (conv_transpose2d_gemm.cu, conv_transpose2d_gemm_sync.cu) for channel-heavy layers and 1 x 1
+//               inputs: 128-pixel tiles across images over a channels-last input, wgmma with both operands in
+//               shared memory on sm_90 (the default there), mma.sync on sm_80 and newer (measured choice);
 //   SIMT        (below) for everything else (float64, too few input channels, weights too large for narrow).
 // It needs nothing newer than sm_80; the wgmma tiles run where the build holds sm_90a code (kernels/build.py).
 
@@ -202,9 +203,12 @@ cudaError_t launch_simt(const ConvTranspose2dParams& p, cudaStream_t stream) {
 namespace {
 
 // Whether the gemm kernel is the default for an eligible problem: layers with many channels on both sides, where
-// its 128-pixel tiles across images and whole 128-byte channel rows beat the halo tiles (bench/NOTES.md v15).
+// its 128-pixel tiles across images and whole 128-byte channel rows beat the halo tiles (bench/NOTES.md v15), and
+// layers of one input pixel, which the gemm path runs as one plain GEMM per tap while the other kernels tile
+// pixels (the DCGAN latent layer: 3.8x, v18).
 bool gemm_preferred(const ConvTranspose2dParams& p) {
-  return p.C_in / p.groups >= 128 && p.C_out / p.groups >= 64;
+  const int64_t cout_g = p.C_out / p.groups;
+  return (p.C_in / p.groups >= 128 && cout_g >= 64) || (p.H_in == 1 && p.W_in == 1 && cout_g >= 64);
 }
 
 // force_path 0 runs the SIMT kernel; 1, 2, 3 and 4 run the tensor-core, narrow, sparse and gemm kernels when
@@ -222,7 +226,8 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
-  if (p.force_config < 0 && gemm_preferred(p) && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
+  if (p.force_config < 0 && gemm_preferred(p) && gemm_default_ready() && gemm_eligible(p))
+    return {KernelPath::kGemm, gemm_config(p)};
   const int config = tensor_core_config(p);
   if (config >= 0) return {KernelPath::kTensorCore, config};
   return {KernelPath::kSimt, -1};
@@ -239,7 +244,7 @@ size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p, const Ke
 }
 
 WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const KernelPlan& c) {
-  if (c.path == KernelPath::kGemm) return gemm_packing(p);
+  if (c.path == KernelPath::kGemm) return gemm_packing(p, c.config);
   return c.path == KernelPath::kTensorCore ? tensor_core_packing(p, c.config) : WeightPacking{};
 }
 

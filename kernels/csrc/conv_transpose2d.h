@@ -47,6 +47,9 @@ struct ConvTranspose2dParams {
   // 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout); the binding makes them
   // NCHW-contiguous for the rest.
   bool w_channels_last;
+  // Elements from one position of a channels-last x to the next, when larger than C_in (0: C_in): an x whose rows of
+  // channels the binding padded to whole 16-byte vectors for the gemm path (one group only; the padding is zeros).
+  int64_t x_pitch;
   // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm. A forced path that is not eligible for the
   // problem falls back to the choice of -1.
   int force_path;
@@ -129,19 +132,25 @@ bool sparse_eligible(const ConvTranspose2dParams& p);
 bool sparse_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream);
 
-// Gemm kernel (conv_transpose2d_gemm.cu): channel-major implicit GEMM on sm_90a wgmma for TF32/BF16/FP16, reading a
-// channels-last x, writing y in either layout. Eligible on sm_90 devices (kernels built with sm_90a code) when a
-// group's input channels fill whole 16-byte vectors and strides are at most kGemmMaxStride.
-constexpr int kNumGemmConfigs = 3;
+// Gemm path (conv_transpose2d_gemm.cu, conv_transpose2d_gemm_sync.cu): channel-major implicit GEMM for
+// TF32/BF16/FP16, reading a channels-last x, writing y in either layout. Configurations 0-2 run wgmma (sm_90 devices,
+// kernels built with sm_90a code), 3-4 mma.sync (sm_80 and newer). Eligible on sm_80 and newer when a group's input
+// channels fill whole 16-byte vectors (with one group, x_pitch may pad them) and strides are at most
+// kGemmMaxStride.
+constexpr int kNumGemmConfigs = 5;
 constexpr int kGemmMaxStride = 16;
 bool gemm_eligible(const ConvTranspose2dParams& p);
-int gemm_config(const ConvTranspose2dParams& p);  // force_config when in range, else the configuration chosen
+// Whether the gemm path is the default choice where it is eligible and preferred: where its wgmma configurations
+// run (the mma.sync ones are picked by measured choice only).
+bool gemm_default_ready();
+// force_config when in range and it runs here (a wgmma configuration needs sm_90), else the configuration chosen.
+int gemm_config(const ConvTranspose2dParams& p);
 int gemm_split(const ConvTranspose2dParams& p, int config);
-// Whether the gemm kernel reads p's weights as they are, with no packing: 16-bit channels-last weights whose
-// output-channel rows are whole 16-byte vectors at a 16-byte aligned address and whose groups have their input
-// channels in whole stages (64).
-bool gemm_reads_weights(const ConvTranspose2dParams& p);
-WeightPacking gemm_packing(const ConvTranspose2dParams& p);
+// Whether the gemm kernel reads p's weights as they are, with no packing: a wgmma configuration, 16-bit
+// channels-last weights whose output-channel rows are whole 16-byte vectors at a 16-byte aligned address and whose
+// groups have their input channels in whole stages (64).
+bool gemm_reads_weights(const ConvTranspose2dParams& p, int config);
+WeightPacking gemm_packing(const ConvTranspose2dParams& p, int config);
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream);

@@ -34,6 +34,7 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "gemm.cuh"
 #include "halo.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -44,42 +45,11 @@ namespace deconv {
 namespace {
 
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
-constexpr int kGemmBM = 128;
-constexpr int kGemmRowBytes = 128;  // K bytes a stage: one swizzle row
-constexpr int kGemmMaxSplit = 16;
-
-struct GemmShape {
-  int bn, stages;
-};
-// Tile configurations (force_config for the gemm path): 128 x BN, kStages buffers of (128 + BN) x 128 bytes.
-constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {{128, 6}, {256, 4}, {64, 8}};
 
 constexpr size_t gemm_smem_bytes(const GemmShape& s) {
   // Stages, their three barriers, alignment slack.
   return static_cast<size_t>(s.stages) * ((kGemmBM + s.bn) * kGemmRowBytes + 24) + 1024;
 }
-
-// Per-launch tables: each residue's phase on both axes, and the divisors of the tile index.
-// An M tile is a box of the phase's output positions, bn images x bh rows x bw columns (<= 128 rows in all, w
-// fastest): the input it reads for one tap is the same box shifted, which one bulk tensor copy brings, zero-filled
-// past every border.
-struct GemmTiles {
-  AxisPhase32 ah[kGemmMaxStride], aw[kGemmMaxStride];
-  FastDiv n_tiles, groups, splits, phases, stride_w, w_tiles, h_tiles, bw, bh;
-  int bni;  // images a box
-  int total;
-};
-
-struct GemmArgs {
-  const void* x;      // [N, H_in, W_in, C_in]
-  const void* wp;     // [groups][kH][kW][cout_g][ci_pad], or the channels-last weights [C_in][kH][kW][cout_g]
-  const void* bias;   // [C_out] or nullptr
-  void* y;            // through ys*
-  float* partial;     // split-K: [splits][N][H_out][W_out][C_out] fp32
-  int n, c_in, h_in, w_in, c_out, h_out, w_out, kh, kw;
-  int cin_g, cout_g, ci_pad, stride_h, stride_w;
-  int64_t ys_n, ys_c, ys_h, ys_w;  // output strides in elements
-};
 
 // ---------------------------------------------------------------------------------------------------------
 // wgmma with both operands in shared memory (128-byte swizzle, K-major).
@@ -172,52 +142,12 @@ DECONV_GS(256, kFP16, "f16", 16, ", 0, 1", true)
 // ---------------------------------------------------------------------------------------------------------
 // The GEMM kernel.
 
-// Two neighbouring output channels in one store (the address is aligned to the pair).
-__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = {a, b}; }
-__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ void store_pair(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-
 // Makes this thread's shared-memory stores visible to the tensor cores (the async proxy): the TF32 rounding of a
 // stage, written with ordinary stores, before the consumers' wgmma read it.
 __device__ __forceinline__ void fence_async_smem() {
 #if DECONV_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
-}
-
-// A tile's place: its phase, box origin (image, phase row and column) and channels, and the range of K stages it
-// reduces.
-struct GemmTile {
-  AxisPhase32 ah, aw;
-  int grp, split, n0, qh0, qw0, c0, k_begin, k_end;
-};
-
-__device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_img, int bn, int cpt, GemmTile& d) {
-  const int r0 = fdiv(t, tl.n_tiles);
-  d.c0 = (t - r0 * static_cast<int>(tl.n_tiles.d)) * bn;
-  const int r1 = fdiv(r0, tl.groups);
-  d.grp = r0 - r1 * static_cast<int>(tl.groups.d);
-  const int r2 = fdiv(r1, tl.splits);
-  d.split = r1 - r2 * static_cast<int>(tl.splits.d);
-  const int mt = fdiv(r2, tl.phases);
-  const int phase = r2 - mt * static_cast<int>(tl.phases.d);
-  const int rh = fdiv(phase, tl.stride_w);
-  d.ah = tl.ah[rh];
-  d.aw = tl.aw[phase - rh * static_cast<int>(tl.stride_w.d)];
-  const int m1 = fdiv(mt, tl.w_tiles);
-  d.qw0 = (mt - m1 * static_cast<int>(tl.w_tiles.d)) * static_cast<int>(tl.bw.d);
-  const int nb = fdiv(m1, tl.h_tiles);
-  d.qh0 = (m1 - nb * static_cast<int>(tl.h_tiles.d)) * static_cast<int>(tl.bh.d);
-  d.n0 = nb * tl.bni;
-  if (d.qw0 >= d.aw.count || d.qh0 >= d.ah.count || d.n0 >= n_img) return false;
-  const int kiters = d.ah.taps * d.aw.taps * cpt;
-  d.k_begin = static_cast<int>(static_cast<int64_t>(kiters) * d.split / tl.splits.d);
-  d.k_end = static_cast<int>(static_cast<int64_t>(kiters) * (d.split + 1) / tl.splits.d);
-  return true;
 }
 
 // Bulk tensor copies (the Tensor Memory Accelerator) into shared memory, completing as transactions on `bar`.
@@ -360,8 +290,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int mw = wgi - 1;  // rows 64 mw .. 64 mw + 63 of the tile
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
-  const T* __restrict__ bias = static_cast<const T*>(g.bias);
-  T* __restrict__ y = static_cast<T*>(g.y);
   uint64_t* const landed = kTF32 ? ready : full;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
@@ -395,47 +323,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     wg::pin<BN / 2>(acc);
 
     // Epilogue. Accumulator 4j + e: row (warp's 16) + lane / 4 (+ 8 for e >= 2), column 8j + 2 (lane % 4) (+ 1
-    // for odd e); rows past the box, the phase or the batch were computed from whatever the buffer held and are
-    // dropped.
-    const int co_base = d.grp * g.cout_g;
+    // for odd e).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = mw * 64 + wq * 16 + (lane >> 2) + 8 * half;  // row of the box
-      const int r1 = fdiv(r, tl.bw);
-      const int qw = d.qw0 + r - r1 * static_cast<int>(tl.bw.d);
-      const int nb = fdiv(r1, tl.bh);
-      const int qh = d.qh0 + r1 - nb * static_cast<int>(tl.bh.d);
-      const int n = d.n0 + nb;
-      if (nb >= tl.bni || n >= g.n || qh >= d.ah.count || qw >= d.aw.count) continue;
-      const int ho = d.ah.o0 + qh * g.stride_h, wo = d.aw.o0 + qw * g.stride_w;
-      if (g.partial != nullptr) {
-        float* pp = g.partial +
-                    ((((static_cast<int64_t>(d.split) * g.n + n) * g.h_out + ho) * g.w_out + wo) * g.c_out) + co_base;
+      int n, ho, wo;
+      if (!gemm_row(g, tl, d, mw * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo)) continue;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int co = d.c0 + 8 * j + 2 * (lane & 3) + e;
-            if (co < g.cout_g) pp[co] = acc[4 * j + 2 * half + e];
-          }
-        continue;
-      }
-      T* yp = y + n * g.ys_n + ho * g.ys_h + wo * g.ys_w + co_base * g.ys_c;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int co = d.c0 + 8 * j + 2 * (lane & 3);
-        float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-        if (bias != nullptr) {
-          if (co < g.cout_g) v0 += to_acc(bias[co_base + co]);
-          if (co + 1 < g.cout_g) v1 += to_acc(bias[co_base + co + 1]);
-        }
-        if (pair_stores && co + 1 < g.cout_g) {  // channels-last: the two channels side by side, one store
-          store_pair(yp + co, v0, v1);
-        } else {
-          if (co < g.cout_g) yp[co * g.ys_c] = from_acc<T>(v0);
-          if (co + 1 < g.cout_g) yp[(co + 1) * g.ys_c] = from_acc<T>(v1);
-        }
-      }
+      for (int j = 0; j < BN / 8; ++j)
+        gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[4 * j + 2 * half],
+                           acc[4 * j + 2 * half + 1], pair_stores);
     }
   }
 }
@@ -498,7 +394,6 @@ __global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restric
   }
 }
 
-#if defined(DECONV_SM90A_SASS)
 // Compute capability of the current device, read once per device.
 int gemm_device_cc() {
   constexpr int kMaxDevices = 64;
@@ -515,7 +410,28 @@ int gemm_device_cc() {
   if (dev < kMaxDevices) cached[dev].store(v + 1, std::memory_order_relaxed);
   return v;
 }
+
+// Whether the wgmma configurations run here: an sm_90 device and kernels built with sm_90a code.
+bool gemm_wgmma_ready() {
+#if defined(DECONV_SM90A_SASS)
+  return gemm_device_cc() == 90;
+#else
+  return false;
 #endif
+}
+
+// The problem as the gemm path tiles it. An axis whose input is one position wide gets the stride
+// dil * (k - 1) + 1 (when that is larger and the phase tables hold it): the output is the same -- with one input
+// position, output position o takes tap a only where o = a * dil - pad, whatever the stride -- but every phase then
+// has at most one tap, so that a 1 x 1 input (the latent layer of a generator) is a plain GEMM per tap,
+// M = N, K = C_in, instead of kH * kW stages of which all but one read zeros.
+ConvTranspose2dParams gemm_view(const ConvTranspose2dParams& p) {
+  ConvTranspose2dParams q = p;
+  const int64_t sh = p.dil_h * (p.kH - 1) + 1, sw = p.dil_w * (p.kW - 1) + 1;
+  if (p.H_in == 1 && sh > p.stride_h && sh <= kGemmMaxStride) q.stride_h = sh;
+  if (p.W_in == 1 && sw > p.stride_w && sw <= kGemmMaxStride) q.stride_w = sw;
+  return q;
+}
 
 int64_t gemm_ci_pad(const ConvTranspose2dParams& p) {
   const int64_t per_stage = kGemmRowBytes / (p.dtype == DType::kFloat32 ? 4 : 2);
@@ -523,6 +439,9 @@ int64_t gemm_ci_pad(const ConvTranspose2dParams& p) {
 }
 
 int64_t gemm_elem_bytes(const ConvTranspose2dParams& p) { return p.dtype == DType::kFloat32 ? 4 : 2; }
+
+// Elements from one position of x to the next.
+int64_t gemm_x_pitch(const ConvTranspose2dParams& p) { return p.x_pitch > 0 ? p.x_pitch : p.C_in; }
 
 // The M box of a problem (GemmTiles): for the largest phase (ch x cw positions an image), the bn x bh x bw box of at
 // most 128 rows that wastes the fewest rows over the tiles that cover it (ties: the fewer tiles); widths and heights
@@ -582,38 +501,55 @@ EncodeTiled encode_tiled() {
 
 }  // namespace
 
-bool gemm_eligible(const ConvTranspose2dParams& p) {
-#if defined(DECONV_SM90A_SASS)
+bool gemm_eligible(const ConvTranspose2dParams& p_in) {
+  const ConvTranspose2dParams p = gemm_view(p_in);
   const bool fp32 = p.dtype == DType::kFloat32;
   if (p.dtype == DType::kFloat64 || (fp32 && p.precision != Precision::kTF32)) return false;
-  if (gemm_device_cc() != 90) return false;
+  if (gemm_device_cc() < 80) return false;  // mma.sync, ldmatrix and cp.async: sm_80
   const int64_t eb = gemm_elem_bytes(p);
-  const int64_t cin_g = p.C_in / p.groups;
-  // 16-byte rows of channels, strides the phase tables hold, and every index in 31 bits.
-  if ((cin_g * eb) % 16 != 0 || p.stride_h > kGemmMaxStride || p.stride_w > kGemmMaxStride) return false;
+  const int64_t cin_g = p.C_in / p.groups, pitch = gemm_x_pitch(p);
+  // 16-byte rows of channels (a padded pitch: one group only), strides the phase tables hold, and every index in
+  // 31 bits.
+  if (p.x_pitch > 0 && (p.groups != 1 || p.x_pitch < p.C_in)) return false;
+  if ((p.x_pitch > 0 ? pitch * eb : cin_g * eb) % 16 != 0) return false;
+  if (p.stride_h > kGemmMaxStride || p.stride_w > kGemmMaxStride) return false;
   // A channels-last x at a 16-byte aligned address (the binding plans with x_channels_last set and a null or
   // channels-last x, then keeps the family: an NCHW x never plans the gemm kernel).
   if (!p.x_channels_last || reinterpret_cast<uintptr_t>(p.x) % 16 != 0) return false;
   const int64_t lim = int64_t(1) << 30;
-  if (p.N * p.H_in * p.W_in * p.C_in >= lim || p.N * p.H_out * p.W_out >= lim || p.C_out >= lim ||
+  if (p.N * p.H_in * p.W_in * pitch >= lim || p.N * p.H_out * p.W_out >= lim || p.C_out >= lim ||
       p.groups * p.kH * p.kW * (p.C_out / p.groups) * gemm_ci_pad(p) >= lim)
     return false;
   if (tc::div_up(gemm_ci_pad(p), 32) > 65535 || p.groups > 65535) return false;  // the packing kernel's grid
   return gemm_grid(p, 2).tiles * kGemmMaxSplit < (int64_t(1) << 31);
-#else
-  (void)p;
-  return false;
-#endif
 }
 
-int gemm_config(const ConvTranspose2dParams& p) {
-  if (p.force_config >= 0 && p.force_config < kNumGemmConfigs) return p.force_config;
+bool gemm_default_ready() { return gemm_wgmma_ready(); }
+
+int gemm_config(const ConvTranspose2dParams& p_in) {
+  const ConvTranspose2dParams p = gemm_view(p_in);
+  const bool wgmma = gemm_wgmma_ready();
+  if (p.force_config >= 0 && p.force_config < kNumGemmConfigs && (wgmma || kGemmShapes[p.force_config].sync))
+    return p.force_config;
   const int64_t cout_g = p.C_out / p.groups;
+  if (!wgmma) return cout_g <= 64 ? 4 : 3;
   if (cout_g <= 64) return 2;
-  return 0;
+  const int64_t sms = sm_count() > 0 ? sm_count() : 132;
+  if (p.dtype == DType::kFloat32) {
+    // TF32 rounds each landed A stage in shared memory once for all of the tile's output channels: 256 of them
+    // halve that pass per product, where the channels fill them, K is long enough (16 stages) for it to outweigh
+    // the wider tile's epilogue and the tiles keep half the SMs busy (bench/NOTES.md v18: 1.23-1.45x).
+    const int64_t kiters = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
+                           (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+    if (cout_g >= 256 && kiters >= 16 && 2 * gemm_grid(p, 1).tiles >= sms) return 1;
+    return 0;
+  }
+  // 16-bit: tiles of 64 output channels where 128-channel ones leave most SMs idle (split-K shares the rest).
+  return 2 * gemm_grid(p, 0).tiles < sms ? 2 : 0;
 }
 
-int gemm_split(const ConvTranspose2dParams& p, int config) {
+int gemm_split(const ConvTranspose2dParams& p_in, int config) {
+  const ConvTranspose2dParams p = gemm_view(p_in);
   if (p.force_split > 0) return p.force_split < kGemmMaxSplit ? p.force_split : kGemmMaxSplit;
   const GemmGrid gr = gemm_grid(p, config);
   const int64_t sms = sm_count() > 0 ? sm_count() : 132;
@@ -626,20 +562,21 @@ int gemm_split(const ConvTranspose2dParams& p, int config) {
   return split >= 2 ? static_cast<int>(split) : 1;
 }
 
-bool gemm_reads_weights(const ConvTranspose2dParams& p) {
+bool gemm_reads_weights(const ConvTranspose2dParams& p, int config) {
   // 16-bit channels-last weights as TMA can read them: 16-byte rows of output channels at a 16-byte aligned address,
   // and a group's input channels in whole stages: a stage must not reach into the next group's rows, and stages
   // with channels past C_in would be boxes mostly zero-filled by the copy engine, which costs it as much as reading
   // them (KernelBench 71, 32 channels: 1.55 ms against 0.97 ms packed; bench/NOTES.md v17).
   if (!p.w_channels_last || p.dtype == DType::kFloat32 || p.dtype == DType::kFloat64) return false;
+  if (kGemmShapes[config].sync) return false;  // the mma.sync kernel reads K-major weights only
   const int64_t cout_g = p.C_out / p.groups, cin_g = p.C_in / p.groups;
   const int64_t ch = kGemmRowBytes / 2;
   return cout_g % 8 == 0 && cin_g % ch == 0 && reinterpret_cast<uintptr_t>(p.w) % 16 == 0;
 }
 
-WeightPacking gemm_packing(const ConvTranspose2dParams& p) {
+WeightPacking gemm_packing(const ConvTranspose2dParams& p, int config) {
   WeightPacking w{};
-  if (gemm_reads_weights(p)) return w;  // read as they are
+  if (gemm_reads_weights(p, config)) return w;  // read as they are
   const int64_t ci_pad = gemm_ci_pad(p);
   w.bytes = static_cast<size_t>(p.groups * p.kH * p.kW * (p.C_out / p.groups) * ci_pad * gemm_elem_bytes(p));
   w.kind = static_cast<int64_t>(p.dtype == DType::kFloat32 ? tc::MmaKind::kTF32
@@ -655,7 +592,7 @@ WeightPacking gemm_packing(const ConvTranspose2dParams& p) {
 
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
   // No room for packed weights when they come packed or are read as they are (gemm_packing's 0 bytes).
-  const size_t packed = p.packed_weights == nullptr ? (gemm_packing(p).bytes + 255) / 256 * 256 : 0;
+  const size_t packed = p.packed_weights == nullptr ? (gemm_packing(p, config).bytes + 255) / 256 * 256 : 0;
   const int split = gemm_split(p, config);
   const size_t partial =
       split > 1 ? static_cast<size_t>(split) * p.N * p.H_out * p.W_out * p.C_out * sizeof(float) : 0;
@@ -710,7 +647,10 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
   const cuuint64_t xdim[5] = {static_cast<cuuint64_t>(a.cin_g), static_cast<cuuint64_t>(p.groups),
                               static_cast<cuuint64_t>(p.W_in), static_cast<cuuint64_t>(p.H_in),
                               static_cast<cuuint64_t>(p.N)};
-  const cuuint64_t xstride[4] = {a.cin_g * eb, p.C_in * eb, p.W_in * p.C_in * eb, p.H_in * p.W_in * p.C_in * eb};
+  // A padded pitch has one group: the group stride then only needs to be a whole 16-byte vector.
+  const cuuint64_t pitch = static_cast<cuuint64_t>(a.c_in);
+  const cuuint64_t xstride[4] = {p.groups == 1 ? pitch * eb : a.cin_g * eb, pitch * eb, p.W_in * pitch * eb,
+                                 p.H_in * p.W_in * pitch * eb};
   const cuuint32_t xbox[5] = {ch, 1, static_cast<cuuint32_t>(box.bw), static_cast<cuuint32_t>(box.bh),
                               static_cast<cuuint32_t>(box.bni)};
   if (encode(mx, dt, 5, const_cast<void*>(a.x), xdim, xstride, xbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -735,19 +675,11 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, tc::MmaKind K, int kShape, bool kTransB>
-cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a, int split, cudaStream_t stream) {
-  constexpr GemmShape s = kGemmShapes[kShape];
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>;
-  constexpr size_t smem = gemm_smem_bytes(s);
-  cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>>();
-  if (err != cudaSuccess) return err;
+// The launch's tables (GemmTiles) for a configuration and split.
+GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int split) {
   GemmTiles tl{};
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
   for (int64_t r = 0; r < p.stride_w; ++r) tl.aw[r] = make_axis_phase32(r, p.W_out, p.stride_w, p.pad_w, p.dil_w, p.kW);
-  const GemmGrid gr = gemm_grid(p, kShape);
-  CUtensorMap mx, mw;
-  if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
   tl.w_tiles = make_fast_div(static_cast<uint32_t>(gr.box.w_tiles));
   tl.h_tiles = make_fast_div(static_cast<uint32_t>(gr.box.h_tiles));
   tl.bw = make_fast_div(static_cast<uint32_t>(gr.box.bw));
@@ -759,9 +691,41 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   tl.phases = make_fast_div(static_cast<uint32_t>(p.stride_h * p.stride_w));
   tl.stride_w = make_fast_div(static_cast<uint32_t>(p.stride_w));
   tl.total = static_cast<int>(gr.tiles * split);
+  return tl;
+}
+
+// The wgmma kernel of a configuration: persistent, one block an SM.
+template <typename T, tc::MmaKind K, int kShape, bool kTransB>
+cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr,
+                              const GemmTiles& tl, cudaStream_t stream) {
+  constexpr GemmShape s = kGemmShapes[kShape];
+  static_assert(!s.sync, "a wgmma configuration");
+  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>;
+  constexpr size_t smem = gemm_smem_bytes(s);
+  const cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>>();
+  if (err != cudaSuccess) return err;
+  CUtensorMap mx, mw;
+  if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
   const int sms = sm_count() > 0 ? sm_count() : 1;
   kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
-  err = cudaGetLastError();
+  return cudaGetLastError();
+}
+
+template <typename T, tc::MmaKind K, bool kTransB>
+cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const GemmArgs& a, int split,
+                             cudaStream_t stream) {
+  const GemmGrid gr = gemm_grid(p, config);
+  const GemmTiles tl = gemm_tiles(p, gr, split);
+  cudaError_t err = cudaErrorInvalidValue;
+  if (kGemmShapes[config].sync) {
+    if (!kTransB) err = launch_gemm_sync(p.dtype, config, a, tl, stream);
+  } else if (config == 0) {
+    err = gemm_launch_wgmma<T, K, 0, kTransB>(p, a, gr, tl, stream);
+  } else if (config == 1) {
+    err = gemm_launch_wgmma<T, K, 1, kTransB>(p, a, gr, tl, stream);
+  } else if (config == 2) {
+    err = gemm_launch_wgmma<T, K, 2, kTransB>(p, a, gr, tl, stream);
+  }
   if (err != cudaSuccess || split == 1) return err;
   const int64_t total = p.N * p.H_out * p.W_out * p.C_out;
   const int64_t blocks = tc::div_up(total, 256);
@@ -769,30 +733,17 @@ cudaError_t gemm_launch_shape(const ConvTranspose2dParams& p, const GemmArgs& a,
   return cudaGetLastError();
 }
 
-template <typename T, tc::MmaKind K, bool kTransB>
-cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const GemmArgs& a, int split,
-                             cudaStream_t stream) {
-  switch (config) {
-    case 0:
-      return gemm_launch_shape<T, K, 0, kTransB>(p, a, split, stream);
-    case 1:
-      return gemm_launch_shape<T, K, 1, kTransB>(p, a, split, stream);
-    case 2:
-      return gemm_launch_shape<T, K, 2, kTransB>(p, a, split, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
 }  // namespace
 
-cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
+cudaError_t launch_gemm(const ConvTranspose2dParams& p_in, int config, cudaStream_t stream) {
+  const ConvTranspose2dParams p = gemm_view(p_in);
   if (!p.x_channels_last || config < 0 || config >= kNumGemmConfigs) return cudaErrorInvalidValue;
   GemmArgs a{};
   a.x = p.x;
   a.bias = p.bias;
   a.y = p.y;
   a.n = static_cast<int>(p.N);
-  a.c_in = static_cast<int>(p.C_in);
+  a.c_in = static_cast<int>(gemm_x_pitch(p));  // the row pitch of x
   a.h_in = static_cast<int>(p.H_in);
   a.w_in = static_cast<int>(p.W_in);
   a.c_out = static_cast<int>(p.C_out);
@@ -817,7 +768,7 @@ cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t
     a.ys_n = p.C_out * p.H_out * p.W_out;
   }
   uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-  const bool trans_b = gemm_reads_weights(p);
+  const bool trans_b = gemm_reads_weights(p, config);
   if (trans_b) {
     a.wp = p.w;
   } else if (p.packed_weights != nullptr) {
@@ -827,7 +778,7 @@ cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t
     const cudaError_t err = gemm_pack(p, ws, stream);
     if (err != cudaSuccess) return err;
     a.wp = ws;
-    ws += (gemm_packing(p).bytes + 255) / 256 * 256;
+    ws += (gemm_packing(p, config).bytes + 255) / 256 * 256;
   }
   const int split = gemm_split(p, config);
   if (split > 1) {

@@ -1,9 +1,11 @@
-"""GPU correctness of the gemm kernel (kernels/csrc/conv_transpose2d_gemm.cu; sm_90 only) against float64.
+"""GPU correctness of the gemm path against float64: its wgmma kernel (kernels/csrc/conv_transpose2d_gemm.cu,
+configurations 0-2) and its mma.sync kernel (conv_transpose2d_gemm_sync.cu, 3-4), both forced on sm_90.
 
 Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py; both input layouts (the kernel
 reads channels-last, an NCHW input is converted first) and both output layouts, every tile configuration and
 split-K factor, and the parameters that change its indexing: strides with phases that have no tap, dilation,
-padding, output_padding, groups, channel counts that leave partial stages and partial tiles, one-pixel inputs.
+padding, output_padding, groups, channel counts that leave partial stages and partial tiles, inputs one position
+high or wide (tiled with a stride of their own: one tap a phase).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
 
 pytestmark = pytest.mark.cuda
 
-NUM_GEMM_CONFIGS = 3
+NUM_GEMM_CONFIGS = 5
+SYNC_CONFIGS = (3, 4)
 
 
 def _sm90() -> bool:
@@ -41,6 +44,14 @@ PROBLEMS = {
     "groups": dict(n=2, c_in=96, c_out=48, h=6, w=6, k=4, stride=2, padding=1, groups=3),
     "groups_wide": dict(n=2, c_in=128, c_out=48, h=5, w=6, k=3, stride=2, padding=1, groups=2),  # 64 in a group
     "one_pixel": dict(n=5, c_in=64, c_out=128, h=1, w=1, k=4),
+    # One position high and wide with stride, padding, dilation and output_padding (tiled with stride 5, rows
+    # that only the bias reaches), and one position high only.
+    "one_pixel_s2": dict(n=3, c_in=64, c_out=72, h=1, w=1, k=3, stride=2, padding=1, output_padding=1, dilation=2),
+    "one_row": dict(n=2, c_in=64, c_out=48, h=1, w=5, k=4, stride=2, padding=1),
+    # Rows of input channels that are not whole 16-byte vectors, padded by the binding: 37 channels in every dtype,
+    # and a DCGAN latent layer's 100 in 16 bits.
+    "padded_rows": dict(n=2, c_in=37, c_out=40, h=5, w=6, k=3, stride=2, padding=1),
+    "padded_1x1": dict(n=6, c_in=100, c_out=128, h=1, w=1, k=4),
     "many_rows": dict(n=3, c_in=16, c_out=257, h=23, w=19, k=2, stride=2, bias=False),
 }
 
@@ -94,7 +105,8 @@ def test_gemm_forced(problem: str, config: int, mode: str, layout: str) -> None:
     err, tol, path, y = run(PROBLEMS[problem], mode, layout=layout, config=config, split=1,
                             seed=zlib.crc32(problem.encode()) + config)
     assert path == "gemm"
-    if layout == "cl" and problem != "one_pixel":  # a one-pixel input is NCHW-contiguous too: PyTorch keeps NCHW
+    one_pixel = PROBLEMS[problem]["h"] == PROBLEMS[problem]["w"] == 1
+    if layout == "cl" and not one_pixel:  # a one-pixel input is NCHW-contiguous too: PyTorch keeps NCHW
         assert y.is_contiguous(memory_format=torch.channels_last)
         assert not y.is_contiguous()
     assert err <= tol, f"{problem}/gemm{config}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
@@ -121,17 +133,18 @@ def test_gemm_channels_last_weights(problem: str, config: int, mode: str, layout
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "tf32"])
 def test_gemm_reads_channels_last_16bit_weights_without_packing(mode: str) -> None:
     """A channels-last 16-bit call allocates only its output: no scratch for packed weights (an NCHW weight, or
-    TF32, takes one more allocation: the packed copy)."""
+    TF32, takes one more allocation: the packed copy; so does the mma.sync kernel, which reads K-major weights)."""
     dtype, precision, tol = MODES[mode]
     x = torch.randn(4, 128, 6, 6, device="cuda").to(dtype).contiguous(memory_format=torch.channels_last)
     w = torch.randn(128, 64, 4, 4, device="cuda").to(dtype)
     args = normalize_args(2, 1, 0, 1, 1)
 
-    def allocations(weight: torch.Tensor) -> int:
-        _forward_cuda(x, weight, None, args, precision or "fp32", force_path="gemm", force_split=1)  # first-call work
+    def allocations(weight: torch.Tensor, config: int | None = None) -> int:
+        kw = dict(force_path="gemm", force_config=config, force_split=1)
+        _forward_cuda(x, weight, None, args, precision or "fp32", **kw)  # first-call work
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        y, path = _forward_cuda(x, weight, None, args, precision or "fp32", force_path="gemm", force_split=1)
+        y, path = _forward_cuda(x, weight, None, args, precision or "fp32", **kw)
         allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
         assert path == "gemm"
         assert rel_err(y, reference(x, weight, None, stride=2, padding=1)) <= tol
@@ -139,16 +152,19 @@ def test_gemm_reads_channels_last_16bit_weights_without_packing(mode: str) -> No
 
     assert allocations(w) == 2  # the output and the packed weights
     assert allocations(w.contiguous(memory_format=torch.channels_last)) == (2 if mode == "tf32" else 1)
+    for config in SYNC_CONFIGS:
+        assert allocations(w.contiguous(memory_format=torch.channels_last), config) == 2
 
 
 @needs_sm90
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("split", [2, 3, 16])
 @pytest.mark.parametrize("mode", ["tf32", "bf16"])
+@pytest.mark.parametrize("config", [0, 3])
 @pytest.mark.parametrize("problem", ["k4s2p1", "stride3_k2", "groups", "one_pixel"])
-def test_gemm_split(problem: str, mode: str, split: int, layout: str) -> None:
+def test_gemm_split(problem: str, config: int, mode: str, split: int, layout: str) -> None:
     """Split-K: blocks over parts of K (some with none, at 16) into fp32 partials, summed with the bias."""
-    err, tol, path, _ = run(PROBLEMS[problem], mode, layout=layout, config=0, split=split,
+    err, tol, path, _ = run(PROBLEMS[problem], mode, layout=layout, config=config, split=split,
                             seed=zlib.crc32(problem.encode()) + split)
     assert path == "gemm"
     assert err <= tol, f"{problem}/split {split}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
@@ -197,9 +213,20 @@ def test_gemm_default_choice_and_fallbacks() -> None:
         assert path != "gemm", mode
         assert err <= tol, mode
     odd = dict(n=2, c_in=100, c_out=64, h=4, w=4, k=4, stride=2, padding=1)
-    err, tol, path, _ = run(odd, "bf16", layout="cl")
+    err, tol, path, _ = run(odd, "bf16", layout="cl", force=False)  # not channel-heavy: another kernel
     assert path != "gemm"
     assert err <= tol
+    err, tol, path, _ = run(odd, "bf16", layout="cl")  # asked for: x's rows padded to 104 channels
+    assert path == "gemm"
+    assert err <= tol
+    err, tol, path, _ = run(dict(odd, groups=2), "bf16", layout="cl")  # 50 a group: no padding with groups
+    assert path != "gemm"
+    assert err <= tol
+    # A 1 x 1 input runs the gemm path by default, its 100 16-bit channels padded.
+    for mode in ("bf16", "tf32"):
+        err, tol, path, _ = run(PROBLEMS["padded_1x1"], mode, layout="nchw_new", force=False)
+        assert path == "gemm", mode
+        assert err <= tol, mode
     # The library call returns the input's layout whichever kernel ran.
     x = torch.randn(2, 100, 4, 4, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w = torch.randn(100, 64, 4, 4, device="cuda").to(torch.bfloat16)

@@ -1,0 +1,152 @@
+// Shared by the gemm path's two kernels: the wgmma kernel (conv_transpose2d_gemm.cu, sm_90a) and the mma.sync kernel
+// (conv_transpose2d_gemm_sync.cu, sm_80 and newer). Both compute the same tiles in the same K order from the same
+// operand layouts: an M tile is a box of one stride phase's output positions across images, a K stage one tap's 128
+// bytes of input channels, A rows read from the channels-last input, B rows from the packed weights
+// [group][a][b][co][ci_pad] (docs/architecture.md, "Kernels").
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "conv_transpose2d.h"
+#include "convert.cuh"
+#include "halo.cuh"
+#include "phase.cuh"
+
+namespace deconv {
+
+constexpr int kGemmBM = 128;        // output positions a tile
+constexpr int kGemmRowBytes = 128;  // K bytes a stage: 32 fp32 or 64 16-bit channels of one tap
+constexpr int kGemmMaxSplit = 16;
+
+// Tile configurations (force_config for the gemm path): 128 x BN tiles in kStages buffers of (128 + BN) x 128 bytes;
+// `sync` ones run the mma.sync kernel, the others the wgmma kernel (sm_90a).
+struct GemmShape {
+  int bn, stages;
+  bool sync;
+};
+constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
+    {128, 6, false}, {256, 4, false}, {64, 8, false},  // wgmma
+    {128, 3, true},  {64, 4, true},                    // mma.sync
+};
+
+// Per-launch tables: each residue's phase on both axes, and the divisors of the tile index.
+// An M tile is a box of the phase's output positions, bn images x bh rows x bw columns (<= 128 rows in all, w
+// fastest): the input it reads for one tap is the same box shifted, zero-filled past every border.
+struct GemmTiles {
+  AxisPhase32 ah[kGemmMaxStride], aw[kGemmMaxStride];
+  FastDiv n_tiles, groups, splits, phases, stride_w, w_tiles, h_tiles, bw, bh;
+  int bni;  // images a box
+  int total;
+};
+
+struct GemmArgs {
+  const void* x;      // [N, H_in, W_in, c_in]: channels-last, rows of c_in >= C_in elements (x_pitch)
+  const void* wp;     // [groups][kH][kW][cout_g][ci_pad], or the channels-last weights [C_in][kH][kW][cout_g]
+  const void* bias;   // [C_out] or nullptr
+  void* y;            // through ys*
+  float* partial;     // split-K: [splits][N][H_out][W_out][C_out] fp32
+  int n, c_in, h_in, w_in, c_out, h_out, w_out, kh, kw;  // c_in: x's row pitch
+  int cin_g, cout_g, ci_pad, stride_h, stride_w;
+  int64_t ys_n, ys_c, ys_h, ys_w;  // output strides in elements
+};
+
+// A tile's place: its phase, box origin (image, phase row and column) and channels, and the range of K stages it
+// reduces.
+struct GemmTile {
+  AxisPhase32 ah, aw;
+  int grp, split, n0, qh0, qw0, c0, k_begin, k_end;
+};
+
+// Tile t of the launch (output channels fastest, then groups, splits, phases, M boxes); false when its box lies
+// wholly past the phase or the batch. cpt: K stages a tap.
+__device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_img, int bn, int cpt, GemmTile& d) {
+  const int r0 = fdiv(t, tl.n_tiles);
+  d.c0 = (t - r0 * static_cast<int>(tl.n_tiles.d)) * bn;
+  const int r1 = fdiv(r0, tl.groups);
+  d.grp = r0 - r1 * static_cast<int>(tl.groups.d);
+  const int r2 = fdiv(r1, tl.splits);
+  d.split = r1 - r2 * static_cast<int>(tl.splits.d);
+  const int mt = fdiv(r2, tl.phases);
+  const int phase = r2 - mt * static_cast<int>(tl.phases.d);
+  const int rh = fdiv(phase, tl.stride_w);
+  d.ah = tl.ah[rh];
+  d.aw = tl.aw[phase - rh * static_cast<int>(tl.stride_w.d)];
+  const int m1 = fdiv(mt, tl.w_tiles);
+  d.qw0 = (mt - m1 * static_cast<int>(tl.w_tiles.d)) * static_cast<int>(tl.bw.d);
+  const int nb = fdiv(m1, tl.h_tiles);
+  d.qh0 = (m1 - nb * static_cast<int>(tl.h_tiles.d)) * static_cast<int>(tl.bh.d);
+  d.n0 = nb * tl.bni;
+  if (d.qw0 >= d.aw.count || d.qh0 >= d.ah.count || d.n0 >= n_img) return false;
+  const int kiters = d.ah.taps * d.aw.taps * cpt;
+  d.k_begin = static_cast<int>(static_cast<int64_t>(kiters) * d.split / tl.splits.d);
+  d.k_end = static_cast<int>(static_cast<int64_t>(kiters) * (d.split + 1) / tl.splits.d);
+  return true;
+}
+
+// Row r of a tile's box as (image, box row, box column), without bounds checks.
+__device__ __forceinline__ void gemm_box_pos(const GemmTiles& tl, int r, int& nb, int& qh, int& qw) {
+  const int r1 = fdiv(r, tl.bw);
+  qw = r - r1 * static_cast<int>(tl.bw.d);
+  nb = fdiv(r1, tl.bh);
+  qh = r1 - nb * static_cast<int>(tl.bh.d);
+}
+
+// The output pixel of row r of a tile: false for rows past the box, the phase or the batch (computed from whatever
+// the buffers held, and dropped).
+__device__ __forceinline__ bool gemm_row(const GemmArgs& g, const GemmTiles& tl, const GemmTile& d, int r, int& n,
+                                         int& ho, int& wo) {
+  int nb, qh, qw;
+  gemm_box_pos(tl, r, nb, qh, qw);
+  n = d.n0 + nb;
+  qh += d.qh0;
+  qw += d.qw0;
+  if (nb >= tl.bni || n >= g.n || qh >= d.ah.count || qw >= d.aw.count) return false;
+  ho = d.ah.o0 + qh * g.stride_h;
+  wo = d.aw.o0 + qw * g.stride_w;
+  return true;
+}
+
+// Two neighbouring output channels in one store (the address is aligned to the pair).
+__device__ __forceinline__ void store_pair(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = {a, b}; }
+__device__ __forceinline__ void store_pair(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+
+// Output channels co and co + 1 of the tile's group (those below C_out / groups) at one output pixel: into the
+// split's fp32 partial sums, or with the bias into y through its strides (one store for both when `pair_stores`:
+// a channels-last y whose channel pairs start at even elements).
+template <typename T>
+__device__ __forceinline__ void gemm_store_cols(const GemmArgs& g, const GemmTile& d, int n, int ho, int wo, int co,
+                                                float v0, float v1, bool pair_stores) {
+  const int co_base = d.grp * g.cout_g;
+  if (g.partial != nullptr) {
+    float* pp = g.partial +
+                ((((static_cast<int64_t>(d.split) * g.n + n) * g.h_out + ho) * g.w_out + wo) * g.c_out) + co_base;
+    if (co < g.cout_g) pp[co] = v0;
+    if (co + 1 < g.cout_g) pp[co + 1] = v1;
+    return;
+  }
+  const T* __restrict__ bias = static_cast<const T*>(g.bias);
+  T* yp = static_cast<T*>(g.y) + n * g.ys_n + ho * g.ys_h + wo * g.ys_w + co_base * g.ys_c;
+  if (bias != nullptr) {
+    if (co < g.cout_g) v0 += to_acc(bias[co_base + co]);
+    if (co + 1 < g.cout_g) v1 += to_acc(bias[co_base + co + 1]);
+  }
+  if (pair_stores && co + 1 < g.cout_g) {
+    store_pair(yp + co, v0, v1);
+  } else {
+    if (co < g.cout_g) yp[co * g.ys_c] = from_acc<T>(v0);
+    if (co + 1 < g.cout_g) yp[(co + 1) * g.ys_c] = from_acc<T>(v1);
+  }
+}
+
+// The mma.sync kernel's launch (conv_transpose2d_gemm_sync.cu) for a sync configuration, with the packed weights.
+cudaError_t launch_gemm_sync(DType dtype, int config, const GemmArgs& a, const GemmTiles& tl, cudaStream_t stream);
+
+}  // namespace deconv
