@@ -1,8 +1,9 @@
-"""The gemm kernel's tile configurations and split-K factors on the zoo layers, against the default kernel choice
-and cuDNN (NCHW and channels-last, cudnn.benchmark on), in one run: where each configuration wins, for fitting the
-dispatcher's rule (kernels/csrc/conv_transpose2d_gemm.cu, gemm_config / gemm_split) and bench/NOTES.md.
+"""The gemm kernel's tile configurations and split-K factors on the zoo layers and KernelBench's problems (kb<id>),
+against the default kernel choice and cuDNN (NCHW and channels-last, cudnn.benchmark on), in one run: where each
+configuration wins, for fitting the dispatcher's rule (kernels/csrc/conv_transpose2d_gemm.cu, gemm_config /
+gemm_split) and bench/NOTES.md.
 
-    python bench/gemm_probe.py --precisions bf16 tf32 --only unet-up1 pose-up1
+    python bench/gemm_probe.py --precisions bf16 tf32 --only unet-up1 pose-up1 kb57
 """
 
 from __future__ import annotations
@@ -20,10 +21,25 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import Timer, rel_err  # noqa: E402
 from bench.layer_zoo import ZOO, problem  # noqa: E402
+from bench.zoo import kernelbench_problems  # noqa: E402
 from kernels._ops import _forward_cuda, _load_extension, normalize_args  # noqa: E402
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"tf32": 2e-3, "bf16": 2e-2, "fp16": 2e-2}
+
+
+def _pair(v: int | list[int]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (v[0], v[1])
+
+
+def problems() -> list[dict]:
+    """The zoo's layers (bench/layer_zoo.py's form) and KernelBench's problems (bench/zoo.py's: pairs as lists)."""
+    out = [problem(entry) for entry in ZOO]
+    for q in kernelbench_problems():
+        kh, kw = q["kernel_size"]
+        macs = q["batch"] * q["height"] * q["width"] * kh * kw * q["in_channels"] * (q["out_channels"] // q["groups"])
+        out.append(dict(q, gflop=2 * macs / 1e9))
+    return out
 
 
 def measure(q: dict, prec: str, layouts: list[str], splits: list[int], timer: Timer) -> list[dict]:
@@ -33,10 +49,10 @@ def measure(q: dict, prec: str, layouts: list[str], splits: list[int], timer: Ti
     dtype = DTYPES[prec]
     torch.backends.cudnn.allow_tf32 = True
     g = torch.Generator(device="cuda").manual_seed(0)
-    k = q["kernel_size"]
+    kh, kw = _pair(q["kernel_size"])
     x0 = torch.randn(q["batch"], q["in_channels"], q["height"], q["width"], device="cuda", generator=g).to(dtype)
-    w = (torch.randn(q["in_channels"], q["out_channels"] // q["groups"], k, k, device="cuda", generator=g)
-         / (q["in_channels"] * k * k) ** 0.5).to(dtype)
+    w = (torch.randn(q["in_channels"], q["out_channels"] // q["groups"], kh, kw, device="cuda", generator=g)
+         / (q["in_channels"] * kh * kw) ** 0.5).to(dtype)
     b = torch.randn(q["out_channels"], device="cuda", generator=g).to(dtype) if q["bias"] else None
     ref = F.conv_transpose2d(x0.double(), w.double(), None if b is None else b.double(), args.stride, args.padding,
                              args.output_padding, args.groups, args.dilation)
@@ -91,8 +107,7 @@ def main() -> None:
     a = ap.parse_args()
     timer = Timer(a.reps, 2)
     rows = []
-    for entry in ZOO:
-        q = problem(entry)
+    for q in problems():
         if a.only and q["name"] not in a.only:
             continue
         for prec in a.precisions:

@@ -29,8 +29,10 @@
 
 #include <cuda.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
@@ -47,8 +49,8 @@ namespace {
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
 
 constexpr size_t gemm_smem_bytes(const GemmShape& s) {
-  // Stages, their three barriers, alignment slack.
-  return static_cast<size_t>(s.stages) * ((kGemmBM + s.bn) * kGemmRowBytes + 24) + 1024;
+  // Stages, their three barriers, the two turn barriers, alignment slack.
+  return static_cast<size_t>(s.stages) * ((s.bm + s.bn) * kGemmRowBytes + 24) + 16 + 1024;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -172,20 +174,24 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 #endif
 }
 
-// Persistent and warp-specialized: warpgroup 0 loads, warpgroups 1 and 2 multiply (rows 0-63 and 64-127 of the
-// tile). One loader thread issues a stage's two bulk tensor copies (the A box of the stage's tap and channels, the
+// Persistent and warp-specialized: warpgroup 0 loads, warpgroups 1 and 2 multiply: together, each the tile's first or
+// second BM / 2 rows as BM / 128 wgmma blocks of 64 rows, or with kPing by turns, each a whole tile of BM / 64
+// blocks, so that one stores its tile's output while the other multiplies the next (layers whose K is a few stages
+// spend much of their time in the epilogue). One loader thread issues a stage's two bulk tensor copies (the A box of the stage's tap and channels, the
 // B rows of its packed weights) once the multipliers have released the buffer; for TF32, warps 1-3 of the loader
 // round each landed A box to TF32 in place before the multipliers may read it. The loader runs through the same
 // tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the next tile's first stages land
 // while the multipliers store the last one's output. kTransB: B is the channels-last weights as they are, brought
 // as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
-template <typename T, tc::MmaKind K, int BN, int kStages, bool kTransB>
+template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
                                  const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
   constexpr int kCH = kGemmRowBytes / sizeof(T);  // channels a stage
-  constexpr int kAStage = kGemmBM * kGemmRowBytes;
-  constexpr int kStage = (kGemmBM + BN) * kGemmRowBytes;
+  constexpr int kAStage = BM * kGemmRowBytes;
+  constexpr int kStage = (BM + BN) * kGemmRowBytes;
+  constexpr int kMW = kPing ? BM / 64 : BM / 128;  // 64-row wgmma blocks a multiplier warpgroup
+  static_assert(kMW * BN / 2 <= 128, "accumulators: at most 128 registers a thread");
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
   constexpr bool kTF32 = K == tc::MmaKind::kTF32;
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
@@ -204,12 +210,15 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStage);  // the copies landed
   uint64_t* ready = full + kStages;                                       // TF32: the A box rounded
   uint64_t* empty = ready + kStages;                                      // the multipliers are done with it
+  uint64_t* turns = empty + kStages;  // kPing: warpgroup w has issued the products of its latest tile
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       wg::mbar_init(&full[s], 1);     // the issuing thread's expect_tx
       wg::mbar_init(&ready[s], 96);   // every rounding thread
-      wg::mbar_init(&empty[s], 256);  // every multiplier thread, once its wgmma reading the stage are done
+      wg::mbar_init(&empty[s], kPing ? 128 : 256);  // every multiplier thread reading the stage, once done
     }
+    wg::mbar_init(&turns[0], 128);
+    wg::mbar_init(&turns[1], 128);
 #if DECONV_WGMMA
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
 #endif
@@ -287,52 +296,79 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
 
   // Multipliers.
   wg::setmaxnreg_inc<kConsRegs>();
-  const int mw = wgi - 1;  // rows 64 mw .. 64 mw + 63 of the tile
+  const int mw = wgi - 1;  // rows mw BM / 2 .. (mw + 1) BM / 2 - 1 of the tile, or with kPing the tiles of its turn
+  const int row0 = kPing ? 0 : mw * (BM / 2);
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
   uint64_t* const landed = kTF32 ? ready : full;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
+  // kPing: the block's tiles alternate between the warpgroups, and each starts a tile's products only once the other
+  // has issued those of the tile before (CUTLASS's ping-pong order): its epilogue then runs under the other's
+  // products, and it never waits on a stage more than one pass of the ring ahead of the loader (a barrier's parity
+  // tells only one pass from the next).
+  int turn = 0, mine = 0;  // the block's tiles so far, this warpgroup's
   for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
     GemmTile d;
     if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
-    float acc[BN / 2];
+    if constexpr (kPing) {
+      if ((turn++ & 1) != mw) {
+        it += d.k_end - d.k_begin;  // the other warpgroup's stages
+        continue;
+      }
+      if (mw == 1) wg::mbar_wait(&turns[0], mine & 1);  // warpgroup 0's tile before this one
+      else if (mine > 0) wg::mbar_wait(&turns[1], (mine - 1) & 1);
+    }
+    float acc[kMW][BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int b = 0; b < kMW; ++b)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[b][i] = 0.f;
     int prev = -1;  // the stage whose wgmma may still run
     for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
       wg::mbar_wait(&landed[s], (it / kStages) & 1);
-      const uint32_t a_addr = base + s * kStage + mw * 64 * kGemmRowBytes;
+      const uint32_t a_addr = base + s * kStage + row0 * kGemmRowBytes;
       const uint32_t b_addr = base + s * kStage + kAStage;
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk) {
-        if constexpr (kTransB)  // k16 steps are 16 rows of 128 bytes down each B chunk
-          wgmma_ss<BN, K, true>(acc, sw128_desc(a_addr + 32 * kk), sw128_desc_nmajor(b_addr + 2048 * kk));
-        else
-          wgmma_ss<BN, K, false>(acc, sw128_desc(a_addr + 32 * kk), sw128_desc(b_addr + 32 * kk));
+#pragma unroll
+        for (int b = 0; b < kMW; ++b) {
+          const uint32_t ab = a_addr + b * 64 * kGemmRowBytes + 32 * kk;
+          if constexpr (kTransB)  // k16 steps are 16 rows of 128 bytes down each B chunk
+            wgmma_ss<BN, K, true>(acc[b], sw128_desc(ab), sw128_desc_nmajor(b_addr + 2048 * kk));
+          else
+            wgmma_ss<BN, K, false>(acc[b], sw128_desc(ab), sw128_desc(b_addr + 32 * kk));
+        }
       }
       wg::commit();
       wg::wait<1>();  // the previous stage's wgmma are done: its buffer goes back to the loader
       if (prev >= 0) wg::mbar_arrive(&empty[prev]);
       prev = s;
     }
+    if constexpr (kPing) {
+      wg::mbar_arrive(&turns[mw]);
+      ++mine;
+    }
     wg::wait<0>();
     if (prev >= 0) wg::mbar_arrive(&empty[prev]);
-    wg::pin<BN / 2>(acc);
+#pragma unroll
+    for (int b = 0; b < kMW; ++b) wg::pin<BN / 2>(acc[b]);
 
-    // Epilogue. Accumulator 4j + e: row (warp's 16) + lane / 4 (+ 8 for e >= 2), column 8j + 2 (lane % 4) (+ 1
-    // for odd e).
+    // Epilogue. Accumulator 4j + e of block b: row b * 64 + (warp's 16) + lane / 4 (+ 8 for e >= 2), column
+    // 8j + 2 (lane % 4) (+ 1 for odd e).
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      int n, ho, wo;
-      if (!gemm_row(g, tl, d, mw * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo)) continue;
+    for (int b = 0; b < kMW; ++b)
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-        gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[4 * j + 2 * half],
-                           acc[4 * j + 2 * half + 1], pair_stores);
-    }
+      for (int half = 0; half < 2; ++half) {
+        int n, ho, wo;
+        if (!gemm_row(g, tl, d, row0 + b * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo)) continue;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
+                             acc[b][4 * j + 2 * half + 1], pair_stores);
+      }
   }
 }
 
@@ -450,14 +486,14 @@ struct GemmBox {
   int bw, bh, bni;
   int64_t w_tiles, h_tiles, n_tiles;
 };
-GemmBox gemm_box(const ConvTranspose2dParams& p) {
+GemmBox gemm_box(const ConvTranspose2dParams& p, int64_t bm) {
   const int64_t ch = tc::div_up(p.H_out, p.stride_h), cw = tc::div_up(p.W_out, p.stride_w);
   GemmBox best{1, 1, 1, cw, ch, p.N};
   int64_t best_tiles = -1;
-  for (int64_t bw = cw < kGemmBM ? cw : kGemmBM; bw >= 1; bw = bw > 1 && (bw & (bw - 1)) ? int64_t(1) << (63 - __builtin_clzll(bw)) : bw / 2) {
-    const int64_t hmax = kGemmBM / bw < ch ? kGemmBM / bw : ch;
+  for (int64_t bw = cw < bm ? cw : bm; bw >= 1; bw = bw > 1 && (bw & (bw - 1)) ? int64_t(1) << (63 - __builtin_clzll(bw)) : bw / 2) {
+    const int64_t hmax = bm / bw < ch ? bm / bw : ch;
     for (int64_t bh = hmax; bh >= 1; bh = bh > 1 && (bh & (bh - 1)) ? int64_t(1) << (63 - __builtin_clzll(bh)) : bh / 2) {
-      const int64_t bni = kGemmBM / (bw * bh) < p.N ? kGemmBM / (bw * bh) : p.N;
+      const int64_t bni = bm / (bw * bh) < p.N ? bm / (bw * bh) : p.N;
       const int64_t tiles = tc::div_up(cw, bw) * tc::div_up(ch, bh) * tc::div_up(p.N, bni);
       if (best_tiles < 0 || tiles < best_tiles) {
         best = {static_cast<int>(bw), static_cast<int>(bh), static_cast<int>(bni), tc::div_up(cw, bw),
@@ -476,7 +512,7 @@ struct GemmGrid {
 };
 GemmGrid gemm_grid(const ConvTranspose2dParams& p, int config) {
   GemmGrid gr{};
-  gr.box = gemm_box(p);
+  gr.box = gemm_box(p, kGemmShapes[config].bm);
   gr.m_tiles = gr.box.w_tiles * gr.box.h_tiles * gr.box.n_tiles;
   gr.n_tiles = tc::div_up(p.C_out / p.groups, kGemmShapes[config].bn);
   gr.tiles = gr.m_tiles * gr.n_tiles * p.groups * p.stride_h * p.stride_w;
@@ -533,19 +569,25 @@ int gemm_config(const ConvTranspose2dParams& p_in) {
     return p.force_config;
   const int64_t cout_g = p.C_out / p.groups;
   if (!wgmma) return cout_g <= 64 ? 4 : 3;
-  if (cout_g <= 64) return 2;
   const int64_t sms = sm_count() > 0 ? sm_count() : 132;
+  // Rules from bench/gemm_probe.py on the zoo and KernelBench (bench/NOTES.md v18-v19); measured choice times
+  // every configuration. Few output channels: 256-row tiles (5) halve the B traffic and the per-stage overhead a
+  // product where they fill half the SMs, else 64-wide tiles (2) for more of them.
+  if (cout_g <= 64) return 2 * gemm_grid(p, 5).tiles >= sms ? 5 : 2;
+  const int64_t kiters = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
+                         (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+  const bool few = 2 * gemm_grid(p, 0).tiles < sms;
   if (p.dtype == DType::kFloat32) {
     // TF32 rounds each landed A stage in shared memory once for all of the tile's output channels: 256 of them
     // halve that pass per product, where the channels fill them, K is long enough (16 stages) for it to outweigh
-    // the wider tile's epilogue and the tiles keep half the SMs busy (bench/NOTES.md v18: 1.23-1.45x).
-    const int64_t kiters = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
-                           (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+    // the wider tile's epilogue and the tiles keep half the SMs busy (v18: 1.23-1.45x). A short K (k2 s2 layers)
+    // spends much of a tile in its epilogue, which the warpgroups' turns (7) hide under the other's products.
     if (cout_g >= 256 && kiters >= 16 && 2 * gemm_grid(p, 1).tiles >= sms) return 1;
-    return 0;
+    return kiters < 16 && !few ? 7 : 0;
   }
-  // 16-bit: tiles of 64 output channels where 128-channel ones leave most SMs idle (split-K shares the rest).
-  return 2 * gemm_grid(p, 0).tiles < sms ? 2 : 0;
+  // 16-bit: tiles by turns (7), or 64-wide tiles (2) where 128-wide ones leave most SMs idle (split-K shares the
+  // rest).
+  return few ? 2 : 7;
 }
 
 int gemm_split(const ConvTranspose2dParams& p_in, int config) {
@@ -699,10 +741,10 @@ template <typename T, tc::MmaKind K, int kShape, bool kTransB>
 cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr,
                               const GemmTiles& tl, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
-  static_assert(!s.sync, "a wgmma configuration");
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>;
+  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, s.stages, s.ping, kTransB>;
   constexpr size_t smem = gemm_smem_bytes(s);
-  const cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bn, s.stages, kTransB>>();
+  const cudaError_t err =
+      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, s.stages, s.ping, kTransB>>();
   if (err != cudaSuccess) return err;
   CUtensorMap mx, mw;
   if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
@@ -711,20 +753,34 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
   return cudaGetLastError();
 }
 
+// The wgmma launch of each configuration, indexed by configuration (null for the mma.sync ones).
+using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, const GemmTiles&,
+                                    cudaStream_t);
+template <typename T, tc::MmaKind K, bool kTransB, int kShape>
+constexpr WgmmaLaunch wgmma_launch() {
+  if constexpr (kGemmShapes[kShape].sync) {
+    return nullptr;
+  } else {
+    return &gemm_launch_wgmma<T, K, kShape, kTransB>;
+  }
+}
+template <typename T, tc::MmaKind K, bool kTransB, int... kShapes>
+constexpr std::array<WgmmaLaunch, sizeof...(kShapes)> wgmma_launches(std::integer_sequence<int, kShapes...>) {
+  return {wgmma_launch<T, K, kTransB, kShapes>()...};
+}
+
 template <typename T, tc::MmaKind K, bool kTransB>
 cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const GemmArgs& a, int split,
                              cudaStream_t stream) {
+  static constexpr std::array<WgmmaLaunch, kNumGemmConfigs> kWgmma =
+      wgmma_launches<T, K, kTransB>(std::make_integer_sequence<int, kNumGemmConfigs>{});
   const GemmGrid gr = gemm_grid(p, config);
   const GemmTiles tl = gemm_tiles(p, gr, split);
   cudaError_t err = cudaErrorInvalidValue;
   if (kGemmShapes[config].sync) {
     if (!kTransB) err = launch_gemm_sync(p.dtype, config, a, tl, stream);
-  } else if (config == 0) {
-    err = gemm_launch_wgmma<T, K, 0, kTransB>(p, a, gr, tl, stream);
-  } else if (config == 1) {
-    err = gemm_launch_wgmma<T, K, 1, kTransB>(p, a, gr, tl, stream);
-  } else if (config == 2) {
-    err = gemm_launch_wgmma<T, K, 2, kTransB>(p, a, gr, tl, stream);
+  } else {
+    err = kWgmma[config](p, a, gr, tl, stream);
   }
   if (err != cudaSuccess || split == 1) return err;
   const int64_t total = p.N * p.H_out * p.W_out * p.C_out;

@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kSyncThreads, 1)
 template <typename T, tc::MmaKind K, int kShape, int WM, int WN>
 cudaError_t sync_launch_as(const GemmArgs& a, const GemmTiles& tl, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
-  static_assert(s.sync, "an mma.sync configuration");
+  static_assert(s.sync && s.bm == kGemmBM, "an mma.sync configuration");
   constexpr size_t smem = static_cast<size_t>(s.stages) * (kGemmBM + s.bn) * kGemmRowBytes;
   const cudaError_t err = opt_in_shared_memory<conv_transpose2d_gemm_sync_kernel<T, K, s.bn, s.stages, WM, WN>>();
   if (err != cudaSuccess) return err;

@@ -17,19 +17,22 @@
 
 namespace deconv {
 
-constexpr int kGemmBM = 128;        // output positions a tile
+constexpr int kGemmBM = 128;        // output positions a tile of the mma.sync kernel (the wgmma kernel: 128 or 256)
 constexpr int kGemmRowBytes = 128;  // K bytes a stage: 32 fp32 or 64 16-bit channels of one tap
 constexpr int kGemmMaxSplit = 16;
 
-// Tile configurations (force_config for the gemm path): 128 x BN tiles in kStages buffers of (128 + BN) x 128 bytes;
-// `sync` ones run the mma.sync kernel, the others the wgmma kernel (sm_90a).
+// Tile configurations (force_config for the gemm path): BM x BN tiles in kStages buffers of (BM + BN) x 128 bytes;
+// `sync` ones run the mma.sync kernel, the others the wgmma kernel (sm_90a), whose two multiplier warpgroups share
+// each tile or, `ping`, take the tiles by turns.
 struct GemmShape {
-  int bn, stages;
-  bool sync;
+  int bm, bn, stages;
+  bool sync, ping;
 };
 constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
-    {128, 6, false}, {256, 4, false}, {64, 8, false},  // wgmma
-    {128, 3, true},  {64, 4, true},                    // mma.sync
+    {128, 128, 6, false, false}, {128, 256, 4, false, false}, {128, 64, 8, false, false},  // 0-2: wgmma
+    {128, 128, 3, true, false},  {128, 64, 4, true, false},                               // 3-4: mma.sync
+    {256, 64, 5, false, false},  {256, 128, 4, false, false},  // 5-6: wgmma, 128 rows a warpgroup
+    {128, 128, 6, false, true},  {128, 64, 8, false, true},    // 7-8: wgmma, a tile a warpgroup by turns
 };
 
 // Per-launch tables: each residue's phase on both axes, and the divisors of the tile index.

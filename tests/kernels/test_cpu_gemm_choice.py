@@ -7,7 +7,7 @@ from kernels.tuning import DEFAULT, GEMM_SPLITS, SPLIT_BELOW_MS, KernelChoice, T
 
 NUM_CONFIGS = 14
 NUM_GATHER = 4
-NUM_GEMM = 5
+NUM_GEMM = 9
 
 
 def _trial(choice: KernelChoice, ms: float, ran: str) -> Trial:

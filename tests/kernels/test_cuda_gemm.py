@@ -21,7 +21,7 @@ from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
 
 pytestmark = pytest.mark.cuda
 
-NUM_GEMM_CONFIGS = 5
+NUM_GEMM_CONFIGS = 9
 SYNC_CONFIGS = (3, 4)
 
 
