@@ -9,7 +9,9 @@
 # servers run from there, since `python -m service` imports the package of its working directory; when its
 # kernels/ equals this tree's, it uses this tree's, so that both load one build), ROUNDS (default 5), REQUESTS_ON
 # and REQUESTS_OFF (per round, default 60000 and 20000: a few seconds each), LAYERS (default demo: the servers'
-# repository holds only these bundled layers, which keeps four start-ups short; "all" for the bundled one).
+# repository holds only these bundled layers, which keeps four start-ups short; "all" for the bundled one), NEW_ENV
+# (settings for this tree's servers only, e.g. "DECONV_WORKERS_PER_DEVICE=2", with OLD_DIR a copy of this tree: the
+# A/B of a setting).
 # Needs the wheels of ../shared/device/fetch-wheels in .whl (carried). Per-run JSON and logs stay in /tmp/version_ab;
 # $OUT gets the servers' logs, every run's results in one JSON, and the table, which comes last: requests/s per round
 # and median, p99, mean batch, batching's ratio to batching off per version.
@@ -20,10 +22,11 @@ old=$(cd "${OLD_DIR:?set OLD_DIR to the tree of the other version}" && pwd) || e
 if diff -rq "$old/kernels" "$root/kernels" > /dev/null; then
   rm -rf "$old/kernels" && ln -s "$root/kernels" "$old/kernels"
 fi
-for dir in "$root" "$old"; do
-  (cd "$dir" && python3 -c "import kernels.build as b; b.load()") > "$OUT/build.log" 2>&1 \
-    || { tail -20 "$OUT/build.log"; exit 1; }
-done
+# Both builds at once (each is one compiler process, mostly on one core); one when the kernels are the same.
+(cd "$root" && python3 -c "import kernels.build as b; b.load()") > "$OUT/build.log" 2>&1 & new_build=$!
+(cd "$old" && python3 -c "import kernels.build as b; b.load()") > "$OUT/build-old.log" 2>&1 & old_build=$!
+wait $new_build || { tail -20 "$OUT/build.log"; exit 1; }
+wait $old_build || { tail -20 "$OUT/build-old.log"; exit 1; }
 echo "builds: $SECONDS s"
 repo=$root/layers
 if [ "${LAYERS:-demo}" != all ]; then
@@ -36,6 +39,7 @@ pids=()
 for key in new-on new-off old-on old-off; do
   dir=$root; [ "${key%-*}" = old ] && dir=$old
   extra=""; [ "${key#*-}" = off ] && extra="DECONV_MAX_BATCH_SIZE=1"
+  [ "${key%-*}" = new ] && extra="$extra ${NEW_ENV:-}"
   (cd "$dir" && exec env DECONV_HTTP_PROCESSES=8 DECONV_LOG_LEVEL=warning DECONV_MAX_QUEUE_SIZE=256 $extra \
     DECONV_LAYER_REPOSITORY="$repo" python3 -m service --host 127.0.0.1 --port "${port[$key]}") \
     > "$OUT/server-$key.log" 2>&1 &

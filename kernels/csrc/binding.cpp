@@ -4,10 +4,12 @@
 // and dtypes with torch's own str()/toString(), never by streaming them: with the GPU machine's torch 2.11 build,
 // a TORCH_CHECK message that streamed an integer (c10::str -> std::ostream << int64_t, compiled here) ended the
 // interpreter with SIGSEGV instead of raising, while strings streamed fine (bench/NOTES.md v9).
+#include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <map>
@@ -412,6 +414,35 @@ class HeldBuffers {
   std::vector<Py_buffer> views_;
 };
 
+// A batch's input as host parts, in order.
+struct Part {
+  const void* data;
+  size_t bytes;
+};
+
+// Copies the parts one after the other into dst: in pieces of 1 MiB across torch's intra-op threads when there are
+// megabytes of them (one thread's copies set a megabyte batch's pace: bench/NOTES.md), else on this thread.
+void gather_parts(const std::vector<Part>& parts, char* dst) {
+  constexpr size_t kPiece = size_t(1) << 20;
+  struct Piece {
+    char* dst;
+    const char* src;
+    size_t bytes;
+  };
+  std::vector<Piece> pieces;
+  size_t total = 0;
+  for (const Part& part : parts) {
+    for (size_t off = 0; off < part.bytes; off += kPiece)
+      pieces.push_back(
+          {dst + total + off, static_cast<const char*>(part.data) + off, std::min(kPiece, part.bytes - off)});
+    total += part.bytes;
+  }
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  at::parallel_for(0, n, total >= 4 * kPiece ? 1 : std::max<int64_t>(n, 1), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].bytes);
+  });
+}
+
 // forward_staged for a batch whose samples sit in several host buffers (each request's, where it arrived): with
 // the GIL held only to find the parts' memory, the parts are copied into pinned staging memory, uploaded, run,
 // downloaded into a new pinned tensor that is returned, and the current stream is waited for. A serving thread
@@ -431,10 +462,6 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
   const torch::Tensor x_meta = at::empty(x_shape, weight.options().device(at::kMeta));
   const Problem pr =
       check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  struct Part {
-    const void* data;
-    size_t bytes;
-  };
   std::vector<Part> host;
   std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
   HeldBuffers buffers(parts.size());
@@ -460,11 +487,7 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
     const c10::cuda::CUDAGuard guard(weight.device());
     const auto pinned = weight.options().device(at::kCPU).pinned_memory(true);
     const torch::Tensor x_host = at::empty(x_shape, pinned);
-    char* dst = static_cast<char*>(x_host.data_ptr());
-    for (const Part& part : host) {
-      std::memcpy(dst, part.data, part.bytes);
-      dst += part.bytes;
-    }
+    gather_parts(host, static_cast<char*>(x_host.data_ptr()));
     y_host = at::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, pinned);
     run_host_to_host(x_host, weight, bias, y_host, pr, stride, padding, dilation, groups, precision, forced,
                      packs);

@@ -98,8 +98,11 @@ class LocalEngine:
         log.info("layer repository %s: %d layer(s): %s", self.registry.root, len(self.registry),
                  ", ".join(self.registry.names()))
         self.cuda_memory.configure(devices)
-        self.pool = WorkerPool([Worker(d, self.metrics, faults=self.faults, cuda=self.cuda_memory) for d in devices],
-                               self.metrics, worker_timeout_s=s.worker_timeout_s)
+        per = s.workers_per_device
+        workers = [Worker(d, self.metrics, faults=self.faults, cuda=self.cuda_memory,
+                          name=str(d) if per == 1 else f"{d}/{i}")
+                   for d in devices for i in range(per)]
+        self.pool = WorkerPool(workers, self.metrics, worker_timeout_s=s.worker_timeout_s)
         self._watchdog = asyncio.create_task(self.pool.watch(), name="deconv-worker-watchdog")
         if self.backend == "cuda":
             self.metrics.watch_gpus([d.index for d in devices if d.index is not None])

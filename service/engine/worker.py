@@ -58,7 +58,17 @@ import torch.nn.functional as F
 from kernels import conv_transpose2d
 from kernels.functional import resolve_precision
 from kernels.tuning import DEFAULT, TUNER, KernelChoice, bucket
-from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, SlotTensor, as_tensor, copy_into, tensor_bytes
+from service.codec import (
+    AnyTensor,
+    CudaJob,
+    DeviceTensor,
+    RawTensor,
+    SlotTensor,
+    as_tensor,
+    copy_bytes,
+    copy_into,
+    tensor_bytes,
+)
 from service.engine.cuda_shm import CudaRegions
 from service.engine.ops import (
     HostPart,
@@ -181,10 +191,10 @@ class Worker:
 
     def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
                  faults: Faults | None = None, gathered: GatheredFn | None = None,
-                 cuda: CudaRegions | None = None) -> None:
+                 cuda: CudaRegions | None = None, name: str | None = None) -> None:
         self.device = device
         self._cuda = cuda  # the engine's CUDA shared-memory regions, which a batch of CudaJobs leases
-        self.name = str(device)
+        self.name = name or str(device)  # metrics and logs; "cuda:0/1" with several workers a device
         self.metrics = metrics
         self.faults = faults if faults else None
         self._forward = forward or kernel_forward  # the CPU worker's step
@@ -282,7 +292,7 @@ class Worker:
                 end = offset + n * row_bytes
                 rows = data[offset:end]
                 if current and isinstance(x, SlotTensor) and x.out.nbytes == end - offset:
-                    x.out[:] = rows
+                    copy_bytes(x.out, rows)
                     rows = x.out
                 outputs.append(RawTensor(rows, dtype, (n, *row_shape)))
                 offset = end

@@ -259,3 +259,30 @@ def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
             pool.shutdown()
 
     run(main())
+
+
+def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
+    """``workers_per_device=2``: two workers on the one device, named apart, each with every layer; concurrent
+    requests are answered with the reference's numbers whichever worker ran them."""
+    from service.config import Settings
+
+    from .conftest import NPY, load_npy, npy_bytes, serve_app
+
+    layer = layers["demo"]
+    xs = [torch.randn(n, layer.config.in_channels, 6, 5) for n in (1, 2, 3, 1, 2, 4)]
+
+    async def main_() -> None:
+        settings = Settings(layer_repository=DEFAULT_LAYER_REPOSITORY, devices="cpu", workers_per_device=2)
+        async with serve_app(settings) as (app, client):
+            pool = app.state.engine.pool
+            assert [w.name for w in pool.workers] == ["cpu/0", "cpu/1"]
+            assert all(set(w._weights) == set(layers) for w in pool.workers)
+            answers = await asyncio.gather(*(
+                client.post("/deconv?layer=demo", content=npy_bytes(x.numpy()), headers={"content-type": NPY})
+                for x in xs))
+        for x, r in zip(xs, answers, strict=True):
+            assert r.status_code == 200, r.text[:300]
+            y = torch.from_numpy(load_npy(r.content))
+            torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-4, atol=1e-5)
+
+    run(main_())
