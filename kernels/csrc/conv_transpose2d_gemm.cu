@@ -177,12 +177,12 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 // Persistent and warp-specialized: warpgroup 0 loads, warpgroups 1 and 2 multiply: together, each the tile's first or
 // second BM / 2 rows as BM / 128 wgmma blocks of 64 rows, or with kPing by turns, each a whole tile of BM / 64
 // blocks, so that one stores its tile's output while the other multiplies the next (layers whose K is a few stages
-// spend much of their time in the epilogue). One loader thread issues a stage's two bulk tensor copies (the A box of the stage's tap and channels, the
-// B rows of its packed weights) once the multipliers have released the buffer; for TF32, warps 1-3 of the loader
-// round each landed A box to TF32 in place before the multipliers may read it. The loader runs through the same
-// tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the next tile's first stages land
-// while the multipliers store the last one's output. kTransB: B is the channels-last weights as they are, brought
-// as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
+// spend much of their time in the epilogue). One loader thread issues a stage's two bulk tensor copies (the A box
+// of the stage's tap and channels, the B rows of its packed weights) once the multipliers have released the buffer;
+// for TF32, warps 1-3 of the loader round each landed A box to TF32 in place before the multipliers may read it. The
+// loader runs through the same tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the
+// next tile's first stages land while the multipliers store the last one's output. kTransB: B is the channels-last
+// weights as they are, brought as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
 template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
@@ -476,6 +476,12 @@ int64_t gemm_ci_pad(const ConvTranspose2dParams& p) {
 
 int64_t gemm_elem_bytes(const ConvTranspose2dParams& p) { return p.dtype == DType::kFloat32 ? 4 : 2; }
 
+// K stages of the phase with the most taps: taps x stages of input channels a tap.
+int64_t gemm_kiters(const ConvTranspose2dParams& p) {
+  return max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
+         (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+}
+
 // Elements from one position of x to the next.
 int64_t gemm_x_pitch(const ConvTranspose2dParams& p) { return p.x_pitch > 0 ? p.x_pitch : p.C_in; }
 
@@ -574,8 +580,7 @@ int gemm_config(const ConvTranspose2dParams& p_in) {
   // every configuration. Few output channels: 256-row tiles (5) halve the B traffic and the per-stage overhead a
   // product where they fill half the SMs, else 64-wide tiles (2) for more of them.
   if (cout_g <= 64) return 2 * gemm_grid(p, 5).tiles >= sms ? 5 : 2;
-  const int64_t kiters = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
-                         (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+  const int64_t kiters = gemm_kiters(p);
   const bool few = 2 * gemm_grid(p, 0).tiles < sms;
   if (p.dtype == DType::kFloat32) {
     // TF32 rounds each landed A stage in shared memory once for all of the tile's output channels: 256 of them
@@ -595,8 +600,7 @@ int gemm_split(const ConvTranspose2dParams& p_in, int config) {
   if (p.force_split > 0) return p.force_split < kGemmMaxSplit ? p.force_split : kGemmMaxSplit;
   const GemmGrid gr = gemm_grid(p, config);
   const int64_t sms = sm_count() > 0 ? sm_count() : 132;
-  const int64_t kiters = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
-                         (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+  const int64_t kiters = gemm_kiters(p);
   if (2 * gr.tiles > sms) return 1;
   int64_t split = sms / (gr.tiles > 0 ? gr.tiles : 1);
   if (split > kiters / 4) split = kiters / 4;  // at least 4 stages a block
