@@ -394,39 +394,83 @@ __global__ void conv_transpose2d_gemm_reduce(const GemmArgs g, int splits) {
 }
 
 // Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32:
-// per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a 32 x 32 tile in shared memory so
-// that both the reads (j fastest) and the writes (ci fastest) are coalesced. kSrcCL: w is channels-last,
-// [C_in][kH][kW][cout_g] in memory, so j = tap * cout_g + co is already the packed row. Block (32, 8); grid
+// per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a tile of 64 ci x 32 kPackVec<T> j
+// in shared memory, so that both the reads (j fastest) and the writes (ci fastest) are coalesced, 8 bytes a load
+// and a store (kPackVec<T> elements; a load of one where `vec` is false: j rows whose length is no multiple of it,
+// or an unaligned address), eight of each a thread in flight. kSrcCL: w is channels-last,
+// [C_in][kH][kW][cout_g] in memory, so j = tap * cout_g + co is already the packed row. 256 threads; grid
 // (j tiles, ci tiles, groups).
+constexpr int kPackRows = 64;  // ci a tile
+template <typename T>
+constexpr int kPackVec = 8 / static_cast<int>(sizeof(T));
+template <typename T>
+constexpr int pack_cols() {
+  return 32 * kPackVec<T>;  // j a tile
+}
+
+template <typename T>
+struct alignas(8) PackVec {
+  T e[kPackVec<T>];
+};
+
 template <typename T, bool kRound, bool kSrcCL>
-__global__ void conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g,
-                                           int khw, int ci_pad) {
-  __shared__ T tile[32][33];
+__global__ void __launch_bounds__(256)
+    conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g, int khw,
+                               int ci_pad, bool vec) {
+  constexpr int V = kPackVec<T>, kCols = pack_cols<T>();
+  // Rows padded by one element: the column reads of the write phase spread over the banks (at most 2-way).
+  __shared__ T tile[kPackRows][kCols + 1];
   // 32-bit indices: gemm_eligible keeps every packed size under 2^30 (64-bit divisions cost this kernel 3x).
   const int grp = blockIdx.z;
   const int jn = cout_g * khw;
-  const int j0 = blockIdx.x * 32, ci0 = blockIdx.y * 32;
+  const int j0 = blockIdx.x * kCols, ci0 = blockIdx.y * kPackRows;
   const T* src = w + static_cast<int64_t>(grp) * cin_g * jn;
-  for (int r = threadIdx.y; r < 32; r += 8) {
-    const int ci = ci0 + r, j = j0 + threadIdx.x;
-    T v = from_acc<T>(0.f);
-    if (ci < cin_g && j < jn) {
-      v = src[ci * jn + j];
-      if constexpr (kRound) v = __uint_as_float(tc::to_tf32(v));
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int jl = V * tx;  // this thread's V columns of the tile
+  PackVec<T> v[kPackRows / 8];
+#pragma unroll
+  for (int i = 0; i < kPackRows / 8; ++i) {
+    const int ci = ci0 + ty + 8 * i, j = j0 + jl;
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[i].e[e] = from_acc<T>(0.f);
+    if (ci < cin_g) {
+      const T* row = src + static_cast<int64_t>(ci) * jn;
+      if (vec) {
+        if (j < jn) v[i] = *reinterpret_cast<const PackVec<T>*>(row + j);  // jn % V == 0: j + V <= jn too
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+          if (j + e < jn) v[i].e[e] = row[j + e];
+      }
     }
-    tile[r][threadIdx.x] = v;
   }
+#pragma unroll
+  for (int i = 0; i < kPackRows / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      T a = v[i].e[e];
+      if constexpr (kRound) a = __uint_as_float(tc::to_tf32(a));
+      tile[ty + 8 * i][jl + e] = a;
+    }
   __syncthreads();
   T* out = dst + static_cast<int64_t>(grp) * khw * cout_g * ci_pad;
-  for (int r = threadIdx.y; r < 32; r += 8) {
-    const int j = j0 + r, ci = ci0 + threadIdx.x;
+  constexpr int kQ = kPackRows / V;        // threads along an output row's 64 ci
+  constexpr int kRowsAPass = 256 / kQ;     // output rows a pass
+  const int q = threadIdx.x % kQ, jr = threadIdx.x / kQ;
+  const int ci = ci0 + V * q;  // ci_pad is a multiple of V: ci < ci_pad means ci + V <= ci_pad
+#pragma unroll
+  for (int pass = 0; pass < kCols / kRowsAPass; ++pass) {
+    const int r = jr + pass * kRowsAPass, j = j0 + r;
     if (j >= jn || ci >= ci_pad) continue;
-    if constexpr (kSrcCL) {
-      out[j * ci_pad + ci] = tile[threadIdx.x][r];
-    } else {
-      const int co = j / khw, tap = j - co * khw;
-      out[(tap * cout_g + co) * ci_pad + ci] = tile[threadIdx.x][r];
+    int row = j;
+    if constexpr (!kSrcCL) {
+      const int co = j / khw;
+      row = (j - co * khw) * cout_g + co;
     }
+    PackVec<T> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.e[e] = tile[V * q + e][r];
+    *reinterpret_cast<PackVec<T>*>(out + static_cast<int64_t>(row) * ci_pad + ci) = o;
   }
 }
 
@@ -562,7 +606,7 @@ bool gemm_eligible(const ConvTranspose2dParams& p_in) {
   if (p.N * p.H_in * p.W_in * pitch >= lim || p.N * p.H_out * p.W_out >= lim || p.C_out >= lim ||
       p.groups * p.kH * p.kW * (p.C_out / p.groups) * gemm_ci_pad(p) >= lim)
     return false;
-  if (tc::div_up(gemm_ci_pad(p), 32) > 65535 || p.groups > 65535) return false;  // the packing kernel's grid
+  if (tc::div_up(gemm_ci_pad(p), kPackRows) > 65535 || p.groups > 65535) return false;  // the packing kernel's grid
   return gemm_grid(p, 2).tiles * kGemmMaxSplit < (int64_t(1) << 31);
 }
 
@@ -647,10 +691,14 @@ size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
 
 namespace {
 template <typename T, bool kRound, bool kSrcCL>
-cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, dim3 grid,
+cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, unsigned groups,
                          cudaStream_t stream) {
-  conv_transpose2d_gemm_pack<T, kRound, kSrcCL><<<grid, dim3(32, 8), 0, stream>>>(
-      static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad);
+  const bool vec = cout_g * khw % kPackVec<T> == 0 && reinterpret_cast<uintptr_t>(w) % 8 == 0;
+  const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, pack_cols<T>())),
+                  static_cast<unsigned>(tc::div_up(ci_pad, kPackRows)), groups);  // y and z < 65536: gemm_eligible
+  if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
+  conv_transpose2d_gemm_pack<T, kRound, kSrcCL><<<grid, 256, 0, stream>>>(
+      static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad, vec);
   return cudaGetLastError();
 }
 }  // namespace
@@ -658,19 +706,17 @@ cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int kh
 cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
   const int cin_g = static_cast<int>(p.C_in / p.groups), cout_g = static_cast<int>(p.C_out / p.groups);
   const int ci_pad = static_cast<int>(gemm_ci_pad(p)), khw = static_cast<int>(p.kH * p.kW);
-  const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, 32)), static_cast<unsigned>(tc::div_up(ci_pad, 32)),
-                  static_cast<unsigned>(p.groups));  // y and z within 65535: gemm_eligible
-  if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
+  const unsigned groups = static_cast<unsigned>(p.groups);
   if (p.dtype == DType::kFloat32)
-    return p.w_channels_last ? gemm_pack_as<float, true, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
-                             : gemm_pack_as<float, true, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+    return p.w_channels_last ? gemm_pack_as<float, true, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
+                             : gemm_pack_as<float, true, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
   if (p.dtype == DType::kBFloat16)
     return p.w_channels_last
-               ? gemm_pack_as<__nv_bfloat16, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
-               : gemm_pack_as<__nv_bfloat16, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+               ? gemm_pack_as<__nv_bfloat16, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
+               : gemm_pack_as<__nv_bfloat16, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
   if (p.dtype == DType::kFloat16)
-    return p.w_channels_last ? gemm_pack_as<__half, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream)
-                             : gemm_pack_as<__half, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, grid, stream);
+    return p.w_channels_last ? gemm_pack_as<__half, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
+                             : gemm_pack_as<__half, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
   return cudaErrorInvalidValue;
 }
 

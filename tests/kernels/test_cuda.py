@@ -487,6 +487,23 @@ def test_channels_last_input_through_nchw_kernels(route: str, mode: str) -> None
     assert rel_err(y, ref) <= tol, f"{route}/{mode}"
 
 
+@pytest.mark.parametrize("hw", [(1, 2), (2, 3), (3, 5), (4, 4), (1, 17)])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_layout_change_of_small_images(mode: str, hw: tuple[int, int]) -> None:
+    """Images of a few positions (the layout kernel's 8- and 16-column tiles) with more channels than one tile holds,
+    both ways: a channels-last input into the SIMT kernel and its NCHW output back to channels-last."""
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(sum(hw))
+    h, w = hw
+    x = torch.randn(5, 70, h, w, device="cuda", generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(70, 66, 1, 2, device="cuda", generator=g).to(dtype)
+    args = normalize_args(1, 0, 0, 1, 1)
+    torch.full((5 * 66 * h * (w + 1),), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
+    y, _ = _forward_cuda(x, wt, None, args, precision or "fp32", force_path="simt")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(y, reference(x, wt, None)) <= tol, f"{mode} {hw}"
+
+
 def test_unbatched_and_empty_batch() -> None:
     x = torch.randn(4, 5, 6, device="cuda")
     w = torch.randn(4, 3, 3, 3, device="cuda")

@@ -58,10 +58,11 @@ PROBLEMS = {
 
 def run(problem: dict, mode: str, *, layout: str, config: int | None = None, split: int | None = None,
         seed: int = 0, tf32_reference: bool = False, force: bool = True, staged: bool | None = None,
-        weight_layout: str = "nchw") -> tuple[float, float, str, torch.Tensor]:
+        weight_layout: str = "nchw", weight_offset: int = 0) -> tuple[float, float, str, torch.Tensor]:
     """Run one problem into a poisoned output; returns (rel_err, tol, path, y). ``layout``: "nchw" (into an NCHW
     ``out``), "nchw_new" (NCHW input, a new output) or "cl" (channels-last input, a new output); ``weight_layout``:
-    "nchw" or "cl" (channels-last weights, as ``model.to(memory_format=torch.channels_last)`` makes them)."""
+    "nchw" or "cl" (channels-last weights, as ``model.to(memory_format=torch.channels_last)`` makes them);
+    ``weight_offset``: the weights start this many elements into their storage (an odd one: an odd address)."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     k = p.pop("k")
@@ -76,6 +77,8 @@ def run(problem: dict, mode: str, *, layout: str, config: int | None = None, spl
     b = torch.randn(c_out, device="cuda", generator=g).to(dtype) if bias else None
     if weight_layout == "cl":
         wt = wt.contiguous(memory_format=torch.channels_last)
+    if weight_offset:
+        wt = torch.empty(wt.numel() + weight_offset, device="cuda", dtype=dtype)[weight_offset:].view_as(wt).copy_(wt)
     ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], args.dilation[0])
     wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
     out = None
@@ -110,6 +113,17 @@ def test_gemm_forced(problem: str, config: int, mode: str, layout: str) -> None:
         assert y.is_contiguous(memory_format=torch.channels_last)
         assert not y.is_contiguous()
     assert err <= tol, f"{problem}/gemm{config}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", ["k4s2p1", "dilation", "groups"])
+def test_gemm_packs_weights_at_an_odd_address(problem: str, mode: str) -> None:
+    # The packing kernel reads two neighbouring weights a load only from an even address and rows of even length
+    # (dilation: 33 x 9 a row); one element into the storage it must read them one by one.
+    err, tol, path, _ = run(PROBLEMS[problem], mode, layout="cl", config=0, split=1, weight_offset=1)
+    assert path == "gemm"
+    assert err < tol, f"{problem} {mode}: rel err {err:.3e} >= {tol:.1e}"
 
 
 @needs_sm90
