@@ -4,6 +4,9 @@
 # size, bench/service_load.py (raw client, 4 load processes) drives
 #   on-npy, on-kserve, on-shm  batching on: POST /deconv with .npy; KServe v2 binary tensor extension; KServe system
 #                              shared memory (a region per client, registered once, only JSON on the socket);
+#   on-cuda-shm                batching on, KServe CUDA shared memory: each client's input and output are CUDA
+#                              tensors on one of the server's GPUs (in turn) whose allocations it registered once;
+#                              only JSON on the socket, no tensor byte in host memory (skipped with DEVICES=cpu);
 #   off-npy                    batching off, .npy: the layer's max_batch_size is the samples of one request, so that
 #                              every kernel call holds exactly one request (the off server's repository holds a copy
 #                              of the layer for each size, named <layer>_b<batch>, with that limit);
@@ -15,7 +18,7 @@
 # so that the table comes out within a call of ~400 s (the kernel build takes ~100 s of it).
 # Figures a run: requests/s, payload GB/s (input + output tensor bytes a request), p50/p99, mean batch, the server's
 # CPU ms per request in its HTTP processes and its engine process (the naive server's: its one process).
-# Env: SIZES (default "64KiB 1MiB 4MiB 16MiB"), CASES (default "on-npy on-kserve on-shm off-npy naive"),
+# Env: SIZES (default "64KiB 1MiB 4MiB 16MiB"), CASES (default "on-npy on-kserve on-shm on-cuda-shm off-npy naive"),
 # REQUESTS (a cap for every run instead of each size's), MAX_SECONDS, HTTP_PROCS (8), LOAD_PROCS (4),
 # DEVICES (DECONV_DEVICES, default auto; cpu: no kernel build, the naive server on the CPU), PYTHON (python3),
 # DEVICE_ENV (1: source bench/device_env.sh, which installs the wheels of .whl; 0: the current environment),
@@ -66,7 +69,7 @@ done
 
 declare -A port=([on]=18401 [off]=18402 [naive]=18403) pid=()
 common=(DECONV_HTTP_PROCESSES="$HTTP_PROCS" DECONV_DEVICES="$DEVICES" DECONV_LOG_LEVEL=warning
-        DECONV_MAX_QUEUE_SIZE=256 DECONV_SYSTEM_SHM_MAX_REGIONS=256)
+        DECONV_MAX_QUEUE_SIZE=256 DECONV_SYSTEM_SHM_MAX_REGIONS=256 DECONV_CUDA_SHM_MAX_REGIONS=256)
 env "${common[@]}" DECONV_LAYER_REPOSITORY="$work/on" "$PY" -m service --host 127.0.0.1 --port "${port[on]}" \
   > "$logs/server-on.log" 2>&1 &
 pid[on]=$!
@@ -95,9 +98,12 @@ for key in on off naive; do  # ready, and (the service) every HTTP process servi
 done
 echo "servers ready: $SECONDS s"
 
+CASES=${CASES:-on-npy on-kserve on-shm on-cuda-shm off-npy naive}
+cuda_devices=$DEVICES; [ "$DEVICES" = auto ] && cuda_devices=all  # cuda-shm clients: the server's GPUs, in turn
+[ "$DEVICES" = cpu ] && CASES=$(echo "$CASES" | tr ' ' '\n' | grep -vx on-cuda-shm | tr '\n' ' ')
 for size in $SIZES; do
   read -r layer batch height width clients requests <<< "${CASE[$size]}"
-  for c in ${CASES:-on-npy on-kserve on-shm off-npy naive}; do
+  for c in $CASES; do
     [ "$SECONDS" -gt "${STOP_AFTER_S:-330}" ] && { echo "no $size $c: $SECONDS s gone"; continue; }
     server=${c%%-*}; proto=${c#*-}; [ "$c" = naive ] && proto=npy
     name=$layer; repo=$work/on
@@ -106,6 +112,7 @@ for size in $SIZES; do
       --server-pid "${pid[$server]}" --devices "$DEVICES" --repository "$repo" --layer "$name" --batch "$batch" \
       --height "$height" --width "$width" --client raw --protocol "$proto" --procs "${LOAD_PROCS:-4}" \
       --clients "$clients" --requests "${REQUESTS:-$requests}" --warmup "$((2 * clients))" \
+      --cuda-devices "$cuda_devices" \
       --max-seconds "${MAX_SECONDS:-3}" --timeout 30 --out "$work/runs/$size-$c.json" \
       > "$logs/run-$size-$c.log" 2>&1 || { echo "$size $c failed:"; tail -3 "$logs/run-$size-$c.log"; }
   done
@@ -116,7 +123,7 @@ leftover=$(ls /dev/shm | grep -c '^deconv-client-')
 [ "$leftover" = 0 ] || echo "left in /dev/shm: $leftover deconv-client-* objects"
 
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$logs"
-"$PY" - "$work/runs" "$OUT" "$SIZES" "${CASES:-on-npy on-kserve on-shm off-npy naive}" <<'PY' | tee "$OUT/sizes.txt"
+"$PY" - "$work/runs" "$OUT" "$SIZES" "$CASES" <<'PY' | tee "$OUT/sizes.txt"
 import json, os, sys
 runs, out, sizes, cases = sys.argv[1], sys.argv[2], sys.argv[3].split(), sys.argv[4].split()
 results, device = {}, None
@@ -130,14 +137,14 @@ for size in sizes:
 json.dump({"benchmark": "device_sizes", "device": device, "host_cpus": os.cpu_count(), "results": results},
           open(f"{out}/sizes.json", "w"), indent=1)
 print(f"device: {device}")
-print(f"{'size':<6} {'case':<10} {'req/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} "
+print(f"{'size':<6} {'case':<11} {'req/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} "
       f"{'http ms/req':>11} {'engine ms/req':>13} {'ok':>7} {'errors':>6} {'rel err':>8}")
 for key, r in results.items():
     size, case = key.split()
     cpu = r.get("server_cpu_ms_per_request") or {}
     http = cpu.get("http", cpu.get("naive", cpu.get("main")))
     f = lambda v, spec: format(v, spec) if v is not None else format("-", spec.split(".")[0])
-    print(f"{size:<6} {case:<10} {r['requests_per_s']:>9.1f} {f(r.get('payload_gb_per_s'), '>7.3f')} "
+    print(f"{size:<6} {case:<11} {r['requests_per_s']:>9.1f} {f(r.get('payload_gb_per_s'), '>7.3f')} "
           f"{f(r['p50_ms'], '>8.2f')} {f(r['p99_ms'], '>8.2f')} {f(r['mean_batch_size'], '>6.1f')} "
           f"{f(http, '>11.3f')} {f(cpu.get('engine'), '>13.3f')} {r['ok']:>7} {r['requests'] - r['ok']:>6} "
           f"{f(r['max_rel_err_vs_fp64'], '>8.1e')}")

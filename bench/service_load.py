@@ -32,6 +32,12 @@ medians over the rounds, and the ratio of batching to batching off is given for 
   input once; each request is then a small KServe JSON request naming the region for both, and the answer carries
   no tensor bytes. Regions are unregistered and unlinked at the end, also after an error, SIGINT or SIGTERM (and
   a load process that died is swept after it by the process that started it).
+- ``cuda-shm``: KServe CUDA shared memory (a GPU server on this machine): each client holds its input and output as
+  torch CUDA tensors on one of ``--cuda-devices`` (GPU 0; the server's GPUs, in turn), whose allocations it
+  registers once (the SDK's
+  ``deconv_client._cuda_shm.CudaRegions``: IPC handles); each request is a small KServe JSON request naming them,
+  the server's GPU worker reads and writes them in place, and no tensor byte crosses a socket or host memory. The
+  load processes import torch (CUDA contexts of their own), so they start a few seconds earlier.
 
 Every 200 answer's length is checked (a tensor's bytes, or none for ``shm``); one output is read and compared.
 Payload bytes per request are the input's and the output's tensor bytes; payload GB/s is requests/s times that.
@@ -77,7 +83,7 @@ from deconv_client import CodecError, LayerInfo, _shm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("batching", "no-batching", "naive")
-PROTOCOLS = ("npy", "kserve", "shm")
+PROTOCOLS = ("npy", "kserve", "shm", "cuda-shm")
 
 
 def free_port() -> int:
@@ -105,6 +111,8 @@ def server_command(scenario: str, args: argparse.Namespace, port: int) -> tuple[
         env["DECONV_MAX_QUEUE_SIZE"] = str(max(256, 2 * args.clients))
         if args.protocol == "shm":  # a region per client (the warm-up's are gone before the measured ones come)
             env["DECONV_SYSTEM_SHM_MAX_REGIONS"] = str(max(64, 2 * args.clients))
+        if args.protocol == "cuda-shm":  # up to two allocations a client
+            env["DECONV_CUDA_SHM_MAX_REGIONS"] = str(max(64, 4 * args.clients))
     return cmd, env
 
 
@@ -306,14 +314,62 @@ def shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) ->
             region.destroy()
 
 
-def unregister(url: str, names: list[str]) -> None:
-    """Unregister these regions from the server at ``url`` (bounded: a few seconds each at most)."""
+@contextlib.contextmanager
+def cuda_shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) -> Iterator[Wire]:
+    """KServe CUDA shared memory: an input (holding ``x``) and an output tensor for each of ``clients`` clients,
+    client i's on the i-th of ``args.cuda_devices`` in turn, their allocations registered with the server at
+    ``url`` for as long as the context lasts."""
+    import torch
+    from deconv_client import _cuda_shm
+
+    devices = (list(range(torch.cuda.device_count())) if args.cuda_devices == "all"
+               else [int(d) for d in args.cuda_devices.split(",")])
+    placed = [devices[i % len(devices)] for i in range(clients)]
+    shape = output_shape(args, x)
+    regions = _cuda_shm.CudaRegions(max_regions=4 * clients + 4)
+    held: list[_cuda_shm.CudaRegion] = []
+    datatype = {"float32": "FP32", "float16": "FP16", "float64": "FP64"}[str(x.dtype)]
+    try:
+        xs = [torch.from_numpy(x).to(f"cuda:{d}") for d in placed]
+        ys = [torch.empty(shape, dtype=xi.dtype, device=xi.device) for xi in xs]
+        for d in set(placed):
+            torch.cuda.synchronize(d)
+        bodies = []
+        with httpx.Client(base_url=url, timeout=min(args.timeout, 30.0)) as http:
+            for d, xi, yi in zip(placed, xs, ys, strict=True):
+                params = []
+                for t in (xi, yi):
+                    region, offset, _ = regions.acquire(d, t.data_ptr(), t.numel() * t.element_size())
+                    if region not in held:
+                        held.append(region)
+                    if not region.registered:
+                        http.post(_cuda_shm.register_path(region), json=region.register_body()).raise_for_status()
+                        region.registered = True
+                    params.append({"shared_memory_region": region.name, "shared_memory_offset": offset,
+                                   "shared_memory_byte_size": t.numel() * t.element_size()})
+                bodies.append(json.dumps({
+                    "inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
+                                "parameters": params[0]}],
+                    "outputs": [{"name": "output", "parameters": params[1]}]}).encode())
+
+        def decode(slot: int, _head: bytes, _body: bytes) -> Any:
+            return ys[slot].cpu().numpy()  # the server wrote it before answering
+
+        yield Wire("cuda-shm", f"/v2/models/{args.layer}/infer", "application/json", {}, bodies, x.nbytes,
+                   math.prod(shape) * x.itemsize, (1, MAX_HEAD), decode)
+    finally:
+        unregister(url, [r.name for r in held if r.registered], kind="cudasharedmemory")
+
+
+def unregister(url: str, names: list[str], kind: str = "systemsharedmemory") -> None:
+    """Unregister these regions (``kind``: the extension) from the server at ``url`` (bounded: a few seconds each
+    at most)."""
     if not names:
         return
     with httpx.Client(base_url=url, timeout=5.0) as http:
         for name in names:
             with contextlib.suppress(httpx.HTTPError):
-                http.post(f"/v2/systemsharedmemory/region/{quote(name, safe='')}/unregister")
+                http.post(f"/v2/{kind}/region/{quote(name, safe='')}/unregister")
 
 
 def sweep_regions(url: str, pids: list[int]) -> list[str]:
@@ -576,8 +632,12 @@ async def drive(url: str, args: argparse.Namespace, x: np.ndarray, count: int,
     """Send ``count`` requests of input ``x`` from ``args.clients`` concurrent clients, from wall-clock time
     ``start_at`` on (once ``shm``'s regions are registered); collect latencies, batch sizes and one output."""
     with contextlib.ExitStack() as stack:
-        wire = (stack.enter_context(shm_wire(url, args, x, args.clients)) if args.protocol == "shm"
-                else make_wire(args, x))
+        if args.protocol == "shm":
+            wire = stack.enter_context(shm_wire(url, args, x, args.clients))
+        elif args.protocol == "cuda-shm":
+            wire = stack.enter_context(cuda_shm_wire(url, args, x, args.clients))
+        else:
+            wire = make_wire(args, x)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -668,7 +728,8 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     uvloop's event loop was seen to deliver only the first 64 KiB of what it printed to its standard output).
     """
     procs = max(1, min(args.procs, args.clients))
-    start_at = time.time() + 1.0 + 0.25 * procs  # the workers import neither torch nor the service
+    # The workers import neither torch nor the service, but for cuda-shm torch and a CUDA context each.
+    start_at = time.time() + 1.0 + 0.25 * procs + (10.0 if args.protocol == "cuda-shm" else 0.0)
     parts = []
     with tempfile.TemporaryDirectory(prefix="deconv-load-") as tmp:
         files = [Path(tmp) / f"{i}.json" for i in range(procs)]
@@ -679,7 +740,8 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
             cmd = [sys.executable, __file__, "--worker", "--url", url, "--clients", str(clients), "--requests", str(n),
                    "--layer", args.layer, "--repository", str(args.repository), "--batch", str(args.batch),
                    "--height", str(args.height), "--width", str(args.width), "--timeout", str(args.timeout),
-                   "--client", args.client, "--protocol", args.protocol, "--start-at", repr(start_at),
+                   "--client", args.client, "--protocol", args.protocol, "--cuda-devices", args.cuda_devices,
+                   "--start-at", repr(start_at),
                    "--result-file", str(files[i])]
             if args.max_seconds is not None:
                 cmd += ["--max-seconds", str(args.max_seconds)]
@@ -691,7 +753,7 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
                 parts.append(json.loads(path.read_text()))
         finally:
             stop_workers(children)
-            if args.protocol == "shm":
+            if args.protocol == "shm":  # (a dead process's CUDA allocations go with it; the server's leases too)
                 swept = sweep_regions(url, [child.pid for child in children])
                 if swept:
                     print(f"swept {len(swept)} shared-memory region(s) the load processes left", flush=True)
@@ -980,8 +1042,12 @@ def main() -> None:
                    help="load-generator HTTP client: httpx (default), or a minimal asyncio protocol (~20x less client "
                         "CPU per request; use it when client_cpu_s approaches procs x wall_s)")
     p.add_argument("--protocol", choices=PROTOCOLS, default="npy",
-                   help="with --client raw: npy (POST /deconv, .npy), kserve (KServe v2 binary tensor extension) or "
-                        "shm (KServe system shared memory, a region per client; the server must run on this host)")
+                   help="with --client raw: npy (POST /deconv, .npy), kserve (KServe v2 binary tensor extension), "
+                        "shm (KServe system shared memory, a region per client; the server must run on this host) "
+                        "or cuda-shm (KServe CUDA shared memory, tensors on this host's GPUs)")
+    p.add_argument("--cuda-devices", default="0",
+                   help="cuda-shm: the GPUs the clients' tensors are on, in turn (comma-separated indices, or all); "
+                        "a server computes on a region's GPU, so these must be GPUs it computes on")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop sending after this many seconds of a measured run (or warm-up), requests left or not")
     p.add_argument("--server-pid", type=int, default=None,
