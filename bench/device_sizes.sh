@@ -19,7 +19,8 @@
 # Figures a run: requests/s, payload GB/s (input + output tensor bytes a request), p50/p99, mean batch, the server's
 # CPU ms per request in its HTTP processes and its engine process (the naive server's: its one process).
 # Env: SIZES (default "64KiB 1MiB 4MiB 16MiB"), CASES (default "on-npy on-kserve on-shm on-cuda-shm off-npy naive"),
-# REQUESTS (a cap for every run instead of each size's), MAX_SECONDS, HTTP_PROCS (8), LOAD_PROCS (4),
+# REQUESTS (a cap for every run instead of each size's), CLIENTS (for every size instead of its own), MAX_SECONDS,
+# HTTP_PROCS (8), LOAD_PROCS (4),
 # DEVICES (DECONV_DEVICES, default auto; cpu: no kernel build, the naive server on the CPU), PYTHON (python3),
 # DEVICE_ENV (1: source bench/device_env.sh, which installs the wheels of .whl; 0: the current environment),
 # STOP_AFTER_S, RUN_TIMEOUT (seconds a run, default 60).
@@ -103,6 +104,7 @@ cuda_devices=$DEVICES; [ "$DEVICES" = auto ] && cuda_devices=all  # cuda-shm cli
 [ "$DEVICES" = cpu ] && CASES=$(echo "$CASES" | tr ' ' '\n' | grep -vx on-cuda-shm | tr '\n' ' ')
 for size in $SIZES; do
   read -r layer batch height width clients requests <<< "${CASE[$size]}"
+  clients=${CLIENTS:-$clients}
   for c in $CASES; do
     [ "$SECONDS" -gt "${STOP_AFTER_S:-330}" ] && { echo "no $size $c: $SECONDS s gone"; continue; }
     server=${c%%-*}; proto=${c#*-}; [ "$c" = naive ] && proto=npy
