@@ -404,9 +404,7 @@ constexpr int kPackRows = 64;  // ci a tile
 template <typename T>
 constexpr int kPackVec = 8 / static_cast<int>(sizeof(T));
 template <typename T>
-constexpr int pack_cols() {
-  return 32 * kPackVec<T>;  // j a tile
-}
+constexpr int kPackCols = 32 * kPackVec<T>;  // j a tile
 
 template <typename T>
 struct alignas(8) PackVec {
@@ -417,7 +415,7 @@ template <typename T, bool kRound, bool kSrcCL>
 __global__ void __launch_bounds__(256)
     conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g, int khw,
                                int ci_pad, bool vec) {
-  constexpr int V = kPackVec<T>, kCols = pack_cols<T>();
+  constexpr int V = kPackVec<T>, kCols = kPackCols<T>;
   // Rows padded by one element: the column reads of the write phase spread over the banks (at most 2-way).
   __shared__ T tile[kPackRows][kCols + 1];
   // 32-bit indices: gemm_eligible keeps every packed size under 2^30 (64-bit divisions cost this kernel 3x).
@@ -694,7 +692,7 @@ template <typename T, bool kRound, bool kSrcCL>
 cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, unsigned groups,
                          cudaStream_t stream) {
   const bool vec = cout_g * khw % kPackVec<T> == 0 && reinterpret_cast<uintptr_t>(w) % 8 == 0;
-  const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, pack_cols<T>())),
+  const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, kPackCols<T>)),
                   static_cast<unsigned>(tc::div_up(ci_pad, kPackRows)), groups);  // y and z < 65536: gemm_eligible
   if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
   conv_transpose2d_gemm_pack<T, kRound, kSrcCL><<<grid, 256, 0, stream>>>(

@@ -1,9 +1,9 @@
 // Memory-layout changes between NCHW and channels-last (NHWC) for the binding: an input laid out for another kernel
 // family than the one that runs, and an output staged in the layout a kernel writes best (docs/architecture.md,
 // "Kernels"). Both directions are a batched 2-D transpose: per image, [rows][cols] -> [cols][rows], with rows = C
-// and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kTC columns go through shared
+// and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kCols columns go through shared
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
-// raw bits (2, 4 or 8 bytes). kTC is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column
+// raw bits (2, 4 or 8 bytes). kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column
 // tiles would leave most threads idle.
 #include <cstdint>
 
@@ -15,29 +15,29 @@ namespace {
 constexpr int kTileRows = 64;
 constexpr int kThreads = 256;
 
-template <typename T, int kTC>
+template <typename T, int kCols>
 __global__ void __launch_bounds__(kThreads)
     transpose_batched(const T* __restrict__ src, T* __restrict__ dst, int64_t rows, int64_t cols) {
   // Rows padded to an odd number of 32-bit words (2-byte and 4-byte elements): the column reads of the write phase
   // hit different banks.
-  constexpr int kPitch = kTC + (sizeof(T) == 2 ? 2 : 1);
-  constexpr int kPerThread = kTileRows * kTC / kThreads;
+  constexpr int kPitch = kCols + (sizeof(T) == 2 ? 2 : 1);
+  constexpr int kPerThread = kTileRows * kCols / kThreads;
   __shared__ T tile[kTileRows][kPitch];
   const int64_t image = blockIdx.z;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTC, r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kCols, r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const T* s = src + image * rows * cols + r0 * cols + c0;
   T* d = dst + image * rows * cols + c0 * rows + r0;
   const int nr = static_cast<int>(rows - r0 < kTileRows ? rows - r0 : kTileRows);
-  const int nc = static_cast<int>(cols - c0 < kTC ? cols - c0 : kTC);
+  const int nc = static_cast<int>(cols - c0 < kCols ? cols - c0 : kCols);
   T v[kPerThread];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the source
-    const int idx = threadIdx.x + k * kThreads, i = idx / kTC, j = idx % kTC;
+    const int idx = threadIdx.x + k * kThreads, i = idx / kCols, j = idx % kCols;
     if (i < nr && j < nc) v[k] = s[i * cols + j];
   }
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int idx = threadIdx.x + k * kThreads, i = idx / kTC, j = idx % kTC;
+    const int idx = threadIdx.x + k * kThreads, i = idx / kCols, j = idx % kCols;
     tile[i][j] = v[k];
   }
   __syncthreads();
@@ -48,17 +48,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, int kTC>
-cudaError_t launch_transpose_tc(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
+template <typename T, int kCols>
+cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
                                 cudaStream_t stream) {
-  const int64_t col_tiles = (cols + kTC - 1) / kTC, row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t col_tiles = (cols + kCols - 1) / kCols, row_tiles = (rows + kTileRows - 1) / kTileRows;
   if (col_tiles > INT32_MAX || row_tiles > 65535) return cudaErrorInvalidValue;
   const int64_t per_image = rows * cols;
   // At most 65535 images a launch (the grid's z); larger batches go in slices.
   for (int64_t first = 0; first < images; first += 65535) {
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
-    transpose_batched<T, kTC><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
+    transpose_batched<T, kCols><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
                                                             static_cast<T*>(dst) + first * per_image, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -69,9 +69,9 @@ cudaError_t launch_transpose_tc(const void* src, void* dst, int64_t images, int6
 template <typename T>
 cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
                              cudaStream_t stream) {
-  if (cols <= 8) return launch_transpose_tc<T, 8>(src, dst, images, rows, cols, stream);
-  if (cols <= 16) return launch_transpose_tc<T, 16>(src, dst, images, rows, cols, stream);
-  return launch_transpose_tc<T, 32>(src, dst, images, rows, cols, stream);
+  if (cols <= 8) return launch_transpose_cols<T, 8>(src, dst, images, rows, cols, stream);
+  if (cols <= 16) return launch_transpose_cols<T, 16>(src, dst, images, rows, cols, stream);
+  return launch_transpose_cols<T, 32>(src, dst, images, rows, cols, stream);
 }
 
 }  // namespace
