@@ -317,48 +317,34 @@ def shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) ->
 @contextlib.contextmanager
 def cuda_shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) -> Iterator[Wire]:
     """KServe CUDA shared memory: an input (holding ``x``) and an output tensor for each of ``clients`` clients,
-    client i's on the i-th of ``args.cuda_devices`` in turn, their allocations registered with the server at
-    ``url`` for as long as the context lasts."""
+    client i's on the i-th of ``args.cuda_devices`` in turn, made and registered with the server at ``url`` as the
+    SDK does for a call (``deconv_client._cuda_shm.CudaCall``), for as long as the context lasts."""
     import torch
     from deconv_client import _cuda_shm
 
     devices = (list(range(torch.cuda.device_count())) if args.cuda_devices == "all"
                else [int(d) for d in args.cuda_devices.split(",")])
-    placed = [devices[i % len(devices)] for i in range(clients)]
-    shape = output_shape(args, x)
-    regions = _cuda_shm.CudaRegions(max_regions=4 * clients + 4)
-    held: list[_cuda_shm.CudaRegion] = []
-    datatype = {"float32": "FP32", "float16": "FP16", "float64": "FP64"}[str(x.dtype)]
+    info = LayerInfo.from_json(layer_config(args))
+    regions = _cuda_shm.CudaRegions(max_regions=4 * clients + 4)  # none retired while the clients run
+    calls: list[_cuda_shm.CudaCall] = []
     try:
-        xs = [torch.from_numpy(x).to(f"cuda:{d}") for d in placed]
-        ys = [torch.empty(shape, dtype=xi.dtype, device=xi.device) for xi in xs]
-        for d in set(placed):
-            torch.cuda.synchronize(d)
-        bodies = []
         with httpx.Client(base_url=url, timeout=min(args.timeout, 30.0)) as http:
-            for d, xi, yi in zip(placed, xs, ys, strict=True):
-                params = []
-                for t in (xi, yi):
-                    region, offset, _ = regions.acquire(d, t.data_ptr(), t.numel() * t.element_size())
-                    if region not in held:
-                        held.append(region)
-                    if not region.registered:
-                        http.post(_cuda_shm.register_path(region), json=region.register_body()).raise_for_status()
-                        region.registered = True
-                    params.append({"shared_memory_region": region.name, "shared_memory_offset": offset,
-                                   "shared_memory_byte_size": t.numel() * t.element_size()})
-                bodies.append(json.dumps({
-                    "inputs": [{"name": "input", "shape": list(x.shape), "datatype": datatype,
-                                "parameters": params[0]}],
-                    "outputs": [{"name": "output", "parameters": params[1]}]}).encode())
+            for i in range(clients):
+                call = _cuda_shm.CudaCall(torch.from_numpy(x).to(f"cuda:{devices[i % len(devices)]}"), info)
+                calls.append(call)
+                call.attach(regions)
+                for region in call.unregistered():
+                    http.post(_cuda_shm.register_path(region), json=region.register_body()).raise_for_status()
+                    region.registered = True
 
-        def decode(slot: int, _head: bytes, _body: bytes) -> Any:
-            return ys[slot].cpu().numpy()  # the server wrote it before answering
+        def decode(slot: int, _head: bytes, body: bytes) -> Any:
+            return calls[slot].result(json.loads(body)).cpu().numpy()  # the server wrote it before answering
 
+        bodies = [json.dumps(call.request()).encode() for call in calls]
         yield Wire("cuda-shm", f"/v2/models/{args.layer}/infer", "application/json", {}, bodies, x.nbytes,
-                   math.prod(shape) * x.itemsize, (1, MAX_HEAD), decode)
+                   math.prod(output_shape(args, x)) * x.itemsize, (1, MAX_HEAD), decode)
     finally:
-        unregister(url, [r.name for r in held if r.registered], kind="cudasharedmemory")
+        unregister(url, [r.name for r in regions.close() if r.registered], kind="cudasharedmemory")
 
 
 def unregister(url: str, names: list[str], kind: str = "systemsharedmemory") -> None:
