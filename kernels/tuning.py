@@ -60,10 +60,10 @@ AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "sparse", "gemm" or None to let
-    it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel), ``split``
-    (the halo or gemm kernel's split-K factor) and ``staged`` (the gemm kernel with an NCHW output: True writes
-    it channels-last into scratch and converts it, False stores it straight)."""
+    """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "narrow_tiled", "sparse", "gemm"
+    or None to let it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel),
+    ``split`` (the halo or gemm kernel's split-K factor) and ``staged`` (the gemm kernel with an NCHW output: True
+    writes it channels-last into scratch and converts it, False stores it straight)."""
 
     path: str | None = None
     config: int | None = None
@@ -131,7 +131,7 @@ def agree_tolerance(dtype: torch.dtype, precision: str) -> float:
 def candidates(num_configs: int, num_gemm_configs: int = 0, nchw_output: bool = False) -> list[KernelChoice]:
     """Every first-pass candidate: the default, each kernel family, each tensor-core and gemm tile configuration;
     for an NCHW output, each gemm configuration both staged and stored straight."""
-    out = [DEFAULT, KernelChoice("narrow"), KernelChoice("sparse"), KernelChoice("simt")]
+    out = [DEFAULT, KernelChoice("narrow"), KernelChoice("narrow_tiled"), KernelChoice("sparse"), KernelChoice("simt")]
     out += [KernelChoice("tensor_core", c) for c in range(num_configs)]
     for c in range(num_gemm_configs):
         out += [KernelChoice("gemm", c, staged=s) for s in (False, True)] if nchw_output else [KernelChoice("gemm", c)]

@@ -129,9 +129,9 @@ struct Forced {
 };
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 4,
+  TORCH_CHECK(force_path >= -1 && force_path <= 5,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
-              "(sparse) or 4 (gemm), got ",
+              "(sparse), 4 (gemm) or 5 (tiled narrow), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
@@ -323,7 +323,8 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   return {y, static_cast<int64_t>(plan.path)};
 }
 
-// Returns (y, path) where path is 0 for the SIMT kernel, 1 for the tensor-core kernels and 2 for the narrow kernel.
+// Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
+// narrow).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
                                            const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
@@ -501,8 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
-        "3 = sparse kernel, 4 = gemm kernel. "
-        "force_path: -1 chooses, 0-4 ask for that kernel; 1-4 fall back to the choice of -1 when not eligible. "
+        "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel. "
+        "force_path: -1 chooses, 0-5 ask for that kernel; 1-5 fall back to the choice of -1 when not eligible. "
         "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's. "
         "force_staged: -1 chooses, 1 has the gemm kernel write an NCHW output channels-last into scratch and "
         "convert it, 0 write it straight.",

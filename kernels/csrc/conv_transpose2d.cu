@@ -13,7 +13,9 @@
 // This file holds the portable SIMT kernel (every dtype, exact fp32 and fp64) and the launcher that picks one of
 // five kernel families:
 //   narrow      (conv_transpose2d_narrow.cu) for C_out / groups <= 8 when its weights fit in shared memory:
-//               a thread holds every output channel of its pixels; every dtype, exact FFMA;
+//               a thread holds every output channel of its pixels; every dtype, exact FFMA; in its tiled form
+//               (fp32/fp16/bf16, up to 3 taps a phase per axis, large outputs) 4 x 2 pixels a thread, each
+//               loaded input value used for every vertical tap that reads it;
 //   sparse      (conv_transpose2d_sparse.cu) for layers whose output elements average at most 48 multiply-adds
 //               (large strides, few input channels): a block writes runs of whole output rows; exact FFMA;
 //   tensor core (conv_transpose2d_mma.cu: gather kernel; conv_transpose2d_halo.cu: halo tiles;
@@ -211,10 +213,11 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
   return (p.C_in / p.groups >= 128 && cout_g >= 64) || (p.H_in == 1 && p.W_in == 1 && cout_g >= 64);
 }
 
-// force_path 0 runs the SIMT kernel; 1, 2, 3 and 4 run the tensor-core, narrow, sparse and gemm kernels when
-// eligible, else what -1 chooses: the narrow kernel when eligible, then the sparse kernel when preferred (neither
-// when force_config asks for the tensor cores), then the gemm kernel when eligible and preferred, then the tensor
-// cores when eligible, then the SIMT kernel.
+// force_path 0 runs the SIMT kernel; 1, 2, 3, 4 and 5 run the tensor-core, narrow, sparse, gemm and tiled narrow
+// kernels when eligible, else what -1 chooses: the tiled narrow kernel when eligible and preferred, then the narrow
+// kernel when eligible, then the sparse kernel when preferred (none of these when force_config asks for the tensor
+// cores), then the gemm kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT
+// kernel.
 KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
@@ -224,6 +227,9 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   }
   if (p.force_path == 2 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
+  if (p.force_path == 5 && narrow_tiled_eligible(p)) return {KernelPath::kNarrowTiled, -1};
+  if (p.force_config < 0 && narrow_tiled_eligible(p) && narrow_tiled_preferred(p))
+    return {KernelPath::kNarrowTiled, -1};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && gemm_preferred(p) && gemm_default_ready() && gemm_eligible(p))
@@ -263,6 +269,7 @@ cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const Kerne
     return launch_tensor_core(p, c.config, stream);
   }
   if (c.path == KernelPath::kNarrow) return launch_narrow(p, stream);
+  if (c.path == KernelPath::kNarrowTiled) return launch_narrow_tiled(p, stream);
   if (c.path == KernelPath::kSparse) return launch_sparse(p, stream);
   switch (p.dtype) {
     case DType::kFloat32:

@@ -50,8 +50,8 @@ struct ConvTranspose2dParams {
   // Elements from one position of a channels-last x to the next, when larger than C_in (0: C_in): an x whose rows of
   // channels the binding padded to whole 16-byte vectors for the gemm path (one group only; the padding is zeros).
   int64_t x_pitch;
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm. A forced path that is not eligible for the
-  // problem falls back to the choice of -1.
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow. A forced path that is not
+  // eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
   // the gemm kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
@@ -62,7 +62,7 @@ struct ConvTranspose2dParams {
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
-enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3, kGemm = 4 };
+enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3, kGemm = 4, kNarrowTiled = 5 };
 
 // The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
 // sizes, the layouts and x's alignment, so made once x is in place (the binding lays x and y out for the family
@@ -122,6 +122,13 @@ cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32
 // strides are at most 32 and sizes leave room for 32-bit positions (memory offsets stay 64-bit).
 bool narrow_eligible(const ConvTranspose2dParams& p);
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
+// Its tiled form: a thread owns 4 x 2 pixels of a phase and reuses each loaded input value for every vertical tap
+// that reads it. fp32/fp16/bf16; eligible when the narrow kernel is, the per-tap input step is 1 on both axes
+// (dilation divides stride), no phase has more than 3 taps on an axis and its weights fit in 48 KiB; preferred
+// from 2^17 output pixels (times groups) up.
+bool narrow_tiled_eligible(const ConvTranspose2dParams& p);
+bool narrow_tiled_preferred(const ConvTranspose2dParams& p);
+cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Sparse kernel (conv_transpose2d_sparse.cu): a block writes a run of one output row, every phase, for layers
 // whose output elements cost few multiply-adds (large strides against the dilated kernel, few input channels);

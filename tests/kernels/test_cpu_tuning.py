@@ -74,8 +74,8 @@ def test_choices_are_hashable_values() -> None:
 def test_candidates_cover_every_family_and_tile_once() -> None:
     cands = tuning.candidates(NUM_CONFIGS)
     assert cands[0] == DEFAULT
-    assert len(cands) == len(set(cands)) == 1 + 3 + NUM_CONFIGS
-    assert {c.path for c in cands} == {None, "narrow", "sparse", "simt", "tensor_core"}
+    assert len(cands) == len(set(cands)) == 1 + 4 + NUM_CONFIGS
+    assert {c.path for c in cands} == {None, "narrow", "narrow_tiled", "sparse", "simt", "tensor_core"}
     assert [c.config for c in cands if c.path == "tensor_core"] == list(range(NUM_CONFIGS))
     assert all(c.split is None for c in cands)
     assert all(c.config is None for c in cands if c.path != "tensor_core")

@@ -209,7 +209,7 @@ def test_empty_batch_keeps_autograd():
 @pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
     monkeypatch.setattr(ops, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
-    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm'"
+    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled'"
     with pytest.raises(ConvTranspose2dArgumentError, match=rf"force_path must be None or one of {names}, got "):
         ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
@@ -242,7 +242,7 @@ def test_force_split_and_staged_reach_the_extension(monkeypatch, force_split, co
 @pytest.mark.parametrize(
     ("force_path", "code", "ran"),
     [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow"),
-     ("sparse", 3, "sparse")],
+     ("sparse", 3, "sparse"), ("narrow_tiled", 5, "narrow_tiled")],
 )
 def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran):
     calls = []
@@ -253,7 +253,7 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
                     force_path_code, force_config, force_split, force_staged, packs):
             calls.append((force_path_code, force_config, force_split, force_staged, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
-            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}[ran]
+            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4, "narrow_tiled": 5}[ran]
 
     monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
@@ -264,5 +264,6 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
 
 
 def test_kernel_path_names_cover_every_force_path_name():
-    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm"}
-    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}
+    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled"}
+    assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
+                              "narrow_tiled": 5}

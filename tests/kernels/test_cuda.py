@@ -7,6 +7,7 @@ and compares by norm-wise relative error ``||y - ref|| / ||ref||`` with docs/arc
 from __future__ import annotations
 
 import json
+import math
 import random
 import zlib
 from pathlib import Path
@@ -352,6 +353,91 @@ NARROW_PROBLEMS = {
     **NARROW_FAMILIES,
     **{f"forced_{name}": cfg for name, cfg in FORCED.items() if cfg["c_out"] // cfg.get("groups", 1) <= 8},
 }
+
+
+# Tiled narrow kernel problems: tiles with interior threads (no masks) and edge threads, 1-8 output channels (8 for
+# 5-8), 2 or 3 taps a phase (k4 s2; k9 s3 as in FSRCNN; k3 s1; k3 s2 with 2- and 1-tap phases), zero-tap phases
+# (stride and dilation 2), depthwise groups, phase rows of 8-, 16- and 32-thread blocks, a grid of one tile.
+NARROW_TILED_FAMILIES = {
+    "rgb_k4s2": dict(n=2, c_in=40, c_out=3, h=37, w=70, k=4, stride=2, padding=1),
+    "fsrcnn_k9s3": dict(n=1, c_in=12, c_out=1, h=33, w=40, k=9, stride=3, padding=4, output_padding=2),
+    "cout2_k3s2_mixed_taps": dict(n=2, c_in=9, c_out=2, h=19, w=50, k=3, stride=2, padding=1, output_padding=1),
+    "cout4_k3s1": dict(n=1, c_in=6, c_out=4, h=21, w=35, k=3, padding=1, bias=False),
+    "cout7_k3s1": dict(n=2, c_in=5, c_out=7, h=20, w=45, k=3, padding=1),
+    "cout8_k4s2": dict(n=1, c_in=7, c_out=8, h=13, w=9, k=4, stride=2, padding=1),
+    "dilation_divides_stride": dict(n=2, c_in=5, c_out=3, h=15, w=23, k=3, stride=2, dilation=2, padding=1),
+    "depthwise_k4s2": dict(n=2, c_in=6, c_out=6, h=17, w=30, k=4, stride=2, padding=1, groups=6),
+    "asym_k2x3": dict(n=1, c_in=8, c_out=3, h=11, w=90, k=(2, 3), stride=(1, 2), padding=(0, 1)),
+    "narrow_rows": dict(n=3, c_in=4, c_out=1, h=70, w=5, k=4, stride=2, padding=1),
+}
+
+
+def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
+    return v if isinstance(v, tuple) else (v, v)
+
+
+def tiled_eligible(cfg: dict, mode: str) -> bool:
+    """Whether the tiled narrow kernel takes a narrow problem (narrow_tiled_eligible in conv_transpose2d_narrow.cu):
+    not float64, per-tap input step 1 and at most 3 taps a phase on both axes, weights within 48 KiB."""
+    if mode == "fp64":
+        return False
+    taps = 2
+    for k, s, d in zip(_pair(cfg["k"]), _pair(cfg.get("stride", 1)), _pair(cfg.get("dilation", 1)), strict=True):
+        g = math.gcd(s, d)
+        if d != g:
+            return False
+        taps = max(taps, (k - 1) // (s // g) + 1)
+    groups = cfg.get("groups", 1)
+    cout = cfg["c_out"] // groups
+    per_channel = -(-taps * taps * (cout if cout <= 4 else 8) // 4) * 16
+    return taps <= 3 and cfg["c_in"] // groups * per_channel <= 48 * 1024
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("problem", [*NARROW_TILED_FAMILIES, *NARROW_PROBLEMS])
+def test_narrow_tiled_forced(problem: str, mode: str) -> None:
+    """The tiled narrow kernel, forced, on its own families and on every narrow problem: it runs where eligible and
+    the default choice runs elsewhere, with the right answer either way."""
+    cfg = NARROW_TILED_FAMILIES.get(problem) or NARROW_PROBLEMS[problem]
+    err, tol, path = run_case(**cfg, mode=mode, force_path="narrow_tiled", seed=zlib.crc32(problem.encode()) % 9_999)
+    if tiled_eligible(cfg, mode):
+        assert path == "narrow_tiled"
+    else:
+        assert path != "narrow_tiled"
+    assert err <= tol, f"{problem}/narrow_tiled/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str) -> None:
+    """Phases with fewer taps than the kernel's tile skip the missing taps instead of multiplying by a zero weight:
+    an infinite input reaches exactly the outputs PyTorch's reaches."""
+    dtype = MODES[mode][0]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(2, 6, 21, 34, device="cuda", generator=g).to(dtype)
+    x[0, 2, 7, 11] = float("inf")
+    x[1, 5, 0, 0] = float("-inf")
+    x[1, 0, 20, 33] = float("inf")
+    w = torch.randn(6, 3, 3, 3, device="cuda", generator=g).to(dtype)
+    args = normalize_args(stride=2, padding=1, output_padding=1)
+    y, path = _forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled")
+    assert path == "narrow_tiled"
+    ref = reference(x, w, None, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=1, dilation=args.dilation).to(y.device)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.isinf(y), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    assert rel_err(y[finite], ref[finite]) <= MODES[mode][2]
+
+
+def test_narrow_tiled_is_the_default_for_large_narrow_layers() -> None:
+    """From 2^17 output pixels a narrow layer the tiled kernel takes runs it by default; below, or in float64, or
+    with 4 taps a phase, the per-pixel kernel."""
+    rgb = dict(n=2, c_in=32, c_out=3, h=128, w=128, k=4, stride=2, padding=1)  # 2 x 256 x 256 pixels
+    for mode in ("fp32", "tf32", "bf16", "fp16"):
+        assert _path(mode, **rgb) == "narrow_tiled", mode
+    assert _path("fp64", **rgb) == "narrow"
+    assert _path("bf16", **{**rgb, "h": 16, "w": 16}) == "narrow"  # 2 x 32 x 32 pixels
+    assert _path("bf16", **{**rgb, "k": 8, "stride": 2, "padding": 3}) == "narrow"  # 4 taps a phase
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -732,11 +818,12 @@ def test_gathered_out_of_memory_raises_and_the_next_call_works() -> None:
     assert rel_err(y.cuda(), reference(x[:2].cuda(), w, None, stride=2, padding=1)) <= 1e-5
 
 
-@pytest.mark.parametrize("route", ["narrow", "simt"])
+@pytest.mark.parametrize("route", ["narrow_tiled", "narrow", "simt"])
 def test_64bit_indexing(route: str) -> None:
     """An output of more than 2**31 elements: check rows at the very end against the reference.
 
-    C_out = 4 runs the narrow kernel by default; the SIMT kernel is forced to keep its 64-bit offsets covered.
+    C_out = 4 runs the tiled narrow kernel by default; the per-pixel narrow and the SIMT kernels are forced to keep
+    their 64-bit offsets covered.
     """
     free, _ = torch.cuda.mem_get_info()
     if free < 24 * 2**30:
@@ -745,7 +832,7 @@ def test_64bit_indexing(route: str) -> None:
     # y: [2, 4, 16402, 16402] bf16 = 2.15e9 elements (> 2**31)
     x = torch.randn(2, 2, 16400, 16400, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(2, 4, 3, 3, device="cuda", dtype=torch.bfloat16, generator=g)
-    y, path = _forward_cuda(x, w, None, normalize_args(), "fp32", force_path=None if route == "narrow" else "simt")
+    y, path = _forward_cuda(x, w, None, normalize_args(), "fp32", force_path=None if route == "narrow_tiled" else route)
     assert path == route
     assert y.numel() > 2**31
     # With k = 3 and stride 1, the last 14 output rows depend on the last 14 input rows only.

@@ -25,6 +25,7 @@ def _tc(config: int, split: int | None = None) -> KernelChoice:
     (KernelChoice("simt"), (FORCE_PATHS["simt"], -1, -1, -1)),
     (KernelChoice("narrow"), (FORCE_PATHS["narrow"], -1, -1, -1)),
     (KernelChoice("sparse"), (FORCE_PATHS["sparse"], -1, -1, -1)),
+    (KernelChoice("narrow_tiled"), (FORCE_PATHS["narrow_tiled"], -1, -1, -1)),
     (_tc(9), (FORCE_PATHS["tensor_core"], 9, -1, -1)),
     (_tc(5, 4), (FORCE_PATHS["tensor_core"], 5, 4, -1)),
     (_tc(0, 1), (FORCE_PATHS["tensor_core"], 0, 1, -1)),
@@ -38,7 +39,8 @@ def test_forced_maps_a_choice_to_the_extension_arguments(choice: KernelChoice,
 
 
 def test_force_paths_match_the_extension_codes() -> None:
-    assert FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4}
+    assert FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
+                           "narrow_tiled": 5}
     for c in tuning.candidates(NUM_CONFIGS, 3, nchw_output=True):
         path, config, split, staged = _forced(c)
         assert path == FORCE_PATHS[c.path]
