@@ -13,6 +13,9 @@ document at the end; bench/NOTES.md says which version used which.
 - ``weights``: the gemm kernel on a channels-last input with NCHW weights (packed every call, and packed once and
   kept: the kernel alone with K-major B) against channels-last weights (16-bit: read as they are, B N-major; TF32:
   packed from that layout every call), every tile configuration.
+- ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread), the default
+  choice and cuDNN's best layout, on the zoo's layers of at most 8 output channels a group, NCHW and channels-last
+  inputs, every precision.
 
     PYTHONPATH=. python bench/probes.py staging [--only NAME ...] [--out FILE]
 """
@@ -236,9 +239,46 @@ def weights(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+NARROW_PRECISIONS = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def narrow(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    rows = []
+    for p in problems:
+        if p["out_channels"] // p["groups"] > 8:
+            continue
+        for precision, dtype in NARROW_PRECISIONS.items():
+            torch.backends.cudnn.allow_tf32 = precision == "tf32"
+            torch.backends.cudnn.benchmark = True
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            kw = zoo.conv_kwargs(p)
+            mode = "tf32" if precision == "tf32" else "fp32"
+            for layout in ("nchw", "cl"):
+                xl = x.contiguous(memory_format=torch.channels_last) if layout == "cl" else x
+                row: dict[str, Any] = {"name": p["name"], "precision": precision, "layout": layout}
+                with torch.no_grad():
+                    calls = {"narrow": dict(force_path="narrow"), "default": {}}
+                    for c in range(int(_load_extension().num_narrow_tiled_configs)):
+                        calls[f"narrow_tiled{c}"] = dict(force_path="narrow_tiled", force_config=c)
+                    for name, force in calls.items():
+                        run = partial(_forward_cuda, xl, w, b, args, mode, **force)
+                        row[f"{name}_ran"] = run()[1]
+                        row[f"{name}_ms"] = round(timer(run), 4)
+                    row["best_cudnn_ms"] = round(min(
+                        timer(partial(F.conv_transpose2d, x, w, b, **kw)),
+                        timer(partial(F.conv_transpose2d, x.contiguous(memory_format=torch.channels_last),
+                                      w.contiguous(memory_format=torch.channels_last), b, **kw))), 4)
+                rows.append(row)
+                print("narrow", json.dumps(row), flush=True)
+            del x, w, b
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights"))
+    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -255,8 +295,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                     "deconvnet-s1", "dcgan64-up2")]
     else:
         chosen = every
-    rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights}[a.probe](
-        chosen)
+    rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
+            "narrow": narrow}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:

@@ -72,10 +72,11 @@ class KernelChoice:
 
     @property
     def label(self) -> str:
-        """Short name for logs and tables: "default", "narrow", "tc9", "tc5/s4", "gemm0/s2", "gemm1/s1/staged"."""
+        """Short name for logs and tables: "default", "narrow", "narrow_tiled1", "tc9", "tc5/s4", "gemm0/s2",
+        "gemm1/s1/staged"."""
         if self == DEFAULT:
             return "default"
-        prefix = "gemm" if self.path == "gemm" else "tc"
+        prefix = "tc" if self.path in (None, "tensor_core") else self.path
         name = f"{prefix}{self.config}" if self.config is not None else (self.path or "default")
         if self.split is not None:
             name = f"{name}/s{self.split}"
@@ -128,10 +129,13 @@ def agree_tolerance(dtype: torch.dtype, precision: str) -> float:
     return AGREE["16bit"]
 
 
-def candidates(num_configs: int, num_gemm_configs: int = 0, nchw_output: bool = False) -> list[KernelChoice]:
-    """Every first-pass candidate: the default, each kernel family, each tensor-core and gemm tile configuration;
-    for an NCHW output, each gemm configuration both staged and stored straight."""
-    out = [DEFAULT, KernelChoice("narrow"), KernelChoice("narrow_tiled"), KernelChoice("sparse"), KernelChoice("simt")]
+def candidates(num_configs: int, num_gemm_configs: int = 0, nchw_output: bool = False,
+               num_narrow_tiled_configs: int = 0) -> list[KernelChoice]:
+    """Every first-pass candidate: the default, each kernel family, each tensor-core, tiled narrow and gemm
+    configuration; for an NCHW output, each gemm configuration both staged and stored straight."""
+    out = [DEFAULT, KernelChoice("narrow")]
+    out += [KernelChoice("narrow_tiled", c) for c in range(num_narrow_tiled_configs)]
+    out += [KernelChoice("sparse"), KernelChoice("simt")]
     out += [KernelChoice("tensor_core", c) for c in range(num_configs)]
     for c in range(num_gemm_configs):
         out += [KernelChoice("gemm", c, staged=s) for s in (False, True)] if nchw_output else [KernelChoice("gemm", c)]
@@ -350,7 +354,8 @@ class Tuner:
 
             first: list[Trial] = []
             for c in candidates(int(ext.num_tensor_core_configs), int(ext.num_gemm_configs),
-                                nchw_output=not channels_last):
+                                nchw_output=not channels_last,
+                                num_narrow_tiled_configs=int(ext.num_narrow_tiled_configs)):
                 t = trial(c, FIRST_REPS, check=True)
                 if t is not None:
                     first.append(t)

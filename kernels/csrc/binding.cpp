@@ -285,9 +285,10 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
     }
   }
   // The caller gets y in x's layout (NCHW into `out`). The gemm kernel writes either layout; the others write NCHW,
-  // staged in scratch and converted for a channels-last y. The gemm kernel may stage an NCHW y channels-last too.
+  // staged in scratch and converted for a channels-last y (not for one output channel: both layouts are then the
+  // same memory). The gemm kernel may stage an NCHW y channels-last too.
   const bool y_cl = x_cl && !out.has_value();
-  const bool staged = gemm ? !y_cl && forced.staged == 1 : y_cl;
+  const bool staged = gemm ? !y_cl && forced.staged == 1 : y_cl && pr.C_out > 1;
   p.x_channels_last = gemm;
   p.y_channels_last = gemm && (y_cl || staged);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
@@ -536,4 +537,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("num_tensor_core_configs") = deconv::kNumTensorCoreConfigs;
   // Tile configurations of the gemm kernel (force_path 4): [0, num_gemm_configs).
   m.attr("num_gemm_configs") = deconv::kNumGemmConfigs;
+  // Configurations of the tiled narrow kernel (force_path 5): [0, num_narrow_tiled_configs), columns a thread - 1.
+  m.attr("num_narrow_tiled_configs") = deconv::kNumNarrowTiledConfigs;
 }

@@ -227,9 +227,9 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   }
   if (p.force_path == 2 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
-  if (p.force_path == 5 && narrow_tiled_eligible(p)) return {KernelPath::kNarrowTiled, -1};
+  if (p.force_path == 5 && narrow_tiled_eligible(p)) return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
   if (p.force_config < 0 && narrow_tiled_eligible(p) && narrow_tiled_preferred(p))
-    return {KernelPath::kNarrowTiled, -1};
+    return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && gemm_preferred(p) && gemm_default_ready() && gemm_eligible(p))
@@ -269,7 +269,7 @@ cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const Kerne
     return launch_tensor_core(p, c.config, stream);
   }
   if (c.path == KernelPath::kNarrow) return launch_narrow(p, stream);
-  if (c.path == KernelPath::kNarrowTiled) return launch_narrow_tiled(p, stream);
+  if (c.path == KernelPath::kNarrowTiled) return launch_narrow_tiled(p, c.config, stream);
   if (c.path == KernelPath::kSparse) return launch_sparse(p, stream);
   switch (p.dtype) {
     case DType::kFloat32:

@@ -54,7 +54,7 @@ struct ConvTranspose2dParams {
   // eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
-  // the gemm kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
+  // the gemm kernel's, or with force_path 5 the tiled narrow kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
   int force_config;
   // <= 0: choose; else the split-K factor: the halo kernel's (blocks of a cluster sharing a tile, at most 8; sm_90
   // and newer, elsewhere 1) or with force_path 4 the gemm kernel's (at most 16). Tests and tuning.
@@ -122,13 +122,15 @@ cudaError_t launch_halo(const ConvTranspose2dParams& p, int config, const uint32
 // strides are at most 32 and sizes leave room for 32-bit positions (memory offsets stay 64-bit).
 bool narrow_eligible(const ConvTranspose2dParams& p);
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
-// Its tiled form: a thread owns 4 x 2 pixels of a phase and reuses each loaded input value for every vertical tap
-// that reads it. fp32/fp16/bf16; eligible when the narrow kernel is, the per-tap input step is 1 on both axes
-// (dilation divides stride), no phase has more than 3 taps on an axis and its weights fit in 48 KiB; preferred
-// from 2^17 output pixels (times groups) up.
+// Its tiled form: a thread owns 4 rows (2 for 5-8 channels) x 1 or 2 columns (configuration 0 or 1) of a phase
+// and reuses each loaded input value for every vertical tap that reads it. fp32/fp16/bf16; eligible when the
+// narrow kernel is, the per-tap input step is 1 on both axes (dilation divides stride), no phase has more than 3
+// taps on an axis and its weights fit in 48 KiB; preferred from 2^17 output pixels (times groups) up.
+constexpr int kNumNarrowTiledConfigs = 2;
 bool narrow_tiled_eligible(const ConvTranspose2dParams& p);
 bool narrow_tiled_preferred(const ConvTranspose2dParams& p);
-cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, cudaStream_t stream);
+int narrow_tiled_config(const ConvTranspose2dParams& p);  // force_config when it names one, else the default
+cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 // Sparse kernel (conv_transpose2d_sparse.cu): a block writes a run of one output row, every phase, for layers
 // whose output elements cost few multiply-adds (large strides against the dilated kernel, few input channels);

@@ -267,7 +267,8 @@ cudaError_t narrow_launch_dtype(const ConvTranspose2dParams& p, const NarrowGeom
 //
 // The per-pixel kernel above loads one x value per (pixel, tap, channel) and uses it for at most kCoutMax FMAs
 // (one useful for a one-channel output): its loads, not its FMAs, set its speed. Here a thread owns
-// tiled_rows(kCo) rows x kTiledCols columns of one phase (columns blockDim.x apart, so that a warp's loads are
+// tiled_rows(kCo) rows x kJ (1 or 2: the configuration) columns of one phase (columns blockDim.x apart, so that a
+// warp's loads are
 // consecutive columns) and exactly kCo output channels (1, 2, 3, 4 or 8: no padded lanes up to 4). Per input
 // channel it loads, for each of its columns and horizontal taps, the rows + kT - 1 input rows its pixels read, and
 // uses each value for every vertical tap that reads it: kT x kCo FMAs a load instead of kCo. The taps are a
@@ -282,7 +283,6 @@ cudaError_t narrow_launch_dtype(const ConvTranspose2dParams& p, const NarrowGeom
 // FFMA.
 
 constexpr int kTiledThreads = 128;
-constexpr int kTiledCols = 2;  // phase columns a thread, blockDim.x apart
 constexpr int kTiledMaxTaps = 3;
 // Fewest output pixels (times groups) for which the tiled kernel is the default: a thread owns 8 pixels, so below
 // this (under 512 warps) there are too few warps to hide the loads' latency; the per-pixel kernel keeps those.
@@ -310,10 +310,10 @@ size_t tiled_smem_bytes(const ConvTranspose2dParams& p) {
   return static_cast<size_t>(cin_g * per_ci);
 }
 
-// Threads along a phase row: 32, 16 or 8, the fewest whose kTiledCols columns each cover the widest phase row.
-int tiled_block_x(const ConvTranspose2dParams& p) {
-  const int64_t cols = (p.W_out + p.stride_w - 1) / p.stride_w;
-  return cols > 16 * kTiledCols ? 32 : cols > 8 * kTiledCols ? 16 : 8;
+// Threads along a phase row: 32, 16 or 8, the fewest whose `cols` columns each cover the widest phase row.
+int tiled_block_x(const ConvTranspose2dParams& p, int cols) {
+  const int64_t row = (p.W_out + p.stride_w - 1) / p.stride_w;
+  return row > 16 * cols ? 32 : row > 8 * cols ? 16 : 8;
 }
 
 // x[p] converted to fp32, or 0 without reading when !ok: a predicated load, so that a warp whose lanes differ in
@@ -343,10 +343,10 @@ __device__ __forceinline__ float masked_ldg(const __nv_bfloat16* p, bool ok) {
 
 // Four blocks an SM (128 registers a thread; ptxas spills at most 12 bytes), two for 8 channels and 3 taps (whose
 // 64 accumulators and 72 weights need more).
-template <typename T, int kCo, int kT>
+template <typename T, int kCo, int kT, int kJ>
 __global__ void __launch_bounds__(kTiledThreads, kCo >= 8 && kT >= 3 ? 2 : 4)
     conv_transpose2d_narrow_tiled_kernel(const ConvTranspose2dParams p, const NarrowGeom g) {
-  constexpr int kR = tiled_rows(kCo), kJ = kTiledCols;
+  constexpr int kR = tiled_rows(kCo);
   constexpr int kWin = kR + kT - 1;  // input rows a thread's pixels read, per channel, column and horizontal tap
   constexpr int kWs = tiled_w_stride(kT, kCo);
   extern __shared__ __align__(16) unsigned char narrow_smem[];
@@ -508,38 +508,42 @@ __global__ void __launch_bounds__(kTiledThreads, kCo >= 8 && kT >= 3 ? 2 : 4)
   }
 }
 
-template <typename T, int kCo, int kT>
+template <typename T, int kCo, int kT, int kJ>
 cudaError_t tiled_launch_shape(const ConvTranspose2dParams& p, const NarrowGeom& g, cudaStream_t stream) {
-  const int bx = tiled_block_x(p);
+  const int bx = tiled_block_x(p, kJ);
   const dim3 block(bx, kTiledThreads / bx);
-  const int64_t tile_h = block.y * tiled_rows(kCo), tile_w = bx * kTiledCols;
+  const int64_t tile_h = block.y * tiled_rows(kCo), tile_w = bx * kJ;
   const int64_t units =
       p.N * ((g.rows + tile_h - 1) / tile_h) * ((g.cols + tile_w - 1) / tile_w) * p.stride_h * p.stride_w * p.groups;
   // The kernel loops over units past the grid's limit: clamping costs parallelism only.
   const dim3 grid(static_cast<unsigned>(units < 0x7fffffff ? units : 0x7fffffff));
-  conv_transpose2d_narrow_tiled_kernel<T, kCo, kT><<<grid, block, tiled_smem_bytes(p), stream>>>(p, g);
+  conv_transpose2d_narrow_tiled_kernel<T, kCo, kT, kJ><<<grid, block, tiled_smem_bytes(p), stream>>>(p, g);
   return cudaGetLastError();
 }
 
-template <typename T, int kT>
+template <typename T, int kT, int kJ>
 cudaError_t tiled_launch_taps(const ConvTranspose2dParams& p, const NarrowGeom& g, cudaStream_t stream) {
   switch (tiled_cout(p)) {
     case 1:
-      return tiled_launch_shape<T, 1, kT>(p, g, stream);
+      return tiled_launch_shape<T, 1, kT, kJ>(p, g, stream);
     case 2:
-      return tiled_launch_shape<T, 2, kT>(p, g, stream);
+      return tiled_launch_shape<T, 2, kT, kJ>(p, g, stream);
     case 3:
-      return tiled_launch_shape<T, 3, kT>(p, g, stream);
+      return tiled_launch_shape<T, 3, kT, kJ>(p, g, stream);
     case 4:
-      return tiled_launch_shape<T, 4, kT>(p, g, stream);
+      return tiled_launch_shape<T, 4, kT, kJ>(p, g, stream);
     default:
-      return tiled_launch_shape<T, 8, kT>(p, g, stream);
+      return tiled_launch_shape<T, 8, kT, kJ>(p, g, stream);
   }
 }
 
 template <typename T>
-cudaError_t tiled_launch_dtype(const ConvTranspose2dParams& p, const NarrowGeom& g, cudaStream_t stream) {
-  return tiled_taps(p) == 2 ? tiled_launch_taps<T, 2>(p, g, stream) : tiled_launch_taps<T, 3>(p, g, stream);
+cudaError_t tiled_launch_dtype(const ConvTranspose2dParams& p, int config, const NarrowGeom& g,
+                               cudaStream_t stream) {
+  if (config == 0) {
+    return tiled_taps(p) == 2 ? tiled_launch_taps<T, 2, 1>(p, g, stream) : tiled_launch_taps<T, 3, 1>(p, g, stream);
+  }
+  return tiled_taps(p) == 2 ? tiled_launch_taps<T, 2, 2>(p, g, stream) : tiled_launch_taps<T, 3, 2>(p, g, stream);
 }
 
 NarrowGeom make_narrow_geom(const ConvTranspose2dParams& p) {
@@ -594,16 +598,24 @@ bool narrow_tiled_preferred(const ConvTranspose2dParams& p) {
   return p.N * p.H_out * p.W_out * p.groups >= kTiledMinPixels;
 }
 
-cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, cudaStream_t stream) {
-  if (!narrow_tiled_eligible(p)) return cudaErrorInvalidValue;
+// One column a thread for 3 taps a phase (the 6-row, 3-tap window of a column takes the registers a second column
+// would: 95 against 127, so more warps an SM; fsrcnn-x3 0.070 against 0.094 ms), two otherwise (dcgan64-rgb,
+// pix2pix-rgb and the depthwise dla layers 1.1-1.9x faster with two). bench/NOTES.md v21, `probes.py narrow`.
+int narrow_tiled_config(const ConvTranspose2dParams& p) {
+  if (p.force_config >= 0 && p.force_config < kNumNarrowTiledConfigs) return p.force_config;
+  return tiled_taps(p) >= 3 ? 0 : 1;
+}
+
+cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
+  if (!narrow_tiled_eligible(p) || config < 0 || config >= kNumNarrowTiledConfigs) return cudaErrorInvalidValue;
   const NarrowGeom g = make_narrow_geom(p);
   switch (p.dtype) {
     case DType::kFloat32:
-      return tiled_launch_dtype<float>(p, g, stream);
+      return tiled_launch_dtype<float>(p, config, g, stream);
     case DType::kFloat16:
-      return tiled_launch_dtype<__half>(p, g, stream);
+      return tiled_launch_dtype<__half>(p, config, g, stream);
     case DType::kBFloat16:
-      return tiled_launch_dtype<__nv_bfloat16>(p, g, stream);
+      return tiled_launch_dtype<__nv_bfloat16>(p, config, g, stream);
     case DType::kFloat64:
       break;
   }

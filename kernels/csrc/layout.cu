@@ -4,7 +4,8 @@
 // and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kCols columns go through shared
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
 // raw bits (2, 4 or 8 bytes). kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column
-// tiles would leave most threads idle.
+// tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
+// the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position.
 #include <cstdint>
 
 #include "conv_transpose2d.h"
@@ -48,6 +49,43 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+constexpr int64_t kFewChannels = 8;
+
+// NCHW <-> NHWC for c <= kFewChannels: thread p of an image moves position p's c elements. A warp reads (or writes)
+// 32 consecutive positions of a channel plane and writes (or reads) 32 * c consecutive elements.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    transpose_few_channels(const T* __restrict__ src, T* __restrict__ dst, int64_t hw, int c, bool to_channels_last) {
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (p >= hw) return;
+  const int64_t base = static_cast<int64_t>(blockIdx.y) * hw * c;
+  const T* s = src + base;
+  T* d = dst + base;
+  if (to_channels_last) {
+    for (int k = 0; k < c; ++k) d[p * c + k] = s[k * hw + p];
+  } else {
+    for (int k = 0; k < c; ++k) d[k * hw + p] = s[p * c + k];
+  }
+}
+
+template <typename T>
+cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int64_t c, int64_t hw,
+                                bool to_channels_last, cudaStream_t stream) {
+  const int64_t blocks = (hw + kThreads - 1) / kThreads;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const int64_t per_image = c * hw;
+  for (int64_t first = 0; first < images; first += 65535) {  // at most 65535 images a launch (the grid's y)
+    const int64_t count = images - first < 65535 ? images - first : 65535;
+    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
+    transpose_few_channels<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
+                                                             static_cast<T*>(dst) + first * per_image, hw,
+                                                             static_cast<int>(c), to_channels_last);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 template <typename T, int kCols>
 cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
                                 cudaStream_t stream) {
@@ -67,8 +105,13 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
 }
 
 template <typename T>
-cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
-                             cudaStream_t stream) {
+cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t c, int64_t hw,
+                             bool to_channels_last, cudaStream_t stream) {
+  if (c == 1) {  // the same bits in both layouts
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(images * hw) * sizeof(T), cudaMemcpyDeviceToDevice, stream);
+  }
+  if (c <= kFewChannels) return launch_few_channels<T>(src, dst, images, c, hw, to_channels_last, stream);
+  const int64_t rows = to_channels_last ? c : hw, cols = to_channels_last ? hw : c;
   if (cols <= 8) return launch_transpose_cols<T, 8>(src, dst, images, rows, cols, stream);
   if (cols <= 16) return launch_transpose_cols<T, 16>(src, dst, images, rows, cols, stream);
   return launch_transpose_cols<T, 32>(src, dst, images, rows, cols, stream);
@@ -79,14 +122,13 @@ cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t
 cudaError_t convert_layout(const void* src, void* dst, int64_t N, int64_t C, int64_t HW, int elem_bytes,
                            bool to_channels_last, cudaStream_t stream) {
   if (N <= 0 || C <= 0 || HW <= 0) return cudaSuccess;
-  const int64_t rows = to_channels_last ? C : HW, cols = to_channels_last ? HW : C;
   switch (elem_bytes) {
     case 2:
-      return launch_transpose<uint16_t>(src, dst, N, rows, cols, stream);
+      return launch_transpose<uint16_t>(src, dst, N, C, HW, to_channels_last, stream);
     case 4:
-      return launch_transpose<uint32_t>(src, dst, N, rows, cols, stream);
+      return launch_transpose<uint32_t>(src, dst, N, C, HW, to_channels_last, stream);
     case 8:
-      return launch_transpose<uint64_t>(src, dst, N, rows, cols, stream);
+      return launch_transpose<uint64_t>(src, dst, N, C, HW, to_channels_last, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -56,6 +56,7 @@ def test_bucket_is_the_next_power_of_two(n: int, expected: int) -> None:
     (KernelChoice(), "default"),
     (KernelChoice("narrow"), "narrow"),
     (KernelChoice("simt"), "simt"),
+    (KernelChoice("narrow_tiled", 0), "narrow_tiled0"),
     (_tc(9), "tc9"),
     (_tc(5, 4), "tc5/s4"),
     (_tc(0, 1), "tc0/s1"),
@@ -74,8 +75,12 @@ def test_choices_are_hashable_values() -> None:
 def test_candidates_cover_every_family_and_tile_once() -> None:
     cands = tuning.candidates(NUM_CONFIGS)
     assert cands[0] == DEFAULT
-    assert len(cands) == len(set(cands)) == 1 + 4 + NUM_CONFIGS
-    assert {c.path for c in cands} == {None, "narrow", "narrow_tiled", "sparse", "simt", "tensor_core"}
+    assert len(cands) == len(set(cands)) == 1 + 3 + NUM_CONFIGS
+    assert {c.path for c in cands} == {None, "narrow", "sparse", "simt", "tensor_core"}
+    tiled = tuning.candidates(NUM_CONFIGS, num_narrow_tiled_configs=2)
+    assert [c for c in tiled if c.path == "narrow_tiled"] == [KernelChoice("narrow_tiled", 0),
+                                                              KernelChoice("narrow_tiled", 1)]
+    assert [c for c in tiled if c.path != "narrow_tiled"] == cands
     assert [c.config for c in cands if c.path == "tensor_core"] == list(range(NUM_CONFIGS))
     assert all(c.split is None for c in cands)
     assert all(c.config is None for c in cands if c.path != "tensor_core")

@@ -233,6 +233,7 @@ def test_every_tile_configuration_is_forced_above() -> None:
     from kernels._ops import _load_extension
 
     assert int(_load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
+    assert int(_load_extension().num_narrow_tiled_configs) == 2
 
 
 def test_extension_checks_raise_with_their_numbers() -> None:
@@ -393,13 +394,15 @@ def tiled_eligible(cfg: dict, mode: str) -> bool:
     return taps <= 3 and cfg["c_in"] // groups * per_channel <= 48 * 1024
 
 
+@pytest.mark.parametrize("config", [0, 1])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("problem", [*NARROW_TILED_FAMILIES, *NARROW_PROBLEMS])
-def test_narrow_tiled_forced(problem: str, mode: str) -> None:
-    """The tiled narrow kernel, forced, on its own families and on every narrow problem: it runs where eligible and
-    the default choice runs elsewhere, with the right answer either way."""
+def test_narrow_tiled_forced(problem: str, mode: str, config: int) -> None:
+    """The tiled narrow kernel, forced with one and two columns a thread, on its own families and on every narrow
+    problem: it runs where eligible and the default choice runs elsewhere, with the right answer either way."""
     cfg = NARROW_TILED_FAMILIES.get(problem) or NARROW_PROBLEMS[problem]
-    err, tol, path = run_case(**cfg, mode=mode, force_path="narrow_tiled", seed=zlib.crc32(problem.encode()) % 9_999)
+    err, tol, path = run_case(**cfg, mode=mode, force_path="narrow_tiled", force_config=config,
+                              seed=zlib.crc32(problem.encode()) % 9_999)
     if tiled_eligible(cfg, mode):
         assert path == "narrow_tiled"
     else:
@@ -407,8 +410,9 @@ def test_narrow_tiled_forced(problem: str, mode: str) -> None:
     assert err <= tol, f"{problem}/narrow_tiled/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+@pytest.mark.parametrize("config", [0, 1])
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str) -> None:
+def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str, config: int) -> None:
     """Phases with fewer taps than the kernel's tile skip the missing taps instead of multiplying by a zero weight:
     an infinite input reaches exactly the outputs PyTorch's reaches."""
     dtype = MODES[mode][0]
@@ -419,7 +423,7 @@ def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str) -> None:
     x[1, 0, 20, 33] = float("inf")
     w = torch.randn(6, 3, 3, 3, device="cuda", generator=g).to(dtype)
     args = normalize_args(stride=2, padding=1, output_padding=1)
-    y, path = _forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled")
+    y, path = _forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled", force_config=config)
     assert path == "narrow_tiled"
     ref = reference(x, w, None, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
                     groups=1, dilation=args.dilation).to(y.device)
@@ -588,6 +592,25 @@ def test_layout_change_of_small_images(mode: str, hw: tuple[int, int]) -> None:
     y, _ = _forward_cuda(x, wt, None, args, precision or "fp32", force_path="simt")
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert rel_err(y, reference(x, wt, None)) <= tol, f"{mode} {hw}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(("c_in", "c_out"), [(3, 1), (2, 3), (5, 8), (8, 2), (12, 1), (9, 4)])
+def test_layout_change_of_few_channels(mode: str, c_in: int, c_out: int) -> None:
+    """Channels-last tensors of at most 8 channels change layout one position a thread (layout.cu); a one-channel
+    output is written where it is (both layouts are the same memory), more channels through the layout kernel."""
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(c_in * 10 + c_out)
+    x = torch.randn(3, c_in, 13, 29, device="cuda", generator=g).to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(c_in, c_out, 3, 3, device="cuda", generator=g).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=g).to(dtype)
+    args = normalize_args(2, 1, 1, 1, 1)
+    torch.full((3 * c_out * 27 * 59 * 2,), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
+    y, _ = _forward_cuda(x, wt, b, args, precision or "fp32")
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    ref = reference(x, wt, b, stride=2, padding=1, output_padding=1)
+    assert rel_err(y, ref) <= tol, f"{mode} {c_in} -> {c_out}"
 
 
 def test_unbatched_and_empty_batch() -> None:
