@@ -14,8 +14,8 @@ document at the end; bench/NOTES.md says which version used which.
   kept: the kernel alone with K-major B) against channels-last weights (16-bit: read as they are, B N-major; TF32:
   packed from that layout every call), every tile configuration.
 - ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread), the default
-  choice and cuDNN's best layout, on the zoo's layers of at most 8 output channels a group, NCHW and channels-last
-  inputs, every precision.
+  choice and cuDNN's best layout, on the zoo and KernelBench layers of at most 32 output channels a group, NCHW and
+  channels-last inputs, every precision.
 
     PYTHONPATH=. python bench/probes.py staging [--only NAME ...] [--out FILE]
 """
@@ -246,7 +246,7 @@ def narrow(problems: Sequence[dict]) -> list[dict]:
     timer = _timer()
     rows = []
     for p in problems:
-        if p["out_channels"] // p["groups"] > 8:
+        if p["out_channels"] // p["groups"] > 32:
             continue
         for precision, dtype in NARROW_PRECISIONS.items():
             torch.backends.cudnn.allow_tf32 = precision == "tf32"

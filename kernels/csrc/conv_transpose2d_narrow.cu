@@ -263,33 +263,34 @@ cudaError_t narrow_launch_dtype(const ConvTranspose2dParams& p, const NarrowGeom
 
 // ---------------------------------------------------------------------------------------------------------
 // The tiled narrow kernel: register tiles for layers with few output channels and many input channels (an RGB or
-// one-channel output layer after 56-512 channels: pix2pix, DCGAN, FSRCNN; depthwise up-sampling).
+// one-channel output layer after 56-512 channels: pix2pix, DCGAN, FSRCNN; depthwise up-sampling), and, by
+// measured choice, for up to 32 output channels a group.
 //
 // The per-pixel kernel above loads one x value per (pixel, tap, channel) and uses it for at most kCoutMax FMAs
 // (one useful for a one-channel output): its loads, not its FMAs, set its speed. Here a thread owns
-// tiled_rows(kCo) rows x kJ (1 or 2: the configuration) columns of one phase (columns blockDim.x apart, so that a
-// warp's loads are
-// consecutive columns) and exactly kCo output channels (1, 2, 3, 4 or 8: no padded lanes up to 4). Per input
-// channel it loads, for each of its columns and horizontal taps, the rows + kT - 1 input rows its pixels read, and
-// uses each value for every vertical tap that reads it: kT x kCo FMAs a load instead of kCo. The taps are a
-// template parameter kT (2 or 3, the most taps of any phase on either axis) so that accumulators, weights and
-// offsets stay in registers; a warp with a lane whose pixels read past the input's edges, or of a phase with fewer
-// taps, runs the copy of the loop with predicated loads. Needs the per-tap input step to be 1 on both axes
-// (dilation dividing stride: every dilation-1 layer). Blocks are numbered phase-fastest, so that the phases of one
-// input tile read it from L2 together.
+// tiled_rows(kCo, kJ) rows x kJ columns of one phase (kJ = 1 or 2, the configuration; columns blockDim.x apart, so
+// that a warp's loads are consecutive columns) and kCo output channels (the group's 1-4, else 8, 16, 24 or 32 with
+// zero-weight lanes). Per input channel it loads, for each of its columns and horizontal taps, the rows + kT - 1
+// input rows its pixels read, and uses each value for every vertical tap that reads it: kT x kCo FMAs a load
+// instead of kCo. The taps are a template parameter kT (2 or 3, the most taps of any phase on either axis) so that
+// accumulators, weights and offsets stay in registers; a warp with a lane whose pixels read past the input's
+// edges, or of a phase with fewer taps, runs the copy of the loop with predicated loads. Needs the per-tap input
+// step to be 1 on both axes (dilation dividing stride: every dilation-1 layer). Blocks are numbered phase-fastest,
+// so that the phases of one input tile read it from L2 together.
 //
 // The block's (phase, group) weights sit in shared memory as [ci][th][tw][kCo], each channel's padded to a
-// multiple of 4 floats, read into registers with 16-byte broadcasts once per channel. fp32 accumulation, exact
-// FFMA.
+// multiple of 4 floats, read into registers with 16-byte broadcasts: all of a channel's at once up to 8 output
+// channels, one tap's at a time beyond. fp32 accumulation, exact FFMA.
 
 constexpr int kTiledThreads = 128;
 constexpr int kTiledMaxTaps = 3;
+constexpr int kTiledMaxCout = 32;  // output channels a group
 // Fewest output pixels (times groups) for which the tiled kernel is the default: a thread owns 8 pixels, so below
 // this (under 512 warps) there are too few warps to hide the loads' latency; the per-pixel kernel keeps those.
 constexpr int64_t kTiledMinPixels = int64_t(1) << 17;
 
-// Phase rows a thread: 4, or 2 for 8 output channels (64 accumulators either way).
-__host__ __device__ constexpr int tiled_rows(int co) { return co >= 8 ? 2 : 4; }
+// Phase rows a thread: 4 for up to 4 output channels, 2 for 8; for 16-32 channels 2 with one column, 1 with two.
+__host__ __device__ constexpr int tiled_rows(int co, int cols) { return co > 8 ? 3 - cols : co == 8 ? 2 : 4; }
 // Floats of shared memory per input channel: kT * kT * kCo weights, padded to 16-byte vectors.
 __host__ __device__ constexpr int tiled_w_stride(int taps, int co) { return (taps * taps * co + 3) / 4 * 4; }
 
@@ -298,9 +299,10 @@ int tiled_taps(const ConvTranspose2dParams& p) {
   return t <= 2 ? 2 : static_cast<int>(t);
 }
 
+// Output channels a thread computes: the group's own up to 4, else 8, 16, 24 or 32 (padded lanes have zero weights).
 int tiled_cout(const ConvTranspose2dParams& p) {
   const int64_t c = p.C_out / p.groups;
-  return c <= 4 ? static_cast<int>(c) : 8;
+  return c <= 4 ? static_cast<int>(c) : c <= 8 ? 8 : static_cast<int>((c + 7) / 8 * 8);
 }
 
 size_t tiled_smem_bytes(const ConvTranspose2dParams& p) {
@@ -342,11 +344,11 @@ __device__ __forceinline__ float masked_ldg(const __nv_bfloat16* p, bool ok) {
 }
 
 // Four blocks an SM (128 registers a thread; ptxas spills at most 12 bytes), two for 8 channels and 3 taps (whose
-// 64 accumulators and 72 weights need more).
+// 64 accumulators and 72 weights need more) and for more than 8 channels.
 template <typename T, int kCo, int kT, int kJ>
-__global__ void __launch_bounds__(kTiledThreads, kCo >= 8 && kT >= 3 ? 2 : 4)
+__global__ void __launch_bounds__(kTiledThreads, kCo > 8 || (kCo == 8 && kT >= 3) ? 2 : 4)
     conv_transpose2d_narrow_tiled_kernel(const ConvTranspose2dParams p, const NarrowGeom g) {
-  constexpr int kR = tiled_rows(kCo);
+  constexpr int kR = tiled_rows(kCo, kJ);
   constexpr int kWin = kR + kT - 1;  // input rows a thread's pixels read, per channel, column and horizontal tap
   constexpr int kWs = tiled_w_stride(kT, kCo);
   extern __shared__ __align__(16) unsigned char narrow_smem[];
@@ -446,32 +448,69 @@ __global__ void __launch_bounds__(kTiledThreads, kCo >= 8 && kT >= 3 ? 2 : 4)
     // and the FMAs of taps past the phase's vertical count are skipped: their weights are 0, but 0 * inf is not.
     const auto channel = [&](const T* xc, const float* wci, auto full_tag) {
       constexpr bool kFull = decltype(full_tag)::value;
-      float wv[kWs];
+      if constexpr (kCo > 8) {
+        // More than 8 channels: the channel's window in registers, then one tap's kCo weights at a time.
+        float xv[kWin][kJ][kT];
 #pragma unroll
-      for (int v = 0; v < kWs; v += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(wci + v);
-        wv[v] = q.x;
-        wv[v + 1] = q.y;
-        wv[v + 2] = q.z;
-        wv[v + 3] = q.w;
-      }
+        for (int r = 0; r < kWin; ++r)
 #pragma unroll
-      for (int r = 0; r < kWin; ++r) {
+          for (int j = 0; j < kJ; ++j)
 #pragma unroll
-        for (int j = 0; j < kJ; ++j) {
-          const T* px = xc + off[r][j];
+            for (int tw = 0; tw < kT; ++tw)
+              xv[r][j][tw] = kFull ? to_acc(__ldg(xc + off[r][j] - tw))
+                                   : masked_ldg(xc + off[r][j] - tw,
+                                                (rows_ok >> r) & (cols_ok >> (j * kT + tw)) & 1u);
+#pragma unroll
+        for (int th = 0; th < kT; ++th) {
+          if (!kFull && th >= taps_h) continue;
 #pragma unroll
           for (int tw = 0; tw < kT; ++tw) {
-            const float xv = kFull ? to_acc(__ldg(px - tw))
-                                   : masked_ldg(px - tw, (rows_ok >> r) & (cols_ok >> (j * kT + tw)) & 1u);
+            float wv[kCo];
 #pragma unroll
-            for (int th = 0; th < kT; ++th) {
-              const int i = r + th - (kT - 1);
-              if (i < 0 || i >= kR) continue;
-              if (!kFull && th >= taps_h) continue;
+            for (int v = 0; v < kCo; v += 4) {
+              const float4 q = *reinterpret_cast<const float4*>(wci + (th * kT + tw) * kCo + v);
+              wv[v] = q.x;
+              wv[v + 1] = q.y;
+              wv[v + 2] = q.z;
+              wv[v + 3] = q.w;
+            }
 #pragma unroll
-              for (int co = 0; co < kCo; ++co)
-                acc[i][j][co] = fmaf(xv, wv[(th * kT + tw) * kCo + co], acc[i][j][co]);
+            for (int i = 0; i < kR; ++i)
+#pragma unroll
+              for (int j = 0; j < kJ; ++j)
+#pragma unroll
+                for (int co = 0; co < kCo; ++co)
+                  acc[i][j][co] = fmaf(xv[i - th + kT - 1][j][tw], wv[co], acc[i][j][co]);
+          }
+        }
+      } else {
+        float wv[kWs];
+#pragma unroll
+        for (int v = 0; v < kWs; v += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(wci + v);
+          wv[v] = q.x;
+          wv[v + 1] = q.y;
+          wv[v + 2] = q.z;
+          wv[v + 3] = q.w;
+        }
+#pragma unroll
+        for (int r = 0; r < kWin; ++r) {
+#pragma unroll
+          for (int j = 0; j < kJ; ++j) {
+            const T* px = xc + off[r][j];
+#pragma unroll
+            for (int tw = 0; tw < kT; ++tw) {
+              const float xv = kFull ? to_acc(__ldg(px - tw))
+                                     : masked_ldg(px - tw, (rows_ok >> r) & (cols_ok >> (j * kT + tw)) & 1u);
+#pragma unroll
+              for (int th = 0; th < kT; ++th) {
+                const int i = r + th - (kT - 1);
+                if (i < 0 || i >= kR) continue;
+                if (!kFull && th >= taps_h) continue;
+#pragma unroll
+                for (int co = 0; co < kCo; ++co)
+                  acc[i][j][co] = fmaf(xv, wv[(th * kT + tw) * kCo + co], acc[i][j][co]);
+              }
             }
           }
         }
@@ -512,7 +551,7 @@ template <typename T, int kCo, int kT, int kJ>
 cudaError_t tiled_launch_shape(const ConvTranspose2dParams& p, const NarrowGeom& g, cudaStream_t stream) {
   const int bx = tiled_block_x(p, kJ);
   const dim3 block(bx, kTiledThreads / bx);
-  const int64_t tile_h = block.y * tiled_rows(kCo), tile_w = bx * kJ;
+  const int64_t tile_h = block.y * tiled_rows(kCo, kJ), tile_w = bx * kJ;
   const int64_t units =
       p.N * ((g.rows + tile_h - 1) / tile_h) * ((g.cols + tile_w - 1) / tile_w) * p.stride_h * p.stride_w * p.groups;
   // The kernel loops over units past the grid's limit: clamping costs parallelism only.
@@ -532,8 +571,14 @@ cudaError_t tiled_launch_taps(const ConvTranspose2dParams& p, const NarrowGeom& 
       return tiled_launch_shape<T, 3, kT, kJ>(p, g, stream);
     case 4:
       return tiled_launch_shape<T, 4, kT, kJ>(p, g, stream);
-    default:
+    case 8:
       return tiled_launch_shape<T, 8, kT, kJ>(p, g, stream);
+    case 16:
+      return tiled_launch_shape<T, 16, kT, kJ>(p, g, stream);
+    case 24:
+      return tiled_launch_shape<T, 24, kT, kJ>(p, g, stream);
+    default:
+      return tiled_launch_shape<T, 32, kT, kJ>(p, g, stream);
   }
 }
 
@@ -585,7 +630,8 @@ cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream) {
 namespace deconv {
 
 bool narrow_tiled_eligible(const ConvTranspose2dParams& p) {
-  if (p.dtype == DType::kFloat64 || !narrow_eligible(p)) return false;
+  const int64_t cout_g = p.C_out / p.groups;
+  if (p.dtype == DType::kFloat64 || cout_g < 1 || cout_g > kTiledMaxCout || !narrow_index_ok(p)) return false;
   // Per-tap input step 1 on both axes: dilation / gcd(stride, dilation) == 1.
   if (p.dil_h != gcd64(p.stride_h, p.dil_h) || p.dil_w != gcd64(p.stride_w, p.dil_w)) return false;
   if (max_phase_taps(p.stride_h, p.dil_h, p.kH) > kTiledMaxTaps) return false;
@@ -595,7 +641,7 @@ bool narrow_tiled_eligible(const ConvTranspose2dParams& p) {
 }
 
 bool narrow_tiled_preferred(const ConvTranspose2dParams& p) {
-  return p.N * p.H_out * p.W_out * p.groups >= kTiledMinPixels;
+  return p.C_out / p.groups <= 8 && p.N * p.H_out * p.W_out * p.groups >= kTiledMinPixels;
 }
 
 // One column a thread for 3 taps a phase (the 6-row, 3-tap window of a column takes the registers a second column

@@ -356,8 +356,8 @@ NARROW_PROBLEMS = {
 }
 
 
-# Tiled narrow kernel problems: tiles with interior threads (no masks) and edge threads, 1-8 output channels (8 for
-# 5-8), 2 or 3 taps a phase (k4 s2; k9 s3 as in FSRCNN; k3 s1; k3 s2 with 2- and 1-tap phases), zero-tap phases
+# Tiled narrow kernel problems: tiles with interior threads (no masks) and edge threads, 1-32 output channels, 2 or
+# 3 taps a phase (k4 s2; k9 s3 as in FSRCNN; k3 s1; k3 s2 with 2- and 1-tap phases), zero-tap phases
 # (stride and dilation 2), depthwise groups, phase rows of 8-, 16- and 32-thread blocks, a grid of one tile.
 NARROW_TILED_FAMILIES = {
     "rgb_k4s2": dict(n=2, c_in=40, c_out=3, h=37, w=70, k=4, stride=2, padding=1),
@@ -370,6 +370,13 @@ NARROW_TILED_FAMILIES = {
     "depthwise_k4s2": dict(n=2, c_in=6, c_out=6, h=17, w=30, k=4, stride=2, padding=1, groups=6),
     "asym_k2x3": dict(n=1, c_in=8, c_out=3, h=11, w=90, k=(2, 3), stride=(1, 2), padding=(0, 1)),
     "narrow_rows": dict(n=3, c_in=4, c_out=1, h=70, w=5, k=4, stride=2, padding=1),
+    # 9-32 output channels a group: one tap's weights at a time, 16, 24 and 32 lanes.
+    "cout21_k16s8": dict(n=1, c_in=5, c_out=21, h=9, w=10, k=16, stride=8),
+    "cout16_k4s2": dict(n=2, c_in=6, c_out=16, h=11, w=37, k=4, stride=2, padding=1),
+    "cout32_k3s1": dict(n=1, c_in=4, c_out=32, h=9, w=40, k=3, padding=1, bias=False),
+    "cout12_groups2_k3s2": dict(n=2, c_in=8, c_out=24, h=10, w=20, k=3, stride=2, padding=1, output_padding=1,
+                                groups=2),
+    "cout24_k9s3": dict(n=1, c_in=3, c_out=24, h=12, w=14, k=9, stride=3, padding=4, output_padding=2),
 }
 
 
@@ -378,8 +385,9 @@ def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def tiled_eligible(cfg: dict, mode: str) -> bool:
-    """Whether the tiled narrow kernel takes a narrow problem (narrow_tiled_eligible in conv_transpose2d_narrow.cu):
-    not float64, per-tap input step 1 and at most 3 taps a phase on both axes, weights within 48 KiB."""
+    """Whether the tiled narrow kernel takes a problem (narrow_tiled_eligible in conv_transpose2d_narrow.cu): not
+    float64, at most 32 output channels a group, per-tap input step 1 and at most 3 taps a phase on both axes,
+    weights within 48 KiB."""
     if mode == "fp64":
         return False
     taps = 2
@@ -390,8 +398,9 @@ def tiled_eligible(cfg: dict, mode: str) -> bool:
         taps = max(taps, (k - 1) // (s // g) + 1)
     groups = cfg.get("groups", 1)
     cout = cfg["c_out"] // groups
-    per_channel = -(-taps * taps * (cout if cout <= 4 else 8) // 4) * 16
-    return taps <= 3 and cfg["c_in"] // groups * per_channel <= 48 * 1024
+    lanes = cout if cout <= 4 else 8 if cout <= 8 else -(-cout // 8) * 8
+    per_channel = -(-taps * taps * lanes // 4) * 16
+    return cout <= 32 and taps <= 3 and cfg["c_in"] // groups * per_channel <= 48 * 1024
 
 
 @pytest.mark.parametrize("config", [0, 1])
