@@ -285,8 +285,8 @@ cudaError_t narrow_launch_dtype(const ConvTranspose2dParams& p, const NarrowGeom
 constexpr int kTiledThreads = 128;
 constexpr int kTiledMaxTaps = 3;
 constexpr int kTiledMaxCout = 32;  // output channels a group
-// Fewest output pixels (times groups) for which the tiled kernel is the default: a thread owns 8 pixels, so below
-// this (under 512 warps) there are too few warps to hide the loads' latency; the per-pixel kernel keeps those.
+// Fewest output pixels (times groups) for which the tiled kernel is the default: a thread owns 4 or 8 pixels, so
+// below this (512-1024 warps) there are too few warps to hide the loads' latency; the per-pixel kernel keeps those.
 constexpr int64_t kTiledMinPixels = int64_t(1) << 17;
 
 // Phase rows a thread: 4 for up to 4 output channels, 2 for 8; for 16-32 channels 2 with one column, 1 with two.
