@@ -207,7 +207,7 @@ def served_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     packs = WeightPacks(weight)
     c = kernels.tuning.TUNER.choose(x.shape, weight, bias, args, mode, packs=packs)
     return partial(_forward_cuda, x, weight, bias, args, mode, force_path=c.path, force_config=c.config,
-                   force_split=c.split, force_staged=c.staged, packs=packs), c
+                   force_split=c.split, force_staged=c.staged, force_round=c.rounded, packs=packs), c
 
 
 def run_problem(p: dict, mode: str, timer: Timer, ceilings: dict[str, float], use_compile: bool,

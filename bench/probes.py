@@ -16,6 +16,10 @@ document at the end; bench/NOTES.md says which version used which.
 - ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread), the default
   choice and cuDNN's best layout, on the zoo and KernelBench layers of at most 32 output channels a group, NCHW and
   channels-last inputs, every precision.
+- ``rounding``: the gemm kernel's TF32 products with x rounded to TF32 before the kernel (``force_round``: an NCHW
+  x by its layout change, a channels-last one by a pass of its own) against the kernel rounding each landed A stage
+  in shared memory, whole calls, both input layouts, every wgmma configuration; the default choice and cuDNN's best
+  layout beside them.
 
     PYTHONPATH=. python bench/probes.py staging [--only NAME ...] [--out FILE]
 """
@@ -276,9 +280,44 @@ def narrow(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+WGMMA_CONFIGS = (0, 1, 2, 5, 6, 7, 8)  # 3 and 4 are the mma.sync kernel's, which rounds in registers
+
+
+def rounding(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for p in problems:
+        x, w, b = zoo.inputs(p, torch.float32)
+        args = _args(p)
+        kw = zoo.conv_kwargs(p)
+        xcl = x.contiguous(memory_format=torch.channels_last)
+        row: dict[str, Any] = {"name": p["name"]}
+        with torch.no_grad():
+            for c in WGMMA_CONFIGS:
+                calls = {f"{layout}_{how}_ms": partial(_forward_cuda, xl, w, b, args, "tf32", force_path="gemm",
+                                                        force_config=c, force_round=how == "rounded")
+                         for layout, xl in (("nchw", x), ("cl", xcl)) for how in ("kernel", "rounded")}
+                if calls["nchw_kernel_ms"]()[1] != "gemm":
+                    break
+                row[f"gemm{c}"] = {k: round(timer(fn), 4) for k, fn in calls.items()}
+            if len(row) == 1:
+                continue
+            row["nchw_default_ms"] = round(timer(partial(_forward_cuda, x, w, b, args, "tf32")), 4)
+            row["cl_default_ms"] = round(timer(partial(_forward_cuda, xcl, w, b, args, "tf32")), 4)
+            row["best_cudnn_ms"] = round(min(
+                timer(partial(F.conv_transpose2d, x, w, b, **kw)),
+                timer(partial(F.conv_transpose2d, xcl, w.contiguous(memory_format=torch.channels_last), b, **kw))), 4)
+        rows.append(row)
+        print("rounding", json.dumps(row), flush=True)
+        del x, xcl, w, b
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow"))
+    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -296,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:

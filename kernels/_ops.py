@@ -254,6 +254,7 @@ def _forward_cuda(
     force_config: int | None = None,
     force_split: int | None = None,
     force_staged: bool | None = None,
+    force_round: bool | None = None,
     packs: PackedWeights | None = None,
 ) -> tuple[torch.Tensor, str]:
     """Raw kernel call on a 4-D CUDA input of any memory layout. Returns the output and the kernel family that ran.
@@ -272,6 +273,10 @@ def _forward_cuda(
     cluster of the halo tensor-core kernel (at most 8; sm_90 and newer, else 1), or of the gemm kernel.
     ``force_staged`` (the gemm kernel with an NCHW output): True writes the output channels-last into scratch and
     changes its layout after, False stores it straight; None lets the extension choose.
+    ``force_round`` (the gemm kernel's TF32 products on a dense fp32 input): True rounds the input to TF32 before
+    the kernel (an NCHW input in the layout change it needs anyway, a channels-last one in a pass of its own), so
+    that the kernel need not round each stage it loads; False leaves that to the kernel; None lets the extension
+    choose (an NCHW input rounded on its way, a channels-last one by the kernel).
 
     Raises:
         ConvTranspose2dArgumentError: ``force_path`` is not one of those names (or None), or ``force_split`` is not
@@ -287,7 +292,8 @@ def _forward_cuda(
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
                           list(args.dilation), args.groups, precision, out, FORCE_PATHS[force_path],
                           -1 if force_config is None else force_config, -1 if force_split is None else force_split,
-                          -1 if force_staged is None else int(force_staged), _ext_packs(packs, weight))
+                          -1 if force_staged is None else int(force_staged),
+                          -1 if force_round is None else int(force_round), _ext_packs(packs, weight))
     return y, KERNEL_PATHS[path]
 
 

@@ -74,7 +74,7 @@ class _ConvTranspose2dFunction(torch.autograd.Function):
         choice: KernelChoice = DEFAULT,
     ) -> torch.Tensor:
         y, _ = _forward_cuda(x, weight, bias, args, precision, force_path=choice.path, force_config=choice.config,
-                             force_split=choice.split, force_staged=choice.staged)
+                             force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded)
         ctx.save_for_backward(x, weight)
         ctx.args = args
         ctx.has_bias = bias is not None
@@ -174,7 +174,7 @@ def conv_transpose2d(
             y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode, choice)
         else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
             y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
-                                 force_split=choice.split, force_staged=choice.staged)
+                                 force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded)
     # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op for a channels-last input,
     # whose output the extension wrote channels-last already).
     if suggests_channels_last(x) or suggests_channels_last(weight):

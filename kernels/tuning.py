@@ -52,6 +52,10 @@ SPLIT_BELOW_MS = 0.25
 SPLITS = (1, 2, 4, 8)
 SPLIT_CONFIGS = 3  # the fastest halo configurations of the first pass that get split candidates
 GEMM_SPLITS = (1, 2, 4, 8, 16)  # the gemm kernel's split-K candidates, for its fastest configuration
+# TF32: the gemm kernel's fastest choices are timed again with the input rounded the other way (``rounded``): a
+# channels-last input rounded to TF32 in a pass of its own, which spares the kernel rounding each stage; an NCHW
+# one, which its layout change rounds by default, rounded by the kernel (bench/NOTES.md v22).
+ROUNDED_CHOICES = 3
 MAX_ENTRIES = 4096  # cached problems per process (the oldest dropped first)
 # Norm-wise relative difference from the default kernel's output above which a candidate is rejected, by precision
 # ("fp32" exact, "tf32", 16-bit types, float64): several times what two correct kernels differ by.
@@ -62,18 +66,21 @@ AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
 class KernelChoice:
     """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "narrow_tiled", "sparse", "gemm"
     or None to let it choose), ``config`` (a tile configuration of the tensor-core kernels, or of the gemm kernel),
-    ``split`` (the halo or gemm kernel's split-K factor) and ``staged`` (the gemm kernel with an NCHW output: True
-    writes it channels-last into scratch and converts it, False stores it straight)."""
+    ``split`` (the halo or gemm kernel's split-K factor), ``staged`` (the gemm kernel with an NCHW output: True
+    writes it channels-last into scratch and converts it, False stores it straight) and ``rounded`` (the gemm
+    kernel's TF32 products: True rounds the input to TF32 before the kernel, False has the kernel round each
+    stage)."""
 
     path: str | None = None
     config: int | None = None
     split: int | None = None
     staged: bool | None = None
+    rounded: bool | None = None
 
     @property
     def label(self) -> str:
         """Short name for logs and tables: "default", "narrow", "narrow_tiled1", "tc9", "tc5/s4", "gemm0/s2",
-        "gemm1/s1/staged"."""
+        "gemm1/s1/staged", "gemm0/s1/rounded"."""
         if self == DEFAULT:
             return "default"
         prefix = "tc" if self.path in (None, "tensor_core") else self.path
@@ -82,6 +89,8 @@ class KernelChoice:
             name = f"{name}/s{self.split}"
         if self.staged is not None:
             name = f"{name}/{'staged' if self.staged else 'direct'}"
+        if self.rounded is not None:
+            name = f"{name}/{'rounded' if self.rounded else 'kernel-rounded'}"
         return name
 
 
@@ -155,6 +164,22 @@ def split_candidates(trials: Sequence[Trial], num_gather: int) -> list[KernelCho
     if gemm:
         g = min(gemm, key=lambda t: t.ms).choice
         out += [KernelChoice("gemm", g.config, s, g.staged) for s in GEMM_SPLITS]
+    return out
+
+
+def rounded_candidates(trials: Sequence[Trial], rounded: bool) -> list[KernelChoice]:
+    """The ``ROUNDED_CHOICES`` fastest gemm trials among ``trials`` (any split, the input rounded as by default),
+    each with ``rounded`` asked for: True (a channels-last input rounded to TF32 before the kernel) or False (an
+    NCHW one rounded by the kernel)."""
+    gemm = sorted((t for t in trials if t.ran == "gemm" and t.choice.rounded is None), key=lambda t: t.ms)
+    out: list[KernelChoice] = []
+    for t in gemm:
+        c = t.choice
+        r = KernelChoice("gemm", c.config, c.split, c.staged, rounded=rounded)
+        if r not in out:
+            out.append(r)
+        if len(out) == ROUNDED_CHOICES:
+            break
     return out
 
 
@@ -317,7 +342,7 @@ class Tuner:
             def call(c: KernelChoice) -> str:
                 y, ran = _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
                                        force_config=c.config, force_split=c.split, force_staged=c.staged,
-                                       packs=packs)
+                                       force_round=c.rounded, packs=packs)
                 last[:] = [y]
                 return ran
 
@@ -363,6 +388,11 @@ class Tuner:
                 t = trial(c, FIRST_REPS, check=True)
                 if t is not None:
                     first.append(t)
+            if precision == "tf32" and weight.dtype == torch.float32:
+                for c in rounded_candidates(first, rounded=channels_last):
+                    t = trial(c, FIRST_REPS, check=True)
+                    if t is not None:
+                        first.append(t)
             second = [t for c in second_pass_choices(first)
                       if (t := trial(c, SECOND_REPS, check=False)) is not None]
         choice, ms, default_ms = pick(second)

@@ -124,11 +124,16 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
 // a few channels, each a run of positions). Straight is the default: it was faster on 42 of 55 layers and precisions
 // measured (up to 1.48x), staged on 12 (up to 2.3x: Mask R-CNN's head, KernelBench 81; bench/NOTES.md v16);
 // measured choice times both.
+// `round` is for the gemm kernel's TF32 products: 1 has x rounded to TF32 before the kernel (an NCHW x by the layout
+// change it needs, a channels-last one by a pass of its own), so that the kernel skips rounding each landed A stage
+// in shared memory; 0 leaves the rounding to the kernel. The default (-1) rounds an NCHW x on its way in, which
+// costs nothing, and leaves a channels-last x to the kernel; measured choice times the pass too (bench/NOTES.md v22).
 struct Forced {
-  int64_t path = -1, config = -1, split = -1, staged = -1;
+  int64_t path = -1, config = -1, split = -1, staged = -1, round = -1;
 };
 
-Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged) {
+Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
+                    int64_t force_round) {
   TORCH_CHECK(force_path >= -1 && force_path <= 5,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
               "(sparse), 4 (gemm) or 5 (tiled narrow), got ",
@@ -140,7 +145,9 @@ Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_spli
               "conv_transpose2d: force_split must be -1 (choose) or 1 to 16, got ", num(force_split), ".");
   TORCH_CHECK(force_staged >= -1 && force_staged <= 1,
               "conv_transpose2d: force_staged must be -1 (choose), 0 or 1, got ", num(force_staged), ".");
-  return Forced{force_path, force_config, force_split, force_staged};
+  TORCH_CHECK(force_round >= -1 && force_round <= 1,
+              "conv_transpose2d: force_round must be -1 (choose), 0 or 1, got ", num(force_round), ".");
+  return Forced{force_path, force_config, force_split, force_staged, force_round};
 }
 
 // Packed copies of one weight tensor for the tensor-core kernels, one per packed layout (conv_transpose2d_packing),
@@ -201,11 +208,12 @@ bool channels_last(const torch::Tensor& x) {
 }
 
 // Changes a dense 4-D tensor's layout (NCHW <-> channels-last) from src into dst (same sizes, the other layout) with
-// the tiled layout kernel, on `stream`.
-void convert(const torch::Tensor& src, const torch::Tensor& dst, bool to_channels_last, cudaStream_t stream) {
+// the tiled layout kernel, on `stream`; round_tf32 (fp32 only) rounds the values to TF32 on the way.
+void convert(const torch::Tensor& src, const torch::Tensor& dst, bool to_channels_last, cudaStream_t stream,
+             bool round_tf32 = false) {
   const cudaError_t err = deconv::convert_layout(src.data_ptr(), dst.data_ptr(), src.size(0), src.size(1),
                                                  src.size(2) * src.size(3), static_cast<int>(src.element_size()),
-                                                 to_channels_last, stream);
+                                                 to_channels_last, round_tf32, stream);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d: layout change failed: ", cudaGetErrorString(err));
 }
 
@@ -297,8 +305,29 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   p.w_channels_last = gemm && w_cl;
   const torch::Tensor wc = p.w_channels_last ? weight : in_layout(weight, false, stream);
   p.w = wc.data_ptr();
-  const torch::Tensor xk = pitch > 0 ? padded_rows(x, pitch) : in_layout(x, gemm, stream);
+  // An fp32 x bound for the gemm kernel's TF32 products may come rounded to TF32 (Forced::round): an NCHW one by
+  // the layout change it needs, a channels-last one by a pass of its own. The kernel then skips rounding every A
+  // stage in shared memory.
+  const bool tf32_gemm = gemm && pitch == 0 && p.dtype == deconv::DType::kFloat32 &&
+                         p.precision == deconv::Precision::kTF32;
+  const bool moves = !x.is_contiguous(at::MemoryFormat::ChannelsLast);  // x needs a layout change
+  const bool round_x = tf32_gemm && (moves ? x.is_contiguous() && forced.round != 0
+                                           : forced.round == 1 && x.numel() > 0);
+  torch::Tensor xk;
+  if (round_x) {
+    xk = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+    if (moves) {
+      convert(x, xk, true, stream, true);
+    } else {
+      const cudaError_t err = deconv::round_to_tf32(x.data_ptr(), xk.data_ptr(), x.numel(), stream);
+      TORCH_CHECK(err == cudaSuccess, "conv_transpose2d: rounding the input to TF32 failed: ",
+                  cudaGetErrorString(err));
+    }
+  } else {
+    xk = pitch > 0 ? padded_rows(x, pitch) : in_layout(x, gemm, stream);
+  }
   p.x = xk.data_ptr();
+  p.x_tf32_rounded = round_x;
   p.x_pitch = pitch;
   const auto layout = [&](bool cl) {
     return x.options().memory_format(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
@@ -334,12 +363,12 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            int64_t groups, const std::string& precision,
                                            const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
                                            int64_t force_path, int64_t force_config, int64_t force_split,
-                                           int64_t force_staged, WeightPacks* packs) {
+                                           int64_t force_staged, int64_t force_round, WeightPacks* packs) {
   TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
   const Problem pr = check_problem(x, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
   check_packs(packs, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   if (out.has_value()) {
@@ -377,8 +406,8 @@ int64_t forward_staged(const torch::Tensor& x_host,  // x_host: [N, C_in, H_in, 
                        std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                        const torch::Tensor& y_host,  // y_host: [N, C_out, H_out, W_out] on the CPU, contiguous
                        int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
-                       WeightPacks* packs) {
-  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
+                       int64_t force_round, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
   check_packs(packs, weight);
   TORCH_CHECK(x_host.device().is_cpu() && y_host.device().is_cpu(),
               "conv_transpose2d_staged: input and output must be CPU tensors.");
@@ -456,8 +485,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
                                std::vector<int64_t> padding, std::vector<int64_t> output_padding,
                                std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
                                int64_t force_path, int64_t force_config, int64_t force_split,
-                               int64_t force_staged, WeightPacks* packs) {
-  const Forced forced = check_forced(force_path, force_config, force_split, force_staged);
+                               int64_t force_staged, int64_t force_round, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
   TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
   check_packs(packs, weight);
   TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
@@ -507,25 +536,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "force_path: -1 chooses, 0-5 ask for that kernel; 1-5 fall back to the choice of -1 when not eligible. "
         "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's. "
         "force_staged: -1 chooses, 1 has the gemm kernel write an NCHW output channels-last into scratch and "
-        "convert it, 0 write it straight.",
+        "convert it, 0 write it straight. "
+        "force_round: -1 chooses, 1 has an fp32 x rounded to TF32 before the gemm kernel's TF32 products (by its "
+        "layout change, or a pass of its own for a channels-last x), 0 has the kernel round each stage.",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
-        py::arg("force_split") = -1, py::arg("force_staged") = -1, py::arg("packs") = nullptr);
+        py::arg("force_split") = -1, py::arg("force_staged") = -1, py::arg("force_round") = -1,
+        py::arg("packs") = nullptr);
   m.def("forward_staged", &forward_staged,
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",
         py::arg("x_host"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"), py::arg("y_host"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
-        py::arg("force_staged") = -1, py::arg("packs") = nullptr);
+        py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
   m.def("forward_gathered", &forward_gathered,
         "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, concatenated) into a new "
         "pinned host tensor, on the current stream, waiting for the result, with the GIL released once.",
         py::arg("parts"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
-        py::arg("force_staged") = -1, py::arg("packs") = nullptr);
+        py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
   py::class_<WeightPacks>(m, "WeightPacks",
                           "Packed copies of one CUDA weight tensor for the tensor-core kernels, one per layout, made "
                           "on first use and kept (for weights that do not change while it lives).")

@@ -50,6 +50,10 @@ struct ConvTranspose2dParams {
   // Elements from one position of a channels-last x to the next, when larger than C_in (0: C_in): an x whose rows of
   // channels the binding padded to whole 16-byte vectors for the gemm path (one group only; the padding is zeros).
   int64_t x_pitch;
+  // x's fp32 values are already TF32, rounded to nearest: the binding's layout change rounds an NCHW x on its way to
+  // the gemm path's channels-last copy (convert_layout), and the gemm kernel then skips its own rounding of each
+  // landed A stage. Rounding is idempotent: a kernel that rounds anyway gives the same numbers.
+  bool x_tf32_rounded;
   // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow. A forced path that is not
   // eligible for the problem falls back to the choice of -1.
   int force_path;
@@ -166,8 +170,13 @@ cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t st
 cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
-// else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits. src and dst must not overlap.
+// else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits, or with round_tf32 (4-byte elements
+// only) fp32 values rounded to TF32 on the way (cvt.rna: to nearest, ties away from zero). src and dst must not
+// overlap.
 cudaError_t convert_layout(const void* src, void* dst, int64_t N, int64_t C, int64_t HW, int elem_bytes,
-                           bool to_channels_last, cudaStream_t stream);
+                           bool to_channels_last, bool round_tf32, cudaStream_t stream);
+// dst = src's `count` fp32 values rounded to TF32 as convert_layout rounds them (layout.cu); for a channels-last x
+// whose rounding the gemm kernel is spared. src and dst must not overlap.
+cudaError_t round_to_tf32(const void* src, void* dst, int64_t count, cudaStream_t stream);
 
 }  // namespace deconv

@@ -18,7 +18,8 @@
 // stage's tap at its shifted origin (zero-filled past every border, which does the padding, the halo and the
 // channel tail) and a box of packed weights. A ring of kStages buffers with full / empty mbarriers lets the loader
 // run up to kStages stages ahead, across tile boundaries; for TF32 three loader warps round each landed A box to
-// TF32 in place before the multipliers may read it (a third barrier, ready).
+// TF32 in place before the multipliers may read it (a third barrier, ready), unless x came rounded (an NCHW x is
+// rounded by the layout change it needs anyway).
 //
 // Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K into an fp32 workspace,
 // summed by a second kernel that adds the bias and writes the output; otherwise the epilogue adds the bias and
@@ -278,6 +279,8 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     if constexpr (kTF32) {
       // Warps 1-3: round each landed A box to TF32 (nearest), as the weights were when packed; wgmma would truncate.
+      // Not for an x rounded on its way in: the multipliers then wait for the copies alone.
+      if (tl.a_rounded) return;
       const int rt = threadIdx.x - 32;
       for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
         GemmTile d;
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int row0 = kPing ? 0 : mw * (BM / 2);
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
-  uint64_t* const landed = kTF32 ? ready : full;
+  uint64_t* const landed = kTF32 && !tl.a_rounded ? ready : full;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   // kPing: the block's tiles alternate between the warpgroups, and each starts a tile's products only once the other
@@ -781,6 +784,7 @@ GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int spl
   tl.phases = make_fast_div(static_cast<uint32_t>(p.stride_h * p.stride_w));
   tl.stride_w = make_fast_div(static_cast<uint32_t>(p.stride_w));
   tl.total = static_cast<int>(gr.tiles * split);
+  tl.a_rounded = p.dtype == DType::kFloat32 && p.x_tf32_rounded;
   return tl;
 }
 

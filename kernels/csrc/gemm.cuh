@@ -43,6 +43,11 @@ struct GemmTiles {
   FastDiv n_tiles, groups, splits, phases, stride_w, w_tiles, h_tiles, bw, bh;
   int bni;  // images a box
   int total;
+  // TF32: x's values are TF32 already (x_tf32_rounded), so the landed A stages need no rounding. Kept here, not in
+  // GemmArgs: that struct stays within 128 bytes, which the compiler keeps in registers (at 136 it read the fields
+  // from parameter memory inside the loops, and the channels-last TF32 rows ran up to 1.4x slower, bench/NOTES.md
+  // v22).
+  int a_rounded;
 };
 
 struct GemmArgs {

@@ -5,10 +5,14 @@
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
 // raw bits (2, 4 or 8 bytes). kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column
 // tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
-// the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position.
+// the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32
+// bits) rounds each value to TF32 on the way: an input bound for the gemm kernel's TF32 products, which then need
+// not round it in shared memory (ConvTranspose2dParams::x_tf32_rounded); round_to_tf32 does the same for an x
+// that keeps its layout.
 #include <cstdint>
 
 #include "conv_transpose2d.h"
+#include "mma.cuh"
 
 namespace deconv {
 namespace {
@@ -16,7 +20,18 @@ namespace {
 constexpr int kTileRows = 64;
 constexpr int kThreads = 256;
 
-template <typename T, int kCols>
+// The element as it is stored: its bits, or with kRound (fp32 bits) rounded to TF32.
+template <bool kRound, typename T>
+__device__ __forceinline__ T moved(T v) {
+  if constexpr (kRound) {
+    static_assert(sizeof(T) == 4, "TF32 rounding takes fp32 bits");
+    return tc::to_tf32(__uint_as_float(v));
+  } else {
+    return v;
+  }
+}
+
+template <typename T, int kCols, bool kRound>
 __global__ void __launch_bounds__(kThreads)
     transpose_batched(const T* __restrict__ src, T* __restrict__ dst, int64_t rows, int64_t cols) {
   // Rows padded to an odd number of 32-bit words (2-byte and 4-byte elements): the column reads of the write phase
@@ -45,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the destination
     const int idx = threadIdx.x + k * kThreads, j = idx / kTileRows, i = idx % kTileRows;
-    if (i < nr && j < nc) d[j * rows + i] = tile[i][j];
+    if (i < nr && j < nc) d[j * rows + i] = moved<kRound>(tile[i][j]);
   }
 }
 
@@ -53,7 +68,7 @@ constexpr int64_t kFewChannels = 8;
 
 // NCHW <-> NHWC for c <= kFewChannels: thread p of an image moves position p's c elements. A warp reads (or writes)
 // 32 consecutive positions of a channel plane and writes (or reads) 32 * c consecutive elements.
-template <typename T>
+template <typename T, bool kRound>
 __global__ void __launch_bounds__(kThreads)
     transpose_few_channels(const T* __restrict__ src, T* __restrict__ dst, int64_t hw, int c, bool to_channels_last) {
   const int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -62,13 +77,13 @@ __global__ void __launch_bounds__(kThreads)
   const T* s = src + base;
   T* d = dst + base;
   if (to_channels_last) {
-    for (int k = 0; k < c; ++k) d[p * c + k] = s[k * hw + p];
+    for (int k = 0; k < c; ++k) d[p * c + k] = moved<kRound>(s[k * hw + p]);
   } else {
-    for (int k = 0; k < c; ++k) d[k * hw + p] = s[p * c + k];
+    for (int k = 0; k < c; ++k) d[k * hw + p] = moved<kRound>(s[p * c + k]);
   }
 }
 
-template <typename T>
+template <typename T, bool kRound>
 cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int64_t c, int64_t hw,
                                 bool to_channels_last, cudaStream_t stream) {
   const int64_t blocks = (hw + kThreads - 1) / kThreads;
@@ -77,7 +92,7 @@ cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int6
   for (int64_t first = 0; first < images; first += 65535) {  // at most 65535 images a launch (the grid's y)
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
-    transpose_few_channels<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
+    transpose_few_channels<T, kRound><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
                                                              static_cast<T*>(dst) + first * per_image, hw,
                                                              static_cast<int>(c), to_channels_last);
     const cudaError_t err = cudaGetLastError();
@@ -86,7 +101,7 @@ cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int6
   return cudaSuccess;
 }
 
-template <typename T, int kCols>
+template <typename T, int kCols, bool kRound>
 cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
                                 cudaStream_t stream) {
   const int64_t col_tiles = (cols + kCols - 1) / kCols, row_tiles = (rows + kTileRows - 1) / kTileRows;
@@ -96,7 +111,7 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
   for (int64_t first = 0; first < images; first += 65535) {
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
-    transpose_batched<T, kCols><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
+    transpose_batched<T, kCols, kRound><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
                                                             static_cast<T*>(dst) + first * per_image, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -104,31 +119,63 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
   return cudaSuccess;
 }
 
-template <typename T>
+template <typename T, bool kRound>
 cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t c, int64_t hw,
                              bool to_channels_last, cudaStream_t stream) {
-  if (c == 1) {  // the same bits in both layouts
+  if (c == 1 && !kRound) {  // the same bits in both layouts
     return cudaMemcpyAsync(dst, src, static_cast<size_t>(images * hw) * sizeof(T), cudaMemcpyDeviceToDevice, stream);
   }
-  if (c <= kFewChannels) return launch_few_channels<T>(src, dst, images, c, hw, to_channels_last, stream);
+  if (c <= kFewChannels) return launch_few_channels<T, kRound>(src, dst, images, c, hw, to_channels_last, stream);
   const int64_t rows = to_channels_last ? c : hw, cols = to_channels_last ? hw : c;
-  if (cols <= 8) return launch_transpose_cols<T, 8>(src, dst, images, rows, cols, stream);
-  if (cols <= 16) return launch_transpose_cols<T, 16>(src, dst, images, rows, cols, stream);
-  return launch_transpose_cols<T, 32>(src, dst, images, rows, cols, stream);
+  if (cols <= 8) return launch_transpose_cols<T, 8, kRound>(src, dst, images, rows, cols, stream);
+  if (cols <= 16) return launch_transpose_cols<T, 16, kRound>(src, dst, images, rows, cols, stream);
+  return launch_transpose_cols<T, 32, kRound>(src, dst, images, rows, cols, stream);
+}
+
+// dst = src rounded to TF32, `count` fp32 values; 16-byte vectors where both addresses allow (a grid-stride loop).
+__global__ void __launch_bounds__(kThreads)
+    round_tf32_copy(const uint32_t* __restrict__ src, uint32_t* __restrict__ dst, int64_t count, bool vec) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (vec) {
+    const int64_t vecs = count / 4;
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (int64_t v = i; v < vecs; v += stride) {
+      const uint4 a = s4[v];
+      d4[v] = {moved<true>(a.x), moved<true>(a.y), moved<true>(a.z), moved<true>(a.w)};
+    }
+    i += vecs * 4;  // the tail past the last whole vector
+  }
+  for (; i < count; i += stride) dst[i] = moved<true>(src[i]);
 }
 
 }  // namespace
 
+cudaError_t round_to_tf32(const void* src, void* dst, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return cudaSuccess;
+  const bool vec = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const int64_t work = vec ? (count + 3) / 4 : count;
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  // A few waves of blocks at most; each thread loops over the rest.
+  const unsigned grid = static_cast<unsigned>(blocks < 8192 ? blocks : 8192);
+  round_tf32_copy<<<grid, kThreads, 0, stream>>>(static_cast<const uint32_t*>(src), static_cast<uint32_t*>(dst),
+                                                 count, vec);
+  return cudaGetLastError();
+}
+
 cudaError_t convert_layout(const void* src, void* dst, int64_t N, int64_t C, int64_t HW, int elem_bytes,
-                           bool to_channels_last, cudaStream_t stream) {
+                           bool to_channels_last, bool round_tf32, cudaStream_t stream) {
+  if (round_tf32 && elem_bytes != 4) return cudaErrorInvalidValue;
   if (N <= 0 || C <= 0 || HW <= 0) return cudaSuccess;
   switch (elem_bytes) {
     case 2:
-      return launch_transpose<uint16_t>(src, dst, N, C, HW, to_channels_last, stream);
+      return launch_transpose<uint16_t, false>(src, dst, N, C, HW, to_channels_last, stream);
     case 4:
-      return launch_transpose<uint32_t>(src, dst, N, C, HW, to_channels_last, stream);
+      return round_tf32 ? launch_transpose<uint32_t, true>(src, dst, N, C, HW, to_channels_last, stream)
+                        : launch_transpose<uint32_t, false>(src, dst, N, C, HW, to_channels_last, stream);
     case 8:
-      return launch_transpose<uint64_t>(src, dst, N, C, HW, to_channels_last, stream);
+      return launch_transpose<uint64_t, false>(src, dst, N, C, HW, to_channels_last, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -57,12 +57,13 @@ class WeightPacks:
         return len(self._ext)
 
 
-def _forced(choice: KernelChoice) -> tuple[int, int, int, int]:
-    """The extension's (force_path, force_config, force_split, force_staged) for a kernel choice."""
+def _forced(choice: KernelChoice) -> tuple[int, int, int, int, int]:
+    """The extension's (force_path, force_config, force_split, force_staged, force_round) for a kernel choice."""
     if choice is DEFAULT:
-        return -1, -1, -1, -1
+        return -1, -1, -1, -1, -1
     return (FORCE_PATHS[choice.path], -1 if choice.config is None else choice.config,
-            -1 if choice.split is None else choice.split, -1 if choice.staged is None else int(choice.staged))
+            -1 if choice.split is None else choice.split, -1 if choice.staged is None else int(choice.staged),
+            -1 if choice.rounded is None else int(choice.rounded))
 
 
 def conv_transpose2d_staged(
@@ -198,5 +199,6 @@ def conv_transpose2d_device(
     check_tensors(input, weight, bias, args)
     mode = resolve_precision(input.dtype, precision)
     y, _ = _forward_cuda(input, weight, bias, args, mode, out, force_path=choice.path, force_config=choice.config,
-                         force_split=choice.split, force_staged=choice.staged, packs=packs)
+                         force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded,
+                         packs=packs)
     return y

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kernels import tuning
-from kernels.tuning import DEFAULT, GEMM_SPLITS, SPLIT_BELOW_MS, KernelChoice, Trial
+from kernels.tuning import DEFAULT, GEMM_SPLITS, ROUNDED_CHOICES, SPLIT_BELOW_MS, KernelChoice, Trial
 
 NUM_CONFIGS = 14
 NUM_GATHER = 4
@@ -60,3 +60,19 @@ def test_gemm_labels() -> None:
     assert KernelChoice("gemm").label == "gemm"
     assert KernelChoice("gemm", 1, 2, True).label == "gemm1/s2/staged"
     assert KernelChoice("gemm", 0, staged=False).label == "gemm0/direct"
+    assert KernelChoice("gemm", 0, 1, rounded=True).label == "gemm0/s1/rounded"
+    assert KernelChoice("gemm", 3, rounded=False).label == "gemm3/kernel-rounded"
+
+
+def test_rounded_candidates_are_the_fastest_gemm_trials_with_a_rounded_input() -> None:
+    trials = [_trial(DEFAULT, 1.0, "gemm"), _trial(KernelChoice("gemm", 0), 3.0, "gemm"),
+              _trial(KernelChoice("gemm", 1), 0.5, "gemm"), _trial(KernelChoice("gemm", 2, 4), 0.7, "gemm"),
+              _trial(KernelChoice("gemm", 5), 0.1, "tensor_core"),  # fell back: not a gemm trial
+              _trial(KernelChoice("gemm", 1, rounded=True), 0.2, "gemm"),  # already rounded
+              _trial(KernelChoice("tensor_core", 3), 0.3, "tensor_core")]
+    for rounded in (True, False):  # channels-last inputs rounded before the kernel; NCHW ones by the kernel
+        got = tuning.rounded_candidates(trials, rounded)
+        assert len(got) == ROUNDED_CHOICES == 3
+        assert got == [KernelChoice("gemm", 1, rounded=rounded), KernelChoice("gemm", 2, 4, rounded=rounded),
+                       KernelChoice("gemm", rounded=rounded)]
+    assert tuning.rounded_candidates([_trial(KernelChoice("tensor_core", 3), 0.3, "tensor_core")], True) == []

@@ -223,20 +223,22 @@ def test_bad_force_split_is_a_clear_error(monkeypatch, force_split):
 
 @pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8), (16, 16)])
 @pytest.mark.parametrize(("force_staged", "staged_code"), [(None, -1), (False, 0), (True, 1)])
-def test_force_split_and_staged_reach_the_extension(monkeypatch, force_split, code, force_staged, staged_code):
+@pytest.mark.parametrize(("force_round", "round_code"), [(None, -1), (False, 0), (True, 1)])
+def test_force_split_staged_and_round_reach_the_extension(monkeypatch, force_split, code, force_staged,
+                                                          staged_code, force_round, round_code):
     calls = []
 
     class FakeExtension:
         @staticmethod
         def forward(*args):
-            calls.append(args[-3:-1])  # force_split, force_staged; the packs come last
+            calls.append(args[-4:-1])  # force_split, force_staged, force_round; the packs come last
             assert args[-1] is None
             return F.conv_transpose2d(*args[:3]), 1
 
     monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
     ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split,
-                      force_staged=force_staged)
-    assert calls == [(code, staged_code)]
+                      force_staged=force_staged, force_round=force_round)
+    assert calls == [(code, staged_code, round_code)]
 
 
 @pytest.mark.parametrize(
@@ -250,15 +252,15 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
     class FakeExtension:
         @staticmethod
         def forward(x, weight, bias, stride, padding, output_padding, dilation, groups, precision, out,
-                    force_path_code, force_config, force_split, force_staged, packs):
-            calls.append((force_path_code, force_config, force_split, force_staged, packs))
+                    force_path_code, force_config, force_split, force_staged, force_round, packs):
+            calls.append((force_path_code, force_config, force_split, force_staged, force_round, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
             return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4, "narrow_tiled": 5}[ran]
 
     monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
     y, path = ops._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
-    assert calls == [(code, -1, -1, -1, None)]
+    assert calls == [(code, -1, -1, -1, -1, None)]
     assert path == ran
     assert torch.equal(y, F.conv_transpose2d(x, w))
 

@@ -58,11 +58,13 @@ PROBLEMS = {
 
 def run(problem: dict, mode: str, *, layout: str, config: int | None = None, split: int | None = None,
         seed: int = 0, tf32_reference: bool = False, force: bool = True, staged: bool | None = None,
-        weight_layout: str = "nchw", weight_offset: int = 0) -> tuple[float, float, str, torch.Tensor]:
+        weight_layout: str = "nchw", weight_offset: int = 0,
+        rounded: bool | None = None) -> tuple[float, float, str, torch.Tensor]:
     """Run one problem into a poisoned output; returns (rel_err, tol, path, y). ``layout``: "nchw" (into an NCHW
     ``out``), "nchw_new" (NCHW input, a new output) or "cl" (channels-last input, a new output); ``weight_layout``:
     "nchw" or "cl" (channels-last weights, as ``model.to(memory_format=torch.channels_last)`` makes them);
-    ``weight_offset``: the weights start this many elements into their storage (an odd one: an odd address)."""
+    ``weight_offset``: the weights start this many elements into their storage (an odd one: an odd address);
+    ``rounded``: force_round (TF32: x rounded before the kernel, or by it)."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     k = p.pop("k")
@@ -89,7 +91,8 @@ def run(problem: dict, mode: str, *, layout: str, config: int | None = None, spl
             x = x.contiguous(memory_format=torch.channels_last)
         # Poison the memory the new output will take: the caching allocator hands the freed block out again.
         torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)
-    kw_force = dict(force_path="gemm", force_config=config, force_split=split, force_staged=staged) if force else {}
+    kw_force = dict(force_path="gemm", force_config=config, force_split=split, force_staged=staged,
+                    force_round=rounded) if force else {}
     y, path = _forward_cuda(x, wt, b, args, precision or "fp32", out=out, **kw_force)
     if tf32_reference:
         x, wt = round_tf32(x), round_tf32(wt)
@@ -200,16 +203,43 @@ def test_gemm_nchw_output_staged_or_straight(problem: str, mode: str, layout: st
         assert err <= tol, f"{problem}/{mode}/{layout}/staged={staged}/split {split}: rel err {err:.3e} > {tol:.0e}"
 
 
+# Few input channels: the layout change of an NCHW x moves them a position a thread (4 and 8 channels) instead of in
+# tiles, and rounds them on the way too.
+ROUNDING_PROBLEMS = {**{k: PROBLEMS[k] for k in ("k4s2p1", "k3s2_op1", "groups")},
+                     "few_in4": dict(n=2, c_in=4, c_out=40, h=5, w=6, k=3, stride=2, padding=1),
+                     "few_in8": dict(n=3, c_in=8, c_out=24, h=4, w=7, k=4, stride=2, padding=1)}
+
+
 @needs_sm90
+@pytest.mark.parametrize("rounded", [None, False, True])
+@pytest.mark.parametrize("layout", ["nchw", "nchw_new", "cl"])
 @pytest.mark.parametrize("config", range(NUM_GEMM_CONFIGS))
-@pytest.mark.parametrize("problem", ["k4s2p1", "k3s2_op1", "groups"])
-def test_gemm_tf32_rounds_operands_to_nearest(problem: str, config: int) -> None:
+@pytest.mark.parametrize("problem", list(ROUNDING_PROBLEMS))
+def test_gemm_tf32_rounds_operands_to_nearest(problem: str, config: int, layout: str, rounded: bool | None) -> None:
     """Against a reference from TF32-rounded operands only the accumulation's error is left (the tensor cores would
-    truncate unrounded fp32 operands: ~3e-4)."""
-    err, _, path, _ = run(PROBLEMS[problem], "tf32", layout="cl", config=config, split=1,
-                          seed=zlib.crc32(problem.encode()), tf32_reference=True)
-    assert path == "gemm"
-    assert err <= 3e-5, f"{problem}/gemm{config}: rel err {err:.3e} against TF32-rounded operands"
+    truncate unrounded fp32 operands: ~3e-4), wherever x is rounded: by the kernel as each stage lands, by the layout
+    change of an NCHW x (its default), by a pass of its own over a channels-last x; split-K too."""
+    for split in (1, 2):
+        err, _, path, _ = run(ROUNDING_PROBLEMS[problem], "tf32", layout=layout, config=config, split=split,
+                              seed=zlib.crc32(problem.encode()), tf32_reference=True, rounded=rounded)
+        assert path == "gemm"
+        assert err <= 3e-5, (f"{problem}/gemm{config}/{layout}/s{split}/rounded={rounded}: rel err {err:.3e} "
+                             "against TF32-rounded operands")
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("config", range(NUM_GEMM_CONFIGS))
+@pytest.mark.parametrize("problem", list(ROUNDING_PROBLEMS))
+def test_gemm_tf32_rounding_before_or_in_the_kernel_gives_the_same_bits(problem: str, config: int,
+                                                                        layout: str) -> None:
+    """Rounding is idempotent and the products run in the same order: x rounded before the kernel and x rounded
+    by it give bit-identical outputs."""
+    for split in (1, 3):
+        ys = [run(ROUNDING_PROBLEMS[problem], "tf32", layout=layout, config=config, split=split,
+                  seed=zlib.crc32(problem.encode()), rounded=r)[3] for r in (False, True, None)]
+        assert torch.equal(ys[0], ys[1]), f"{problem}/gemm{config}/{layout}/s{split}: rounded before the kernel"
+        assert torch.equal(ys[0], ys[2]), f"{problem}/gemm{config}/{layout}/s{split}: the default"
 
 
 @needs_sm90
