@@ -1,4 +1,6 @@
-"""One write per HTTP response: ``service.http.server.CoalescingTransport`` under uvicorn's own protocol."""
+"""The HTTP connection: one write per response (``service.http.server.CoalescingTransport`` under uvicorn's own
+protocol), and request bodies through ``HTTPProtocol`` as they arrive: in pieces, past the reading high-water mark,
+pipelined, in chunked transfer encoding, after ``Expect: 100-continue``, and cut off by the client."""
 
 from __future__ import annotations
 
@@ -159,3 +161,169 @@ def test_a_process_starts_while_another_process_has_just_created_its_metrics_fil
                             check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["ok"]
+
+
+class CountingTransport(FakeTransport):
+    """A FakeTransport that counts the protocol's reading pauses and resumptions (flow control)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = 0
+        self.resumed = 0
+
+    def pause_reading(self) -> None:
+        self.paused += 1
+
+    def resume_reading(self) -> None:
+        self.resumed += 1
+
+
+def _echo_app(bodies: list[list[bytes]]) -> Any:
+    """An ASGI app that reads its request's body message by message (recorded in ``bodies``, one list a request)
+    and answers it back."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        parts: list[bytes] = []
+        bodies.append(parts)
+        while True:
+            message = await receive()
+            assert message["type"] == "http.request", message
+            parts.append(message["body"])
+            if not message["more_body"]:
+                break
+        body = b"".join(parts)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def _protocol(app: Any, transport: FakeTransport) -> Any:
+    config = uvicorn.Config(app, http=HTTPProtocol, lifespan="off", log_level="warning")
+    config.load()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(transport)
+    return protocol
+
+
+async def _turns(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def _answers(calls: list[bytes]) -> list[bytes]:
+    """The bodies of the 200 answers written, in order."""
+    data, out = b"".join(calls), []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        if head.startswith(b"HTTP/1.1 100"):
+            data = rest
+            continue
+        assert head.startswith(b"HTTP/1.1 200"), head
+        lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        length = int(lengths[0])
+        out.append(rest[:length])
+        data = rest[length:]
+    return out
+
+
+def test_a_body_reaches_the_application_piece_by_piece_as_it_arrives() -> None:
+    body = bytes(range(256)) * 40  # 10240 bytes, sent in three pieces with the application reading between them
+    bodies: list[list[bytes]] = []
+
+    async def main() -> None:
+        real = FakeTransport()
+        protocol = _protocol(_echo_app(bodies), real)
+        protocol.data_received(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:1000])
+        await _turns()
+        protocol.data_received(body[1000:5000])
+        await _turns()
+        protocol.data_received(body[5000:])
+        await _turns()
+        assert _answers(real.calls) == [body]
+
+    asyncio.run(main())
+    assert bodies == [[body[:1000], body[1000:5000], body[5000:]]]  # each piece as it came, none joined or lost
+
+
+def test_reading_pauses_past_the_high_water_mark_until_the_application_reads() -> None:
+    body = os.urandom(300_000)  # past uvicorn's 64 KiB high-water mark before the application reads any of it
+    bodies: list[list[bytes]] = []
+
+    async def main() -> None:
+        real = CountingTransport()
+        protocol = _protocol(_echo_app(bodies), real)
+        head = b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+        protocol.data_received(head + body[:100_000])
+        protocol.data_received(body[100_000:200_000])
+        assert real.paused >= 1  # 200000 bytes waiting: the connection stops reading
+        await _turns()
+        assert real.resumed >= 1  # the application took them: reading resumes
+        protocol.data_received(body[200_000:])
+        await _turns()
+        assert _answers(real.calls) == [body]
+
+    asyncio.run(main())
+    assert b"".join(bodies[0]) == body
+
+
+def test_pipelined_and_chunked_bodies_go_to_their_own_requests() -> None:
+    first, second = os.urandom(5000), os.urandom(7000)
+    bodies: list[list[bytes]] = []
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (3000, second[:3000], 4000, second[3000:])
+
+    async def main() -> None:
+        real = FakeTransport()
+        protocol = _protocol(_echo_app(bodies), real)
+        # Two requests in one segment: the second (chunked transfer encoding) waits for the first's answer.
+        protocol.data_received(b"POST /a HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(first) + first
+                               + b"POST /b HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+        await _turns(60)
+        assert _answers(real.calls) == [first, second]
+
+    asyncio.run(main())
+    assert [b"".join(parts) for parts in bodies] == [first, second]
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_read() -> None:
+    body = b"y" * 3000
+    bodies: list[list[bytes]] = []
+
+    async def main() -> None:
+        real = FakeTransport()
+        protocol = _protocol(_echo_app(bodies), real)
+        protocol.data_received(b"POST /x HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+                               b"Content-Length: %d\r\n\r\n" % len(body))
+        await _turns()
+        assert b"".join(real.calls).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        protocol.data_received(body)
+        await _turns()
+        assert _answers(real.calls) == [body]
+
+    asyncio.run(main())
+
+
+def test_a_client_gone_mid_body_is_a_disconnect_for_the_application() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            seen.append(message)
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
+                return
+
+    async def main() -> None:
+        real = FakeTransport()
+        protocol = _protocol(app, real)
+        protocol.data_received(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n" + b"z" * 1000)
+        await _turns()
+        protocol.connection_lost(None)
+        await _turns()
+
+    asyncio.run(main())
+    assert [m["type"] for m in seen] == ["http.request", "http.disconnect"]
+    assert seen[0]["body"] == b"z" * 1000
+    assert seen[0]["more_body"]
+
