@@ -92,9 +92,9 @@ cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int6
   for (int64_t first = 0; first < images; first += 65535) {  // at most 65535 images a launch (the grid's y)
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
-    transpose_few_channels<T, kRound><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
-                                                             static_cast<T*>(dst) + first * per_image, hw,
-                                                             static_cast<int>(c), to_channels_last);
+    transpose_few_channels<T, kRound><<<grid, kThreads, 0, stream>>>(
+        static_cast<const T*>(src) + first * per_image, static_cast<T*>(dst) + first * per_image, hw,
+        static_cast<int>(c), to_channels_last);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -111,8 +111,8 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
   for (int64_t first = 0; first < images; first += 65535) {
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
-    transpose_batched<T, kCols, kRound><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
-                                                            static_cast<T*>(dst) + first * per_image, rows, cols);
+    transpose_batched<T, kCols, kRound><<<grid, kThreads, 0, stream>>>(
+        static_cast<const T*>(src) + first * per_image, static_cast<T*>(dst) + first * per_image, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
