@@ -98,6 +98,19 @@ def test_abort_drops_queued_writes_and_the_rest_is_the_real_transport() -> None:
     asyncio.run(main())
 
 
+def _protocol(app: Any, transport: FakeTransport) -> Any:
+    config = uvicorn.Config(app, http=HTTPProtocol, lifespan="off", log_level="warning")
+    config.load()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
+    protocol.connection_made(transport)
+    return protocol
+
+
+async def _turns(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def test_uvicorns_protocol_sends_a_response_in_one_write() -> None:
     body = b"x" * 70000  # larger than a socket write can be assumed to take at once
 
@@ -108,14 +121,10 @@ def test_uvicorns_protocol_sends_a_response_in_one_write() -> None:
         await send({"type": "http.response.body", "body": body})
 
     async def main() -> None:
-        config = uvicorn.Config(app, http=HTTPProtocol, lifespan="off", log_level="warning")
-        config.load()
-        protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
         real = FakeTransport()
-        protocol.connection_made(real)
+        protocol = _protocol(app, real)
         protocol.data_received(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _turns()
         assert len(real.calls) == 1, [c[:40] for c in real.calls]
         head, _, got = real.calls[0].partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200")
@@ -197,19 +206,6 @@ def _echo_app(bodies: list[list[bytes]]) -> Any:
         await send({"type": "http.response.body", "body": body})
 
     return app
-
-
-def _protocol(app: Any, transport: FakeTransport) -> Any:
-    config = uvicorn.Config(app, http=HTTPProtocol, lifespan="off", log_level="warning")
-    config.load()
-    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={})
-    protocol.connection_made(transport)
-    return protocol
-
-
-async def _turns(n: int = 20) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
 
 
 def _answers(calls: list[bytes]) -> list[bytes]:
