@@ -2,6 +2,8 @@
 # One call on the GPU machine: Nsight Compute (full set) on our kernels and cuDNN's for a list of cases, each a line
 # "name|kernel regex|bench/profile_one.py arguments" in $CASES (default below: the gemm kernel against cuDNN's best
 # algorithm on zoo layers where cuDNN leads). Full reports in $OUT/ncu.tar.gz; a summary per case last.
+# NCU_SET: ncu's section set (default full); CASE_S: seconds a case may take; STOP_AT: no case starts after this
+# many seconds of the call.
 set -uo pipefail
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -19,7 +21,8 @@ summary=$OUT/summary.txt; : > "$summary"
 while IFS='|' read -r name re pargs; do
   [ -z "$name" ] && continue
   # shellcheck disable=SC2086
-  timeout 150 ncu --set full --profile-from-start off -k "regex:$re" -c 4 python3 bench/profile_one.py $pargs \
+  if [ "$SECONDS" -gt "${STOP_AT:-560}" ]; then echo "== $name: skipped, $SECONDS s spent" >> "$summary"; continue; fi
+  timeout "${CASE_S:-150}" ncu --set "${NCU_SET:-full}" --profile-from-start off -k "regex:$re" -c 4 python3 bench/profile_one.py $pargs \
     > "$OUT/ncu/$name.txt" 2>&1
   {
     echo "== $name ($pargs)"

@@ -306,6 +306,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* const landed = kTF32 && !tl.a_rounded ? ready : full;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
+  // 16-bit channels-last output in whole multiples of 4 channels, 8-byte aligned: quads of lanes store four channels
+  // a lane (gemm_store_quad). Not for split-K partials (fp32 pairs already fill their sectors).
+  const bool quad_stores = sizeof(T) == 2 && g.partial == nullptr && pair_stores && g.cout_g % 4 == 0 &&
+                           g.ys_w % 4 == 0 && g.ys_h % 4 == 0 && g.ys_n % 4 == 0 &&
+                           (reinterpret_cast<uintptr_t>(g.y) & 7) == 0;
   // kPing: the block's tiles alternate between the warpgroups, and each starts a tile's products only once the other
   // has issued those of the tile before (CUTLASS's ping-pong order): its epilogue then runs under the other's
   // products, and it never waits on a stage more than one pass of the ring ahead of the loader (a barrier's parity
@@ -365,8 +370,19 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     for (int b = 0; b < kMW; ++b)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        int n, ho, wo;
-        if (!gemm_row(g, tl, d, row0 + b * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo)) continue;
+        int n = 0, ho = 0, wo = 0;
+        const bool ok = gemm_row(g, tl, d, row0 + b * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo);
+        if constexpr (sizeof(T) == 2) {
+          if (quad_stores) {  // the whole warp, rows past the tile included (shuffles)
+#pragma unroll
+            for (int j = 0; j < BN / 8; j += 2)
+              gemm_store_quad<T>(g, d, ok, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
+                                 acc[b][4 * j + 2 * half + 1], acc[b][4 * j + 4 + 2 * half],
+                                 acc[b][4 * j + 5 + 2 * half]);
+            continue;
+          }
+        }
+        if (!ok) continue;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
           gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],

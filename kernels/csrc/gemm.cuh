@@ -126,6 +126,49 @@ __device__ __forceinline__ void store_pair(__half* p, float a, float b) {
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
 }
 
+// Two neighbouring 16-bit output values as one 32-bit word (the lower channel in the low half).
+__device__ __forceinline__ uint32_t pack_pair(__nv_bfloat16*, float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_pair(__half*, float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Sixteen output channels of one row of a warp's accumulators, 16-bit channels-last output: columns 16J .. 16J + 15
+// of the tile are held as pairs, lane q of a quad (q = lane % 4) holding columns 2q, 2q + 1 (v0, v1) and 8 + 2q,
+// 9 + 2q (v2, v3). Stored as such, a warp instruction writes half of each 32-byte sector it touches, and the
+// other half comes with the next instruction: twice the L2 writes. Here the quad trades its pairs first, so that
+// lane q stores columns 4q .. 4q + 3 as one 8-byte store and a warp instruction fills whole sectors. Every lane of
+// the warp must call it (shuffles); `ok` says whether this lane's row is stored. `co` is the lane's first column
+// (16J + 2q in the tile's group, plus the tile's first column); the bias is added here.
+template <typename T>
+__device__ __forceinline__ void gemm_store_quad(const GemmArgs& g, const GemmTile& d, bool ok, int n, int ho, int wo,
+                                                int co, float v0, float v1, float v2, float v3) {
+  const int co_base = d.grp * g.cout_g;
+  const T* __restrict__ bias = static_cast<const T*>(g.bias);
+  if (bias != nullptr && co < g.cout_g) {  // C_out / groups is a multiple of 4: a pair is all in or all out
+    v0 += to_acc(bias[co_base + co]);
+    v1 += to_acc(bias[co_base + co + 1]);
+  }
+  if (bias != nullptr && co + 8 < g.cout_g) {
+    v2 += to_acc(bias[co_base + co + 8]);
+    v3 += to_acc(bias[co_base + co + 9]);
+  }
+  const uint32_t lo_pair = pack_pair(static_cast<T*>(nullptr), v0, v1);
+  const uint32_t hi_pair = pack_pair(static_cast<T*>(nullptr), v2, v3);
+  const int lane = threadIdx.x & 31, q = lane & 3;
+  // Lane q's columns 4q .. 4q + 3 are the pairs of lanes 2 (q % 2) and 2 (q % 2) + 1, in the low group for q < 2.
+  const int src = (lane & ~3) | ((q & 1) << 1);
+  const uint32_t a_lo = __shfl_sync(0xffffffffu, lo_pair, src), a_hi = __shfl_sync(0xffffffffu, hi_pair, src);
+  const uint32_t b_lo = __shfl_sync(0xffffffffu, lo_pair, src + 1), b_hi = __shfl_sync(0xffffffffu, hi_pair, src + 1);
+  const int c = co - 2 * q + 4 * q;  // the first of this lane's four columns
+  if (!ok || c >= g.cout_g) return;
+  T* yp = static_cast<T*>(g.y) + n * g.ys_n + ho * g.ys_h + wo * g.ys_w + co_base + c;
+  *reinterpret_cast<uint2*>(yp) = q < 2 ? make_uint2(a_lo, b_lo) : make_uint2(a_hi, b_hi);
+}
+
 // Output channels co and co + 1 of the tile's group (those below C_out / groups) at one output pixel: into the
 // split's fp32 partial sums, or with the bias into y through its strides (one store for both when `pair_stores`:
 // a channels-last y whose channel pairs start at even elements).

@@ -43,6 +43,8 @@ PROBLEMS = {
     "asym": dict(n=2, c_in=64, c_out=80, h=5, w=11, k=(2, 5), stride=(2, 3), padding=(0, 2)),
     "groups": dict(n=2, c_in=96, c_out=48, h=6, w=6, k=4, stride=2, padding=1, groups=3),
     "groups_wide": dict(n=2, c_in=128, c_out=48, h=5, w=6, k=3, stride=2, padding=1, groups=2),  # 64 in a group
+    # 18 output channels a group: 16-bit channels-last outputs stored as pairs, not as quads of four channels.
+    "groups_pairs": dict(n=2, c_in=64, c_out=36, h=5, w=7, k=3, stride=2, padding=1, groups=2),
     "one_pixel": dict(n=5, c_in=64, c_out=128, h=1, w=1, k=4),
     # One position high and wide with stride, padding, dilation and output_padding (tiled with stride 5, rows
     # that only the bias reaches), and one position high only.
