@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     )
     max_queue_size: int = Field(256, ge=1, description="Default most requests waiting per layer; then 429.")
     max_body_bytes: int = Field(64 * 2**20, ge=1, description="Largest accepted request body; larger is 413.")
+    body_pool_bytes: int = Field(
+        64 * 2**20, ge=0, description="Request bodies of 64 KiB or more are read into buffers reused from one "
+        "request to the next (service/http/bodies.py); each HTTP process keeps up to this many bytes of them idle. "
+        "0: every body is read into a new buffer.")
     max_json_output_bytes: int = Field(
         64 * 2**20, ge=1, description="KServe: largest JSON-encoded output (counted at 25 bytes a value, before any "
         "work); a request whose answer could be larger is 413 and should ask for binary output.")

@@ -21,6 +21,7 @@ from service.engine.local import LocalEngine
 from service.errors import install_error_handlers
 from service.http import routes, shm_routes
 from service.http.asgi import App
+from service.http.bodies import BodyPool
 from service.http.shm_regions import RegionTable
 
 
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
               lifespan=lifespan)
     app.state.engine = engine = engine if engine is not None else LocalEngine(settings)
     app.state.budget = Budget(inflight_limit(settings), engine.metrics)  # bytes of requests in flight
+    app.state.bodies = BodyPool(settings.body_pool_bytes)  # reused buffers for multi-megabyte request bodies
     app.state.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
     app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir,
                                     settings.cuda_shm_max_regions)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from service.budget import Budget
     from service.engine.interface import Engine
+    from service.http.bodies import BodyPool
 
 log = logging.getLogger("deconv.service")
 
@@ -84,6 +85,11 @@ class Call:
     def engine(self) -> Engine:
         """The app's ``Engine``."""
         return self.scope["app"].state.engine  # type: ignore[no-any-return]
+
+    @property
+    def bodies(self) -> BodyPool:
+        """The app's reused buffers for request bodies."""
+        return self.scope["app"].state.bodies  # type: ignore[no-any-return]
 
     @property
     def budget(self) -> Budget:
@@ -151,16 +157,18 @@ def call_of(request: Request) -> Call:
     return Call(request.scope, request.receive, dict(request.path_params))
 
 
-async def read_body(call: Call, limit: int) -> bytearray:
+async def read_body(call: Call, limit: int) -> bytearray | memoryview:
     """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large.
 
-    The buffer grows with the bytes received, never from the declared length alone; the declared length is taken
+    A body of a declared length of ``service.http.bodies.MIN_BYTES`` or more is read into a reused buffer of the
+    app's ``BodyPool``, which comes back to the pool when the request's last view of it is gone; any other body into
+    a buffer that grows with the bytes received, never from the declared length alone. The declared length is taken
     from the app's budget before reading (the received length, chunk by chunk, when none is declared).
 
     Raises:
         PayloadTooLargeError: the declared or the received length exceeds ``limit`` (413).
         OverloadedError: the server's bytes in flight would exceed their bound (429).
-        MalformedBodyError: a Content-Length that is not a number, or a body shorter than it (400).
+        MalformedBodyError: a Content-Length that is not a number, or a body shorter or longer than it (400).
         RequestTimeoutError: the body did not arrive within the body timeout (408, written by the connection).
         ClientGoneError: the client disconnected before the body was complete.
     """
@@ -169,26 +177,47 @@ async def read_body(call: Call, limit: int) -> bytearray:
         if size > limit:
             raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
         call.hold(size)
-    buf = bytearray()
-    while True:
-        message = await call.receive()
-        if message["type"] == "http.disconnect":
-            if call.scope.get(BODY_TIMED_OUT):
-                raise RequestTimeoutError("the body did not arrive within the body timeout")
-            raise ClientGoneError("client disconnected while sending the body")
-        chunk = message.get("body", b"")
-        if chunk:
-            if len(buf) + len(chunk) > limit:
-                raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
-            if size is None:
-                call.hold(len(chunk))
-            buf += chunk
-        if not message.get("more_body", False):
-            break
+    pooled = call.bodies.take(size) if size is not None else None
+    received, more = 0, True
+    if pooled is not None:
+        while more:
+            chunk, more = await _body_piece(call)
+            end = received + len(chunk)
+            if end > len(pooled):
+                raise MalformedBodyError(f"body longer than its Content-Length of {size} bytes")
+            pooled[received:end] = chunk
+            received = end
+        body: bytearray | memoryview = pooled
+    else:
+        buf = bytearray()
+        while more:
+            chunk, more = await _body_piece(call)
+            if chunk:
+                if len(buf) + len(chunk) > limit:
+                    raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
+                if size is None:
+                    call.hold(len(chunk))
+                buf += chunk
+        body, received = buf, len(buf)
     call.body_read = True
-    if size is not None and len(buf) != size:
-        raise MalformedBodyError(f"body ended after {len(buf)} of {size} bytes")
-    return buf
+    if size is not None and received != size:
+        raise MalformedBodyError(f"body ended after {received} of {size} bytes")
+    return body
+
+
+async def _body_piece(call: Call) -> tuple[bytes, bool]:
+    """The next piece of the request's body (possibly empty), and whether more follows.
+
+    Raises:
+        RequestTimeoutError: the body did not arrive within the body timeout.
+        ClientGoneError: the client disconnected before the body was complete.
+    """
+    message = await call.receive()
+    if message["type"] == "http.disconnect":
+        if call.scope.get(BODY_TIMED_OUT):
+            raise RequestTimeoutError("the body did not arrive within the body timeout")
+        raise ClientGoneError("client disconnected while sending the body")
+    return message.get("body", b""), message.get("more_body", False)
 
 
 def declared_length(call: Call) -> int | None:

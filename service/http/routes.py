@@ -259,7 +259,7 @@ def _layer(engine: Engine, name: str) -> tuple[Layer, LayerQueue]:
     return layer, engine.queues[name]
 
 
-def _decompress(body: bytearray, encoding: str | None, limit: int) -> bytearray:
+def _decompress(body: bytearray | memoryview, encoding: str | None, limit: int) -> bytearray | memoryview:
     enc = (encoding or "identity").strip().lower()
     if enc == "identity":
         return body
@@ -547,7 +547,7 @@ async def v2_model_ready_version(request: Request, name: str, version: str) -> d
     return {"name": name, "ready": True}
 
 
-def _parse_kserve(body: bytearray, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
+def _parse_kserve(body: bytearray | memoryview, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
     view = memoryview(body)
     if header_length is None:
         json_part, binary = view, view[len(view):]
@@ -585,7 +585,7 @@ class RegionInput(NamedTuple):
     shape: tuple[int, ...]
 
 
-async def _parse_kserve_input(call: Call, body: bytearray, header_length: str | None,
+async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_length: str | None,
                               limit: int) -> tuple[dict[str, Any], AnyTensor | RegionInput]:
     """The KServe request in ``body`` and its input tensor.
 

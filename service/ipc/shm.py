@@ -28,12 +28,14 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import mmap
 import os
 import socket
 import struct
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -124,15 +126,8 @@ class Arena:
     def lend(self, start: int, offset: int, nbytes: int) -> memoryview:
         """A writable view of the ``nbytes`` bytes at ``offset``, inside the slot at ``start`` (from ``alloc``),
         that holds the slot: it is given back (``free``) once that view and every view, array or tensor made from
-        it are gone, on this event loop's thread, and never before. The slot must not be given back otherwise.
-
-        The view's exporter is a numpy array over the bytes: slices of the view, ``torch.frombuffer`` and
-        numpy arrays of it keep that array alive, and its end gives the slot back.
-        """
-        owner = np.frombuffer(self.view[offset:offset + nbytes], dtype=np.uint8)
-        done = weakref.finalize(owner, _give_back, self, start, asyncio.get_running_loop(), threading.get_ident())
-        done.atexit = False
-        return memoryview(owner)
+        it are gone (``lend`` below), and never before. The slot must not be given back otherwise."""
+        return lend(self.view[offset:offset + nbytes], functools.partial(self.free, start))
 
     def close(self) -> None:
         """Close the file descriptor (the engine holds its own copy); the mapping stays while views of it live."""
@@ -140,13 +135,27 @@ class Arena:
             os.close(self.fd)
 
 
-def _give_back(arena: Arena, start: int, loop: asyncio.AbstractEventLoop, thread: int) -> None:
-    """Give back a lent slot (``Arena.lend``) on the thread of the arena's event loop."""
+def lend(view: memoryview, release: Callable[[], None]) -> memoryview:
+    """A writable view of ``view``'s bytes that calls ``release`` once it and every view, array or tensor made from
+    it are gone, on the thread of the event loop running now, and never before: memory lent to a request and taken
+    back when the request's last object is.
+
+    The view's exporter is a numpy array over the bytes: slices of the view, ``torch.frombuffer`` and numpy arrays
+    of it keep that array alive, and its end calls ``release``.
+    """
+    owner = np.frombuffer(view, dtype=np.uint8)
+    done = weakref.finalize(owner, _give_back, release, asyncio.get_running_loop(), threading.get_ident())
+    done.atexit = False
+    return memoryview(owner)
+
+
+def _give_back(release: Callable[[], None], loop: asyncio.AbstractEventLoop, thread: int) -> None:
+    """Call a lent view's ``release`` (``lend``) on the thread of its event loop."""
     if threading.get_ident() == thread:
-        arena.free(start)
-    else:  # the last view went in another thread (a garbage collection there): the loop frees it
+        release()
+    else:  # the last view went in another thread (a garbage collection there): the loop releases it
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending, nobody allocates
-            loop.call_soon_threadsafe(arena.free, start)
+            loop.call_soon_threadsafe(release)
 
 
 def send_hello(sock: socket.socket, arena: Arena | None) -> None:

@@ -1,0 +1,78 @@
+"""Request bodies of an HTTP process read into memory that is reused from one request to the next.
+
+A multi-megabyte body read into a new buffer costs more than its bytes: the buffer's pages are fresh, so the kernel
+maps and zeroes every one of them as the body lands (bench/NOTES.md, issue 30: the largest share of an HTTP
+process's CPU with 4 MiB bodies). A body of ``MIN_BYTES`` or more whose length is declared is read instead into a
+buffer of this pool, whose pages stay mapped: ``BodyPool.take`` lends one of at least the body's size, and it comes
+back to the pool once the request's last view of it is gone (the decoded tensor, the answer written from it:
+``service.ipc.shm.lend``), never before. Idle buffers are kept up to ``max_idle_bytes`` (the settings'
+``body_pool_bytes``), the least recently returned given up first; buffers in use are the requests' own and count
+in the server's bound on bytes in flight (``service.budget``) as any body does.
+
+Event-loop only (not thread-safe); a buffer whose last view goes in another thread comes back through the loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+
+import numpy as np
+
+from service.ipc.shm import lend
+
+# Smaller bodies are read into a plain growing buffer: allocating them costs little.
+MIN_BYTES = 64 * 2**10
+# Buffers are allocated in multiples of this, and a body takes an idle buffer at most this much (or a quarter of the
+# body) larger than it: requests of one shape share buffers, and no small body holds a large one.
+GRAIN = 64 * 2**10
+
+
+class BodyPool:
+    """Buffers for request bodies: lent by ``take``, back when the request's last view of one is gone."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        """``max_idle_bytes``: most bytes of buffers kept while no request uses them (0: none, every body is read
+        into a new buffer)."""
+        if max_idle_bytes < 0:
+            raise ValueError(f"max_idle_bytes must be >= 0, got {max_idle_bytes}")
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[tuple[int, int, np.ndarray]] = []  # (capacity, return order, buffer), sorted
+        self._order = itertools.count()
+        self.idle_bytes = 0
+        self.taken = 0  # bodies lent a buffer
+        self.reused = 0  # ... of which got an idle one
+
+    @property
+    def idle(self) -> int:
+        """Buffers kept for the next bodies."""
+        return len(self._idle)
+
+    def take(self, nbytes: int) -> memoryview | None:
+        """A writable view of exactly ``nbytes`` bytes of a pooled buffer, which comes back to the pool once the
+        view and everything made from it are gone; None when the body is below ``MIN_BYTES`` or the pool keeps
+        nothing (the caller then reads into a buffer of its own)."""
+        if nbytes < MIN_BYTES or self.max_idle_bytes == 0:
+            return None
+        i = bisect.bisect_left(self._idle, (nbytes,))
+        if i < len(self._idle) and self._idle[i][0] <= nbytes + max(GRAIN, nbytes // 4):
+            capacity, _, buf = self._idle.pop(i)
+            self.idle_bytes -= capacity
+            self.reused += 1
+        else:
+            buf = np.empty(-(-nbytes // GRAIN) * GRAIN, dtype=np.uint8)
+        self.taken += 1
+        return lend(memoryview(buf)[:nbytes], functools.partial(self._give, buf))
+
+    def _give(self, buf: np.ndarray) -> None:
+        """A lent buffer's last view is gone: keep it, giving up the least recently returned buffers beyond the
+        bound (this one too when it alone exceeds it)."""
+        capacity = buf.nbytes
+        if capacity > self.max_idle_bytes:
+            return
+        bisect.insort(self._idle, (capacity, next(self._order), buf))
+        self.idle_bytes += capacity
+        while self.idle_bytes > self.max_idle_bytes:
+            oldest = min(range(len(self._idle)), key=lambda j: self._idle[j][1])
+            self.idle_bytes -= self._idle.pop(oldest)[0]
