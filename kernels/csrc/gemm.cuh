@@ -163,7 +163,7 @@ __device__ __forceinline__ void gemm_store_quad(const GemmArgs& g, const GemmTil
   const int src = (lane & ~3) | ((q & 1) << 1);
   const uint32_t a_lo = __shfl_sync(0xffffffffu, lo_pair, src), a_hi = __shfl_sync(0xffffffffu, hi_pair, src);
   const uint32_t b_lo = __shfl_sync(0xffffffffu, lo_pair, src + 1), b_hi = __shfl_sync(0xffffffffu, hi_pair, src + 1);
-  const int c = co - 2 * q + 4 * q;  // the first of this lane's four columns
+  const int c = co - 2 * q + 4 * q;  // the first of this lane's four columns: co - 2q is the sixteen's first
   if (!ok || c >= g.cout_g) return;
   T* yp = static_cast<T*>(g.y) + n * g.ys_n + ho * g.ys_h + wo * g.ys_w + co_base + c;
   *reinterpret_cast<uint2*>(yp) = q < 2 ? make_uint2(a_lo, b_lo) : make_uint2(a_hi, b_hi);

@@ -6,8 +6,9 @@ process's CPU with 4 MiB bodies). A body of ``MIN_BYTES`` or more whose length i
 buffer of this pool, whose pages stay mapped: ``BodyPool.take`` lends one of at least the body's size, and it comes
 back to the pool once the request's last view of it is gone (the decoded tensor, the answer written from it:
 ``service.ipc.shm.lend``), never before. Idle buffers are kept up to ``max_idle_bytes`` (the settings'
-``body_pool_bytes``), the least recently returned given up first; buffers in use are the requests' own and count
-in the server's bound on bytes in flight (``service.budget``) as any body does.
+``body_pool_bytes``), the least recently returned given up first; a buffer in use is its request's own and counts
+in the server's bound on bytes in flight (``service.budget``) by the body's length, as any body does (a reused
+buffer may be up to a quarter, or ``GRAIN``, larger).
 
 Event-loop only (not thread-safe); a buffer whose last view goes in another thread comes back through the loop.
 """
