@@ -13,7 +13,8 @@ import torch
 
 from service.config import Settings
 from service.http.bodies import GRAIN, MIN_BYTES, BodyPool
-from tests.service.conftest import NPY, load_npy, npy_bytes, reference, rel_err, run, serve_app, write_layer
+
+from .conftest import NPY, load_npy, npy_bytes, reference, rel_err, run, serve_app, write_layer
 
 MiB = 2**20
 
