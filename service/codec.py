@@ -138,19 +138,22 @@ class RawTensor:
 
 class SlotTensor(RawTensor):
     """A request's input whose output is to be written into ``out`` (exactly the output's bytes): the request's
-    slot in an HTTP process's shared arena (``service.ipc.shm``), where the input is too."""
+    slot in an HTTP process's shared arena (``service.ipc.shm``), where the input is too. ``pinned``: the arena is
+    page-locked for the GPUs (``service.engine.ops.HostPin``), which then copy to and from the slot directly."""
 
-    __slots__ = ("out",)
+    __slots__ = ("out", "pinned")
 
-    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: memoryview) -> None:
+    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], out: memoryview,
+                 pinned: bool = False) -> None:
         super().__init__(data, dtype, shape)
         self.out = out
+        self.pinned = pinned
 
     @classmethod
-    def of(cls, x: RawTensor, out: memoryview) -> SlotTensor:
+    def of(cls, x: RawTensor, out: memoryview, pinned: bool = False) -> SlotTensor:
         """``x`` (checked when it was made) with its output's place ``out``: the engine makes one per request."""
         t = cls.__new__(cls)
-        t.data, t.dtype, t.shape, t.out = x.data, x.dtype, x.shape, out
+        t.data, t.dtype, t.shape, t.out, t.pinned = x.data, x.dtype, x.shape, out, pinned
         return t
 
 

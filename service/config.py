@@ -35,9 +35,13 @@ class Settings(BaseSettings):
         "parse HTTP and decode tensors, feeding one engine process that batches and runs every layer, so that "
         "HTTP scales over N cores while requests from all of them still share batches.")
     ipc_shm_bytes: int = Field(
-        64 * 2**20, ge=0, description="Multi-process server: bytes of shared memory per HTTP process through which "
+        256 * 2**20, ge=0, description="Multi-process server: bytes of shared memory per HTTP process through which "
         "requests' tensors reach the engine and come back (service/ipc/shm.py); a request that does not fit travels "
         "through the engine socket. 0: always the socket.")
+    ipc_shm_pinned: bool = Field(
+        True, description="Multi-process server on GPUs: the engine page-locks each HTTP process's shared memory "
+        "(cudaHostRegister), so that megabyte tensors go between it and the GPU with no host copy. Locking commits "
+        "the whole arena (DECONV_IPC_SHM_BYTES per HTTP process) to memory.")
     layer_repository: Path = Field(
         DEFAULT_LAYER_REPOSITORY, description="Directory with one <name>.json + <name>.safetensors per layer."
     )

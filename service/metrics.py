@@ -97,6 +97,10 @@ class Metrics:
             ["layer", "reason"], registry=r)
         self.worker_batches = Counter(
             "deconv_worker_batches", "Batches executed, by worker.", ["worker"], registry=r)
+        self.worker_direct_batches = Counter(
+            "deconv_worker_direct_batches", "Batches a GPU worker uploaded from and downloaded into page-locked shared "
+            "memory directly, with no staging copy (multi-process server, megabyte requests), by worker.", ["worker"],
+            registry=r)
         self.worker_busy = Gauge(
             "deconv_worker_busy", "1 while the worker executes a batch.", ["worker"], registry=r,
             multiprocess_mode="livesum")

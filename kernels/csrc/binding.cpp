@@ -433,10 +433,12 @@ class HeldBuffers {
   ~HeldBuffers() {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
-  // The object's memory as one C-contiguous block; throws the Python error when it has none.
-  const Py_buffer& get(PyObject* obj) {
+  // The object's memory as one C-contiguous block (writable when asked); throws the Python error when it has
+  // none.
+  const Py_buffer& get(PyObject* obj, bool writable = false) {
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
+      throw py::error_already_set();
     views_.push_back(view);
     return views_.back();
   }
@@ -474,28 +476,21 @@ void gather_parts(const std::vector<Part>& parts, char* dst) {
   });
 }
 
-// forward_staged for a batch whose samples sit in several host buffers (each request's, where it arrived): with
-// the GIL held only to find the parts' memory, the parts are copied into pinned staging memory, uploaded, run,
-// downloaded into a new pinned tensor that is returned, and the current stream is waited for. A serving thread
-// then takes the GIL back once per batch. Python (kernels/functional.py, conv_transpose2d_gathered) checks the
-// parts' types, dtypes and sizes first.
-torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
-                               const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
-                               const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
-                               std::vector<int64_t> padding, std::vector<int64_t> output_padding,
-                               std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
-                               int64_t force_path, int64_t force_config, int64_t force_split,
-                               int64_t force_staged, int64_t force_round, WeightPacks* packs) {
-  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
-  TORCH_CHECK(weight.is_cuda(), "conv_transpose2d_gathered: weight must be a CUDA tensor.");
+// A host batch's input as a meta tensor of x_shape, after the checks of the weights and packs it goes with (`name`:
+// the caller, for the messages).
+torch::Tensor host_batch_input(const char* name, const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
+                               const WeightPacks* packs) {
+  TORCH_CHECK(weight.is_cuda(), name, ": weight must be a CUDA tensor.");
   check_packs(packs, weight);
-  TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, "conv_transpose2d_gathered: shape must be [N, C_in, H, W].");
-  const torch::Tensor x_meta = at::empty(x_shape, weight.options().device(at::kMeta));
-  const Problem pr =
-      check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  TORCH_CHECK(x_shape.size() == 4 && x_shape[0] > 0, name, ": shape must be [N, C_in, H, W].");
+  return at::empty(x_shape, weight.options().device(at::kMeta));
+}
+
+// The memory of a batch's host parts (CPU tensors or buffers, checked by Python first), in order; `buffers` and
+// `tensors` keep them referenced. Throws unless they hold exactly `nbytes`.
+std::vector<Part> host_parts(const py::list& parts, const torch::Tensor& weight, size_t nbytes, HeldBuffers& buffers,
+                             std::vector<torch::Tensor>& tensors) {
   std::vector<Part> host;
-  std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
-  HeldBuffers buffers(parts.size());
   size_t total = 0;
   for (const py::handle obj : parts) {
     if (THPVariable_Check(obj.ptr())) {
@@ -510,8 +505,30 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
     }
     total += host.back().bytes;
   }
-  TORCH_CHECK(total == static_cast<size_t>(x_meta.nbytes()), "conv_transpose2d_gathered: the parts hold ",
-              num(total), " bytes, the input ", num(x_meta.nbytes()), ".");
+  TORCH_CHECK(total == nbytes, "conv_transpose2d_gathered: the parts hold ", num(total), " bytes, the input ",
+              num(nbytes), ".");
+  return host;
+}
+
+// forward_staged for a batch whose samples sit in several host buffers (each request's, where it arrived): with
+// the GIL held only to find the parts' memory, the parts are copied into pinned staging memory, uploaded, run,
+// downloaded into a new pinned tensor that is returned, and the current stream is waited for. A serving thread
+// then takes the GIL back once per batch. Python (service/engine/ops.py, conv_transpose2d_gathered) checks the
+// parts' types, dtypes and sizes first.
+torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
+                               const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
+                               const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
+                               std::vector<int64_t> padding, std::vector<int64_t> output_padding,
+                               std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
+                               int64_t force_path, int64_t force_config, int64_t force_split,
+                               int64_t force_staged, int64_t force_round, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
+  const torch::Tensor x_meta = host_batch_input("conv_transpose2d_gathered", x_shape, weight, packs);
+  const Problem pr =
+      check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
+  HeldBuffers buffers(parts.size());
+  const std::vector<Part> host = host_parts(parts, weight, x_meta.nbytes(), buffers, tensors);
   torch::Tensor y_host;
   {
     const py::gil_scoped_release no_gil;
@@ -524,6 +541,81 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
                      packs);
   }
   return y_host;
+}
+
+// forward_gathered with nothing staged, for parts and outputs in page-locked memory (host_register): each part is
+// uploaded from where it is and the output downloaded in pieces into `outs` (writable buffers, in order, whose sizes
+// add up to the output's: each request's rows into its own place), then the current stream is waited for. Any host
+// memory works; pageable memory goes at the speed of the driver's own staging. Returns the kernel path as forward.
+int64_t forward_direct(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
+                       const py::list& outs,   // writable buffers: [N, C_out, H_out, W_out] in order
+                       const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
+                       const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
+                       std::vector<int64_t> padding, std::vector<int64_t> output_padding,
+                       std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
+                       int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
+                       int64_t force_round, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
+  const torch::Tensor x_meta = host_batch_input("conv_transpose2d_direct", x_shape, weight, packs);
+  const Problem pr =
+      check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  std::vector<torch::Tensor> tensors;
+  HeldBuffers buffers(parts.size() + outs.size());
+  const std::vector<Part> host = host_parts(parts, weight, x_meta.nbytes(), buffers, tensors);
+  std::vector<Part> places;
+  size_t out_total = 0;
+  for (const py::handle obj : outs) {
+    const Py_buffer& view = buffers.get(obj.ptr(), /*writable=*/true);
+    places.push_back({view.buf, static_cast<size_t>(view.len)});
+    out_total += places.back().bytes;
+  }
+  const size_t y_bytes = static_cast<size_t>(pr.N * pr.C_out * pr.H_out * pr.W_out) * x_meta.element_size();
+  TORCH_CHECK(out_total == y_bytes, "conv_transpose2d_direct: the output places hold ", num(out_total),
+              " bytes, the output ", num(y_bytes), ".");
+  const py::gil_scoped_release no_gil;
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(weight.device().index()).stream();
+  const torch::Tensor x = at::empty(x_shape, weight.options());
+  char* to = static_cast<char*>(x.data_ptr());
+  for (const Part& part : host) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(to, part.data, part.bytes, cudaMemcpyHostToDevice, stream));
+    to += part.bytes;
+  }
+  const auto [y_any, path] =
+      launch(x, weight, bias, c10::nullopt, pr, stride, padding, dilation, groups, precision, forced, packs);
+  const torch::Tensor y = y_any.contiguous();
+  const char* from = static_cast<const char*>(y.data_ptr());
+  for (const Part& place : places) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(const_cast<void*>(place.data), from, place.bytes, cudaMemcpyDeviceToHost, stream));
+    from += place.bytes;
+  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return path;
+}
+
+// Page-locks a host buffer's memory for every GPU (cudaHostRegisterPortable), so that copies to and from it are
+// direct DMA (forward_direct). Returns its address, for host_unregister; the caller keeps the memory mapped until
+// then. Throws when the driver refuses (the memory stays pageable and usable).
+int64_t host_register(const py::object& buffer) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(buffer.ptr(), &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) throw py::error_already_set();
+  void* const ptr = view.buf;
+  const size_t bytes = static_cast<size_t>(view.len);
+  PyBuffer_Release(&view);
+  const cudaError_t err = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // the error is this call's, not a later launch's
+    TORCH_CHECK(false, "host_register: cudaHostRegister of ", num(bytes), " bytes failed: ",
+                std::string(cudaGetErrorString(err)), ".");
+  }
+  return reinterpret_cast<int64_t>(ptr);
+}
+
+// Undoes host_register; false when the driver refused (at interpreter exit its context may be gone already).
+bool host_unregister(int64_t address) {
+  const cudaError_t err = cudaHostUnregister(reinterpret_cast<void*>(address));
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess;
 }
 
 }  // namespace
@@ -558,6 +650,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
         py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
+  m.def("forward_direct", &forward_direct,
+        "ConvTranspose2d forward of an input given as host parts, each uploaded where it is, into host places "
+        "(writable buffers, in order), on the current stream, waiting for the result, with the GIL released once; "
+        "for page-locked memory (host_register). Returns the kernel path as forward does.",
+        py::arg("parts"), py::arg("outs"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+        py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
+        py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
+  m.def("host_register", &host_register,
+        "Page-lock a writable buffer's memory for every GPU (cudaHostRegister); returns its address.",
+        py::arg("buffer"));
+  m.def("host_unregister", &host_unregister, "Undo host_register at this address; False when the driver refused.",
+        py::arg("address"));
   py::class_<WeightPacks>(m, "WeightPacks",
                           "Packed copies of one CUDA weight tensor for the tensor-core kernels, one per layout, made "
                           "on first use and kept (for weights that do not change while it lives).")

@@ -1,7 +1,8 @@
 """The kernels' batch calls for serving: host memory in, host memory out, the GIL released once per batch; and
 device memory in, device memory out, for requests in CUDA shared memory.
 
-``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived),
+``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived, copied into staging
+memory), ``conv_transpose2d_direct`` (the same, uploaded from and downloaded into memory locked with ``HostPin``),
 ``conv_transpose2d_staged`` (a host tensor into a host tensor) and ``conv_transpose2d_device`` (a CUDA tensor into
 a given CUDA tensor, such as a client's region) are what the workers (``service.engine.worker``) run;
 ``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal layer
@@ -10,9 +11,12 @@ a given CUDA tensor, such as a client's region) are what the workers (``service.
 
 from __future__ import annotations
 
+import math
 import operator
+import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kernels._ops import (
@@ -136,8 +140,18 @@ def conv_transpose2d_gathered(
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, or parts that do not add up to
             ``shape``.
     """
+    dims = _check_dims(shape, weight, "conv_transpose2d_gathered")
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
+    _check_parts(parts, dims, weight.dtype)
+    mode = resolve_precision(weight.dtype, precision)
+    return _load_extension().forward_gathered(  # type: ignore[no-any-return]
+        list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
+        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+
+
+def _check_dims(shape: Sequence[int], weight: torch.Tensor, name: str) -> tuple[int, ...]:
     if not isinstance(weight, torch.Tensor) or not weight.is_cuda:
-        raise ConvTranspose2dArgumentError("conv_transpose2d_gathered takes CUDA weights")
+        raise ConvTranspose2dArgumentError(f"{name} takes CUDA weights")
     dims = tuple(operator.index(d) for d in shape)
     if len(dims) != 4 or dims[0] <= 0:
         raise ConvTranspose2dArgumentError(f"shape must be [N, C_in, H, W] with N >= 1, got {list(dims)}")
@@ -145,16 +159,20 @@ def conv_transpose2d_gathered(
         raise ConvTranspose2dArgumentError(
             f"unsupported dtype {weight.dtype}; use float32, float16, bfloat16 or float64"
         )
-    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
-    itemsize = weight.dtype.itemsize
+    return dims
+
+
+def _check_parts(parts: Sequence[HostPart], dims: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise unless ``parts`` are host memory holding exactly a ``dims`` input of ``dtype``."""
+    itemsize = dtype.itemsize
     total = 0
     for i, part in enumerate(parts):
         if type(part) is memoryview and part.c_contiguous:  # a request's bytes as served: the common case, first
             total += part.nbytes
         elif isinstance(part, torch.Tensor):
-            if part.device.type != "cpu" or part.dtype != weight.dtype or not part.is_contiguous():
+            if part.device.type != "cpu" or part.dtype != dtype or not part.is_contiguous():
                 raise ConvTranspose2dArgumentError(
-                    f"part {i}: a tensor part must be a contiguous CPU tensor of dtype {weight.dtype}, got "
+                    f"part {i}: a tensor part must be a contiguous CPU tensor of dtype {dtype}, got "
                     f"{part.dtype} on {part.device}{'' if part.is_contiguous() else ', not contiguous'}")
             total += part.numel() * itemsize
         else:
@@ -162,14 +180,71 @@ def conv_transpose2d_gathered(
             if not view.c_contiguous:
                 raise ConvTranspose2dArgumentError(f"part {i}: the buffer is not C-contiguous")
             total += view.nbytes
-    want = dims[0] * dims[1] * dims[2] * dims[3] * itemsize
+    want = math.prod(dims) * itemsize
     if total != want:
-        raise ConvTranspose2dArgumentError(
-            f"the parts hold {total} bytes; a {list(dims)} {weight.dtype} input is {want}")
+        raise ConvTranspose2dArgumentError(f"the parts hold {total} bytes; a {list(dims)} {dtype} input is {want}")
+
+
+def conv_transpose2d_direct(
+    parts: Sequence[HostPart],
+    outs: Sequence[memoryview],
+    shape: Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    choice: KernelChoice = DEFAULT,
+    packs: WeightPacks | None = None,
+) -> str:
+    """``conv_transpose2d_gathered`` with nothing staged: for host memory the GPU reaches directly (``HostPin``).
+
+    Each part is uploaded from where it is, and the output ``[N, C_out, H_out, W_out]`` is downloaded in pieces
+    into ``outs`` (writable C-contiguous buffers, in order, whose sizes add up to the output's: a serving batch's
+    requests, each its rows into its own place), in one extension call that releases the GIL once and returns once
+    the output is there. Pageable memory works too, at the speed of the driver's own staging. Returns the kernel
+    family that ran.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, parts that do not add up to
+            ``shape``, or places that do not add up to the output.
+    """
+    dims = _check_dims(shape, weight, "conv_transpose2d_direct")
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
+    _check_parts(parts, dims, weight.dtype)
+    h_out, w_out = _out_hw(dims, weight, args)
+    want = dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
+    total = 0
+    for i, out in enumerate(outs):
+        if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
+            raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
+        total += out.nbytes
+    if total != want:
+        raise ConvTranspose2dArgumentError(f"the output places hold {total} bytes; the output is {want}")
     mode = resolve_precision(weight.dtype, precision)
-    return _load_extension().forward_gathered(  # type: ignore[no-any-return]
-        list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+    path = _load_extension().forward_direct(
+        list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
+        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+    return KERNEL_PATHS[path]
+
+
+class HostPin:
+    """Host memory page-locked for every GPU (``cudaHostRegister``), so that the GPU copies to and from it
+    directly (``conv_transpose2d_direct``): ``view`` is the memory to use, and the pages stay locked while any view
+    of it lives (anything sliced from ``view``, or made from such a slice), unlocked once the last one is gone and
+    before the memory is released. Locking commits the memory (every page resident, none swapped out).
+
+    Raises:
+        RuntimeError: the driver refused (the memory is left as it was).
+    """
+
+    def __init__(self, buffer: memoryview) -> None:
+        # The views handed out are of this array, whose finalizer unlocks the pages before the array lets go of
+        # ``buffer`` (numpy clears an array's weak references before it releases its base).
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        address = int(_load_extension().host_register(array))
+        self.nbytes = buffer.nbytes
+        self.view = memoryview(array)
+        weakref.finalize(array, _load_extension().host_unregister, address)
 
 
 def conv_transpose2d_device(

@@ -31,6 +31,7 @@ from service.config import Settings, configure_logging, load_settings
 from service.engine.batcher import Batcher, Pending
 from service.engine.interface import Result
 from service.engine.local import LocalEngine
+from service.engine.ops import HostPin
 from service.engine.registry import RepositoryError
 from service.errors import DeadlineExceededError, InternalError, ServiceError, UnknownLayerError
 from service.ipc import frames, shm
@@ -46,10 +47,11 @@ HANDSHAKE_TIMEOUT_S = 10.0
 class EngineConnection(frames.FrameProtocol):
     """One HTTP process's connection: its requests in, their results out."""
 
-    def __init__(self, server: EngineServer, arena: memoryview | None = None) -> None:
+    def __init__(self, server: EngineServer, arena: memoryview | None = None, pinned: bool = False) -> None:
         super().__init__()
         self.server = server
         self.arena = arena  # the HTTP process's shared memory (service.ipc.shm), mapped here; None: tensors inline
+        self.pinned = pinned  # the arena is page-locked for the GPUs (ops.HostPin)
         self.pending: dict[int, tuple[Batcher, Pending]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -117,7 +119,7 @@ class EngineConnection(frames.FrameProtocol):
         if end > self.arena.nbytes:
             raise frames.ProtocolError(f"output slot [{req.out_offset}, {end}) is outside the {self.arena.nbytes}-byte "
                                     "arena")
-        return SlotTensor.of(req.x, self.arena[req.out_offset:end])
+        return SlotTensor.of(req.x, self.arena[req.out_offset:end], self.pinned)
 
     def _answer(self, request_id: int, outcome: Result | BaseException | None) -> None:
         """The batcher's answer to a request (its ``Answer``): a result, an exception, or None when dropped."""
@@ -159,6 +161,7 @@ class EngineServer:
     """A ``LocalEngine`` without HTTP, serving the HTTP processes on a Unix socket."""
 
     def __init__(self, settings: Settings, socket_path: str) -> None:
+        self.settings = settings
         self.engine = LocalEngine(settings, observe_queue_time=False)  # the HTTP processes observe it (RESULT)
         self.engine.readiness.freeze_gc = True
         self.socket_path = socket_path
@@ -256,9 +259,27 @@ class EngineServer:
         except BaseException:  # the engine stopping
             conn.close()
             raise
-        log.info("engine: an HTTP process connected (%s)",
-                 "tensors inline" if arena is None else f"{arena.nbytes >> 20} MiB shared arena")
-        await loop.connect_accepted_socket(lambda: EngineConnection(self, arena), conn)
+        pinned = False
+        if arena is not None and self.settings.ipc_shm_pinned and self._gpus():
+            arena, pinned = await asyncio.to_thread(self._pin, arena)
+        log.info("engine: an HTTP process connected (%s)", "tensors inline" if arena is None else
+                 f"{arena.nbytes >> 20} MiB shared arena{', page-locked' if pinned else ''}")
+        await loop.connect_accepted_socket(lambda: EngineConnection(self, arena, pinned), conn)
+
+    def _gpus(self) -> bool:
+        pool = self.engine.pool
+        return pool is not None and any(w.is_cuda for w in pool.workers)
+
+    @staticmethod
+    def _pin(arena: memoryview) -> tuple[memoryview, bool]:
+        """The arena page-locked for the GPUs (``ops.HostPin``: unlocked once the last view of it is gone), or as it
+        is when the driver refuses (its tensors then go through staging memory)."""
+        try:
+            return HostPin(arena).view, True
+        except RuntimeError as exc:
+            log.warning("engine: could not page-lock a %d MiB arena (%s); its tensors go through staging memory",
+                        arena.nbytes >> 20, exc)
+            return arena, False
 
     async def _sample_gpus(self) -> None:
         while True:  # /metrics is served by the HTTP processes, which cannot read this process's GPU memory

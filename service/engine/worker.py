@@ -2,7 +2,10 @@
 
 A GPU worker runs a batch in one extension call that releases the GIL once (``conv_transpose2d_gathered``): copy
 the requests' inputs, where they arrived, into pinned staging memory, upload on the worker's CUDA stream, run the
-kernels, download into a pinned output and wait for the stream; then split the output back per request. The
+kernels, download into a pinned output and wait for the stream; then split the output back per request. A batch of
+megabyte requests whose slots are page-locked (the engine process locks each HTTP process's arena) skips the
+staging: each input is uploaded from its slot and each output downloaded into its slot (``conv_transpose2d_direct``,
+``Worker._direct_batch``), with no host copy. The
 worker thread shares the GIL with the event loop, which holds it most of the time under load, so every operation
 that releases and re-takes it (each torch call does) costs the batch a wait. Out of memory (one path,
 ``Worker._forward_span``): the batch is staged whole and split in halves, each half retried
@@ -35,7 +38,10 @@ worker's thread (``_serve``). Everything the loop alone uses (``inflight_batches
   the generation that will run it or failed by the replacement, never lost between them.
 * ``_slot_lock`` makes ``_deliver``'s check "am I still the current generation?" and its writes into the
   requests' slots one step with respect to ``_replace``: once a replacement has failed a batch, its slots may
-  serve other requests, and a replaced thread that comes back late must not write into them.
+  serve other requests, and a replaced thread that comes back late must not write into them. A batch the GPU writes
+  into its slots itself (``_direct_batch``) is marked ``_writing`` under the same lock before it starts; a
+  replacement leaves that one batch unanswered, to the old thread, so that its slots stay its requests' until the
+  writes are done.
 
 ``busy_since`` is written by the thread and read by the watchdog without a lock (a float, replaced whole).
 """
@@ -74,6 +80,7 @@ from service.engine.ops import (
     HostPart,
     WeightPacks,
     conv_transpose2d_device,
+    conv_transpose2d_direct,
     conv_transpose2d_gathered,
     conv_transpose2d_staged,
 )
@@ -103,8 +110,16 @@ _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 # error of that request alone.
 _Output = AnyTensor | DeviceTensor | ServiceError
 _T = TypeVar("_T")
+# (requests' inputs in their slots, CUDA weight, bias, layer, the weight's packs): the GPU worker's step for a batch
+# of megabyte requests in page-locked slots, which uploads each input from its slot, downloads each output into its
+# slot and returns once they are there.
+DirectFn = Callable[[list[SlotTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], None]
 # Device addresses the kernels read and write in place: a region's tensor elsewhere is copied once (bytes).
 DEVICE_ALIGN = 16
+# Input bytes a request from which a batch whose slots are page-locked is copied straight between slots and GPU
+# (one copy a request each way, ``Worker._direct_batch``) rather than through staging memory (one copy a batch each
+# way after a host copy of every byte): below it the per-copy cost of many small requests outweighs the host copies.
+DIRECT_MIN_BYTES = 256 << 10
 
 
 def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
@@ -144,6 +159,18 @@ def kernel_forward_gathered(inputs: list[AnyTensor], weight: torch.Tensor, bias:
     shape = (n, *(int(d) for d in inputs[0].shape[1:]))
     return conv_transpose2d_gathered(parts, shape, weight, bias, layer.args, layer.kernel_precision,
                                      serving_choice(shape, weight, bias, layer, packs), packs)
+
+
+def kernel_forward_direct(inputs: list[SlotTensor], weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
+                          packs: WeightPacks | None = None) -> None:
+    """``kernel_forward`` of the requests' inputs in page-locked slots, each output into its slot (``x.out``), on
+    the current stream, waiting for it."""
+    n = 0
+    for x in inputs:
+        n += int(x.shape[0])
+    shape = (n, *(int(d) for d in inputs[0].shape[1:]))
+    conv_transpose2d_direct([x.data for x in inputs], [x.out for x in inputs], shape, weight, bias, layer.args,
+                            layer.kernel_precision, serving_choice(shape, weight, bias, layer, packs), packs)
 
 
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
@@ -191,7 +218,7 @@ class Worker:
 
     def __init__(self, device: torch.device, metrics: Metrics | None = None, forward: ForwardFn | None = None,
                  faults: Faults | None = None, gathered: GatheredFn | None = None,
-                 cuda: CudaRegions | None = None, name: str | None = None) -> None:
+                 cuda: CudaRegions | None = None, name: str | None = None, direct: DirectFn | None = None) -> None:
         self.device = device
         self._cuda = cuda  # the engine's CUDA shared-memory regions, which a batch of CudaJobs leases
         self.name = name or str(device)  # metrics and logs; "cuda:0/1" with several workers a device
@@ -199,6 +226,7 @@ class Worker:
         self.faults = faults if faults else None
         self._forward = forward or kernel_forward  # the CPU worker's step
         self._gathered = gathered or kernel_forward_gathered  # the GPU worker's step
+        self._direct = direct or kernel_forward_direct  # ... for megabyte requests in page-locked slots
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
         # layer -> (weight, bias, packed copies of the weight on a GPU worker)
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None, WeightPacks | None]] = {}
@@ -211,6 +239,8 @@ class Worker:
         self._generation = 0
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._held: set[Future[list[AnyTensor]]] = set()  # batches handed to the current thread, unanswered
+        # The batch whose outputs the GPU is writing into their slots (``_direct_batch``), with _slot_lock.
+        self._writing: Future[list[AnyTensor]] | None = None
         self._abandoned: list[threading.Thread] = []  # replaced threads, joined at shutdown if they come back
         self._thread = self._start_thread()
 
@@ -242,7 +272,7 @@ class Worker:
                     continue  # already failed by a restart
                 self.busy_since = time.monotonic()
                 try:
-                    outputs = self._outputs(layer, inputs, generation)
+                    outputs = self._outputs(layer, inputs, generation, future)
                 except Exception as exc:
                     _settle(future, error=exc)
                 else:
@@ -259,13 +289,77 @@ class Worker:
             log.critical("worker %s: thread %d died", self.name, generation, exc_info=True)
             self._replace(generation, "died")
 
-    def _outputs(self, layer: Layer, inputs: list[AnyTensor], generation: int) -> list[_Output]:
+    def _outputs(self, layer: Layer, inputs: list[AnyTensor], generation: int,
+                 future: Future[list[AnyTensor]]) -> list[_Output]:
         """The batch's answers, one per request: a batch of requests in CUDA shared memory (``codec.CudaJob``;
-        the batcher never mixes them with others) on the device path, every other batch through host memory."""
+        the batcher never mixes them with others) on the device path, megabyte requests in page-locked slots
+        straight between slots and GPU, every other batch through staging memory."""
         if isinstance(inputs[0], CudaJob):
             jobs: list[CudaJob] = inputs  # type: ignore[assignment]
             return self._guarded(layer, inputs, lambda: self._device_batch(layer, jobs))
+        if self._direct_slots(inputs):
+            slots: list[SlotTensor] = inputs  # type: ignore[assignment]
+            return self._guarded(layer, inputs,  # type: ignore[return-value]
+                                 lambda: self._direct_batch(layer, slots, generation, future))
         return self._deliver(inputs, self._batch_output(layer, inputs), generation)  # type: ignore[return-value]
+
+    def _direct_slots(self, inputs: list[AnyTensor]) -> bool:
+        """Whether a batch goes straight between its slots and the GPU: on a GPU, every request in a page-locked
+        slot (``SlotTensor.pinned``), ``DIRECT_MIN_BYTES`` of input a request on average."""
+        if not self.is_cuda:
+            return False
+        total = 0
+        for x in inputs:
+            if type(x) is not SlotTensor or not x.pinned:
+                return False
+            total += x.data.nbytes
+        return total >= DIRECT_MIN_BYTES * len(inputs)
+
+    def _direct_batch(self, layer: Layer, inputs: list[SlotTensor], generation: int,
+                      future: Future[list[AnyTensor]]) -> list[AnyTensor]:
+        """The batch uploaded from its slots and each output downloaded into its slot (``kernel_forward_direct``):
+        no host copy, and each answer is a view of its slot.
+
+        The GPU writes the slots while the call runs, so the rule that only the current thread writes into slots
+        (``_deliver``) holds another way: the call starts only if this thread is still the current one, and a
+        replacement meanwhile leaves this batch to it (``_replace`` skips ``_writing``), so that the slots stay the
+        requests' until the writes are over and the batch is answered, late, by this thread. Out of memory (before
+        anything is written): the staged path, which splits the batch in halves."""
+        weight, bias, packs = self._weights[layer.name]
+        with self._slot_lock:
+            if generation != self._generation:
+                raise InternalError(f"worker {self.name}: replaced before the batch started")
+            self._writing = future
+        try:
+            if self.faults is not None:
+                self.faults.before_forward(layer.name, sum(int(x.shape[0]) for x in inputs))
+            with contextlib.ExitStack() as stack:
+                if self.is_cuda:
+                    stack.enter_context(torch.cuda.device(self.device))
+                    stack.enter_context(torch.cuda.stream(self._stream))
+                self._direct(inputs, weight, bias, layer, packs)
+        except torch.cuda.OutOfMemoryError:
+            pass  # retried below, outside the except block, so that the failed attempt's tensors are freed
+        else:
+            if self.metrics is not None:
+                self.metrics.worker_direct_batches.labels(self.name).inc()
+            _, c_out, h_out, w_out = self._out_shape(layer, inputs[0])
+            return [RawTensor(x.out, x.dtype, (int(x.shape[0]), c_out, h_out, w_out)) for x in inputs]
+        finally:
+            with self._slot_lock:
+                self._writing = None
+        self._count_failure("oom_retry")
+        log.warning("worker %s: out of memory for a batch of layer %s straight from its slots; staging it instead",
+                    self.name, layer.name)
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+        return self._deliver(inputs, self._forward_span(layer, inputs, None),  # type: ignore[arg-type]
+                             generation)
+
+    @staticmethod
+    def _out_shape(layer: Layer, x: AnyTensor) -> tuple[int, int, int, int]:
+        n, _, h, w = x.shape
+        return (int(n), layer.config.out_channels, *layer.output_hw(int(h), int(w)))
 
     def _deliver(self, inputs: list[AnyTensor], y: torch.Tensor, generation: int) -> list[AnyTensor]:
         """The batch's output ``y`` split per request: for an input with a slot (``SlotTensor``) its rows are
@@ -322,16 +416,17 @@ class Worker:
             self._abandoned.append(self._thread)
             with self._slot_lock:  # the old thread's outputs are in their slots now, or never will be
                 self._thread = self._start_thread()
+                writing = self._writing  # ... except a batch the GPU is writing into them: the old thread answers it
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
         error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
-        failed = list(held)  # settling one takes it out of held
+        failed = [f for f in held if f is not writing]  # settling one takes it out of held
         for future in failed:
             _settle(future, error=error)
         if self.metrics is not None:
             self.metrics.worker_restarts.labels(self.name, reason).inc()
             self.metrics.worker_busy.labels(self.name).set(0)
-        log.error("worker %s: thread %s; %d batch(es) it held failed; started a new thread", self.name, reason,
-                  len(failed))
+        log.error("worker %s: thread %s; %d batch(es) it held failed%s; started a new thread", self.name, reason,
+                  len(failed), "" if writing is None else " (the one it writes into slots is answered when it ends)")
         return True
 
     def stalled(self, timeout_s: float) -> bool:

@@ -6,8 +6,10 @@ and compares by norm-wise relative error ``||y - ref|| / ||ref||`` with docs/arc
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import mmap
 import random
 import zlib
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch import nn
 import kernels
 from kernels._ops import _forward_cuda
 from kernels.functional import normalize_args, output_size
-from service.engine.ops import conv_transpose2d_gathered, conv_transpose2d_staged
+from service.engine.ops import HostPin, conv_transpose2d_direct, conv_transpose2d_gathered, conv_transpose2d_staged
 
 pytestmark = pytest.mark.cuda
 
@@ -804,6 +806,84 @@ def test_gathered_parts_host_to_host(family: str, mode: str) -> None:
     assert y.is_contiguous()
     assert y.shape == ref.shape
     assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
+
+
+def _places(arena: memoryview, sizes: list[int], at: int = 0) -> list[memoryview]:
+    out = []
+    for n in sizes:
+        out.append(arena[at:at + n])
+        at += n + 64  # gaps between the places, as slots have
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", ["stride2", "groups4_strided", "wide_odd", "depthwise", "odd_channels"])
+@pytest.mark.parametrize("pinned", [True, False])
+def test_direct_parts_into_places(family: str, mode: str, pinned: bool) -> None:
+    """The serving worker's call for megabyte requests: each request's input uploaded from its place in shared
+    memory (page-locked or not) and its output rows downloaded into its own place; the places around stay as
+    they were."""
+    dtype, precision, tol = MODES[mode]
+    x, wt, b, args, ref = _host_problem(family, mode, n=5)
+    counts = [2, 1, 2]
+    in_sizes = [c * x[0].numel() * x.element_size() for c in counts]
+    out_sizes = [c * ref[0].numel() * x.element_size() for c in counts]  # ref is float64
+    size = (sum(in_sizes) + sum(out_sizes) + 64 * 8 + 4095) // 4096 * 4096
+    memory = mmap.mmap(-1, size)
+    pin = HostPin(memoryview(memory)) if pinned else None
+    arena = pin.view if pin is not None else memoryview(memory)
+    arena[:] = b"\xab" * size  # NaN-free poison: every byte of the outputs must be written
+    parts = _places(arena, in_sizes)
+    at = sum(in_sizes) + 64 * len(in_sizes)
+    outs = _places(arena, out_sizes, at)
+    rows = 0
+    for part, c in zip(parts, counts, strict=True):
+        part[:] = _host_bytes(x[rows:rows + c]).cast("B")
+        rows += c
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        path = conv_transpose2d_direct(parts, outs, x.shape, wt, b, args, precision)
+    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled")
+    y = torch.cat([torch.frombuffer(o, dtype=torch.uint8).clone().view(dtype) for o in outs]).view(ref.shape)
+    assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
+    for i in range(len(outs) - 1):  # the gaps between places untouched
+        gap_start = at + sum(out_sizes[:i + 1]) + 64 * i
+        assert bytes(arena[gap_start:gap_start + 64]) == b"\xab" * 64
+    del parts, part, outs, arena, pin, y
+    gc.collect()
+    memory.close()  # possible only once every view is gone (and with them the page lock)
+
+
+def test_host_pin_locks_pages_while_a_view_lives() -> None:
+    memory = mmap.mmap(-1, 1 << 20)
+    pin = HostPin(memoryview(memory))
+    part = pin.view[4096:8192]
+    del pin
+    gc.collect()
+    assert torch.frombuffer(part, dtype=torch.uint8).is_pinned()  # a slice keeps the lock
+    t = torch.frombuffer(part, dtype=torch.uint8)
+    del part
+    gc.collect()
+    assert t.is_pinned()  # as does a tensor made from one
+    del t
+    gc.collect()
+    assert not torch.frombuffer(memory, dtype=torch.uint8).is_pinned()  # unlocked with the last view
+    memory.close()
+
+
+def test_direct_rejects_places_that_do_not_make_the_output() -> None:
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(3, 8, 5, 5)
+    w = torch.randn(8, 4, 4, 4, device="cuda")
+    y_bytes = 3 * 4 * 10 * 10 * 4
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="CUDA weights"):
+        conv_transpose2d_direct([x], [memoryview(bytearray(y_bytes))], x.shape, w.cpu(), None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="output places hold"):
+        conv_transpose2d_direct([x], [memoryview(bytearray(y_bytes - 4))], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="writable"):
+        conv_transpose2d_direct([x], [memoryview(bytes(y_bytes))], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="hold"):
+        conv_transpose2d_direct([x[:2]], [memoryview(bytearray(y_bytes))], x.shape, w, None, args, "fp32")
 
 
 def test_gathered_rejects_parts_that_do_not_make_the_input() -> None:

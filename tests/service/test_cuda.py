@@ -110,16 +110,17 @@ def test_kserve_on_gpu():
 
 def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
     """Two HTTP processes feeding the GPU engine: every bundled layer, concurrent requests, GPU metrics; the tensors
-    go through the HTTP processes' shared memory (the worker reads inputs from and writes outputs into slots)."""
+    go through the HTTP processes' shared memory (the worker reads inputs from and writes outputs into slots), and
+    megabyte ones straight between the page-locked slots and the GPU."""
     from service.engine.registry import BatchLimits, load_repository
 
     proc = ServerProcess({"DECONV_DEVICES": "all", "DECONV_HTTP_PROCESSES": "2", "DECONV_MAX_QUEUE_DELAY_MS": "20"},
                          tmp_path / "server.log")
     registry = load_repository(DEFAULT_LAYER_REPOSITORY, BatchLimits(64, 1 << 28, 2.0, 256))
 
-    async def one(client: httpx.AsyncClient, layer: Layer, n: int) -> None:
+    async def one(client: httpx.AsyncClient, layer: Layer, n: int, hw: tuple[int, int] = (12, 9)) -> None:
         c = layer.config
-        x = torch.randn(n, c.in_channels, 12, 9, dtype=torch.float64).to(layer.dtype)
+        x = torch.randn(n, c.in_channels, *hw, dtype=torch.float64).to(layer.dtype)
         if layer.dtype == torch.bfloat16:
             body, ctype = st_save({"x": x}), SAFETENSORS
         else:
@@ -131,10 +132,13 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         assert _err(y, _reference(layer, x)) <= layer.tolerance, c.name
 
     async def main() -> None:
-        jobs = [(layer, n) for layer in registry for n in (1, 2, 3, 4)]
+        big = registry.get("dcgan_up1")  # [n, 128, 32, 32] fp32: 0.5 MiB a sample in, 1 MiB out
+        assert big is not None
+        jobs = [(layer, n, (12, 9)) for layer in registry for n in (1, 2, 3, 4)]
+        jobs += [(big, n, (32, 32)) for n in (1, 2, 3, 4)]
         clients = [httpx.AsyncClient(base_url=proc.url, timeout=60) for _ in jobs]  # one connection each
         try:
-            await asyncio.gather(*(one(cl, layer, n) for cl, (layer, n) in zip(clients, jobs, strict=True)))
+            await asyncio.gather(*(one(cl, *job) for cl, job in zip(clients, jobs, strict=True)))
             await asyncio.sleep(1.5)  # the engine samples GPU memory once a second
             text = (await clients[0].get("/metrics")).text
         finally:
@@ -144,6 +148,7 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
         assert metric_value(text, "deconv_requests_total", layer="demo", api="native", status="200") == 4
         assert metric_value(text, "deconv_ipc_requests_total", path="shared") == len(jobs)  # shared memory
+        assert metric_value(text, "deconv_worker_direct_batches_total", worker="cuda:0") >= 1  # page-locked
 
     try:
         proc.wait_ready(COMPILE_TIMEOUT_S)

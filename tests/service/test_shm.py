@@ -8,6 +8,7 @@ import asyncio
 import math
 import socket
 import struct
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, load_repository
 from service.engine.remote import EngineClient, RemoteQueue
 from service.engine.worker import Worker
-from service.errors import OverloadedError
+from service.errors import InternalError, OverloadedError
 from service.ipc import frames, shm
 from service.metrics import Metrics
 
@@ -246,6 +247,124 @@ def test_a_replaced_worker_thread_never_writes_into_slots(demo: Layer) -> None:
         assert fresh[0].data is a_out
         torch.testing.assert_close(fresh[0].tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
     finally:
+        worker.shutdown()
+
+
+# --- megabyte batches straight between page-locked slots and the GPU -------------------------------------------
+
+
+def _pinned_slot(layer: Layer, x: torch.Tensor) -> tuple[SlotTensor, memoryview]:
+    slot, out = _slot_input(layer, x)
+    return SlotTensor.of(slot, out, pinned=True), out
+
+
+def _direct_by_reference(started: threading.Event | None = None, go: threading.Event | None = None):
+    """A stand-in for the extension's direct call: each request's output written into its slot."""
+    calls: list[int] = []
+
+    def direct(inputs: list[SlotTensor], weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
+               packs: Any) -> None:
+        calls.append(len(inputs))
+        if started is not None and go is not None:
+            started.set()
+            assert go.wait(30)
+        for x in inputs:
+            y = _expected(layer, x.tensor())
+            x.out[:] = tensor_bytes(y)
+
+    return direct, calls
+
+
+def test_which_batches_go_straight_between_slots_and_the_gpu(demo: Layer) -> None:
+    worker = Worker(torch.device("cuda", 0))  # never loaded: only the choice is asked
+    try:
+        big = torch.zeros(1, 16, 128, 128)  # 1 MiB of input
+        small = torch.zeros(1, 16, 8, 8)
+        pinned, _ = _pinned_slot(demo, big)
+        unpinned, _ = _slot_input(demo, big)
+        tiny, _ = _pinned_slot(demo, small)
+        inline = RawTensor(memoryview(bytearray(tensor_bytes(big))), torch.float32, tuple(big.shape))
+        assert worker._direct_slots([pinned, pinned])
+        assert worker._direct_slots([pinned, tiny])  # on average a megabyte a request
+        assert not worker._direct_slots([tiny])
+        assert not worker._direct_slots([pinned, unpinned])
+        assert not worker._direct_slots([pinned, inline])
+    finally:
+        worker.shutdown()
+    cpu = Worker(torch.device("cpu"))
+    try:
+        assert not cpu._direct_slots([pinned])
+    finally:
+        cpu.shutdown()
+
+
+def _direct_worker(layer: Layer, direct: Any, metrics: Metrics | None = None) -> Worker:
+    worker = Worker(torch.device("cpu"), metrics, direct=direct)
+    worker._direct_slots = lambda inputs: True  # type: ignore[method-assign]  # as a GPU worker would choose
+    worker.load(layer)
+    return worker
+
+
+def test_a_direct_batch_answers_with_views_of_the_slots_it_wrote(demo: Layer) -> None:
+    direct, calls = _direct_by_reference()
+    m = Metrics()
+    worker = _direct_worker(demo, direct, m)
+    try:
+        xs = [torch.randn(n, 16, 6, 5) for n in (2, 1)]
+        slots = [_pinned_slot(demo, x) for x in xs]
+        outputs = worker.submit(demo, [s for s, _ in slots]).result(timeout=30)
+        assert calls == [2]
+        for x, (_, out), y in zip(xs, slots, outputs, strict=True):
+            assert y.data is out
+            assert y.shape == (x.shape[0], 8, *demo.output_hw(6, 5))
+            torch.testing.assert_close(y.tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
+        assert m.worker_direct_batches.labels("cpu")._value.get() == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_direct_batch_out_of_memory_is_staged_and_halved(demo: Layer) -> None:
+    def short_of_memory(*args: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    m = Metrics()
+    worker = _direct_worker(demo, short_of_memory, m)
+    try:
+        x = torch.randn(3, 16, 4, 4)
+        slot, out = _pinned_slot(demo, x)
+        (y,) = worker.submit(demo, [slot]).result(timeout=30)
+        assert y.data is out  # written into the slot by the staged path
+        torch.testing.assert_close(y.tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
+        assert m.worker_failures.labels("cpu", "oom_retry")._value.get() == 1
+        assert m.worker_direct_batches.labels("cpu")._value.get() == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_replacement_leaves_the_batch_being_written_into_slots_to_the_old_thread(demo: Layer) -> None:
+    """Its slots must stay its requests' until the GPU's writes are over: not failed by the replacement (which
+    would free them for others), answered by the old thread once written; the batch queued behind it fails."""
+    started, go = threading.Event(), threading.Event()
+    direct, _ = _direct_by_reference(started, go)
+    worker = _direct_worker(demo, direct)
+    try:
+        x = torch.randn(1, 16, 4, 4)
+        slot, out = _pinned_slot(demo, x)
+        writing = worker.submit(demo, [slot])
+        assert started.wait(30)
+        queued = worker.submit(demo, [_pinned_slot(demo, x)[0]])
+        assert worker.restart("stalled")
+        with pytest.raises(InternalError, match="stalled"):
+            queued.result(timeout=30)
+        assert not writing.done()
+        go.set()
+        (y,) = writing.result(timeout=30)
+        assert y.data is out
+        torch.testing.assert_close(y.tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
+        again = worker.submit(demo, [_pinned_slot(demo, x)[0]]).result(timeout=30)  # the new thread serves
+        torch.testing.assert_close(again[0].tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
+    finally:
+        go.set()
         worker.shutdown()
 
 
