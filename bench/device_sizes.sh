@@ -20,7 +20,8 @@
 # CPU ms per request in its HTTP processes and its engine process (the naive server's: its one process).
 # Env: SIZES (default "64KiB 1MiB 4MiB 16MiB"), CASES (default "on-npy on-kserve on-shm on-cuda-shm off-npy naive"),
 # REQUESTS (a cap for every run instead of each size's), CLIENTS (for every size instead of its own), MAX_SECONDS,
-# HTTP_PROCS (8), LOAD_PROCS (4),
+# HTTP_PROCS (8), LOAD_PROCS (4), SERVER_ENV (extra NAME=VALUE settings for the servers, such as
+# "DECONV_IPC_SHM_PINNED=false DECONV_IPC_SHM_BYTES=268435456"),
 # DEVICES (DECONV_DEVICES, default auto; cpu: no kernel build, the naive server on the CPU), PYTHON (python3),
 # DEVICE_ENV (1: source bench/device_env.sh, which installs the wheels of .whl; 0: the current environment),
 # STOP_AFTER_S, RUN_TIMEOUT (seconds a run, default 60).
@@ -71,6 +72,9 @@ done
 declare -A port=([on]=18401 [off]=18402 [naive]=18403) pid=()
 common=(DECONV_HTTP_PROCESSES="$HTTP_PROCS" DECONV_DEVICES="$DEVICES" DECONV_LOG_LEVEL=warning
         DECONV_MAX_QUEUE_SIZE=256 DECONV_SYSTEM_SHM_MAX_REGIONS=256 DECONV_CUDA_SHM_MAX_REGIONS=256)
+read -r -a extra <<< "${SERVER_ENV:-}"
+common+=("${extra[@]}")
+[ -n "${SERVER_ENV:-}" ] && echo "server settings: ${SERVER_ENV}"
 env "${common[@]}" DECONV_LAYER_REPOSITORY="$work/on" "$PY" -m service --host 127.0.0.1 --port "${port[on]}" \
   > "$logs/server-on.log" 2>&1 &
 pid[on]=$!

@@ -242,6 +242,7 @@ class Wire:
     decode: Decode
 
 
+RECV_BYTES = 1 << 20  # a raw client's socket reads, at most
 MAX_HEAD = 2**16  # bytes of an answer beyond its tensor's: a .npy header, KServe's JSON
 
 
@@ -374,15 +375,18 @@ def sweep_regions(url: str, pids: list[int]) -> list[str]:
     return sorted({*names, *(p.name for p in left)})
 
 
-class RawClient(asyncio.Protocol):
+class RawClient(asyncio.BufferedProtocol):
     """One client of ``--client raw``: a keep-alive HTTP/1.1 connection in a closed loop, speaking just enough HTTP
     for this benchmark.
 
     httpx costs about 1 ms of client CPU per request, several times what the server spends on one: above a few
-    thousand requests/s the load generators, not the server, become the limit. Here a response is parsed in
-    ``data_received`` and the next request leaves from there (``RawLoad.send_next``): no task, coroutine, future or
-    timer per request (a quarter to a third less CPU a request than a coroutine per request; docs/operations.md,
-    "The load generator in a closed loop").
+    thousand requests/s the load generators, not the server, become the limit. Here a response is parsed as it
+    arrives and the next request leaves from there (``RawLoad.send_next``): no task, coroutine, future or timer per
+    request (a quarter to a third less CPU a request than a coroutine per request; docs/operations.md, "The load
+    generator in a closed loop"). The socket is read into one reused buffer (``asyncio.BufferedProtocol``) and a
+    body's bytes are only counted, unless a sample is wanted: with megabyte answers, copying each one out of the
+    socket's chunks (into a ``bytes`` a chunk, then into the response's buffer) made the load generators the limit
+    (bench/NOTES.md, "Megabyte answers: the load generator's own copies").
     """
 
     def __init__(self, load: RawLoad, slot: int = 0) -> None:
@@ -391,37 +395,57 @@ class RawClient(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.sent_at = 0.0  # perf_counter() when the request in flight left; 0.0: none in flight
         self.finished = False  # no more requests for this client
-        self._buf = bytearray()
+        self._chunk = memoryview(bytearray(RECV_BYTES))  # what the socket is read into
+        self._buf = bytearray()  # the response's head until complete; then its body, when kept
         self._head: bytes | None = None  # the response's head, lower-cased, once complete
-        self._need = 0  # the response body's length
+        self._length = 0  # the response body's length
+        self._need = 0  # body bytes still to come
+        self._keep = False  # whether this body is kept (a sample is wanted)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (asyncio's or uvloop's)
         self.load.send(self)  # the request this connection was opened for (RawLoad._connect)
 
-    def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        while True:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._chunk
+
+    def buffer_updated(self, nbytes: int) -> None:
+        data = self._chunk[:nbytes]
+        while data and self.transport is not None:
             if self._head is None:
-                end = buf.find(b"\r\n\r\n")
-                if end < 0:
-                    return
-                head = bytes(buf[:end + 2]).lower()  # each header line ends with \r\n
-                del buf[:end + 4]
-                length = header(head, b"content-length")
-                if not head.startswith(b"http/1.1 ") or not length or not length.isdigit():
-                    self.fail(ValueError(f"bad response head {head[:80]!r}"))
-                    return
-                self._head, self._need = head, int(length)
-            if len(buf) < self._need:
-                return
-            head, body, length = self._head, bytes(buf[:self._need]) if self.load.want_sample else b"", self._need
-            del buf[:self._need]
-            self._head = None
-            self.load.answered(self, head, body, length)
-            if not buf or self.transport is None:
-                return
+                data = self._head_part(data)  # what follows the head, once complete
+                if self._head is None:
+                    return  # more of the head to come, or a bad one
+            else:
+                take = min(len(data), self._need)
+                if self._keep:
+                    self._buf += data[:take]
+                self._need -= take
+                data = data[take:]
+            if not self._need:  # the response is complete
+                head, body = self._head, bytes(self._buf) if self._keep else b""
+                self._head = None
+                self._buf.clear()
+                self.load.answered(self, head, body, self._length)
+
+    def _head_part(self, data: memoryview) -> memoryview:
+        """Take ``data`` into the response's head; once it is complete (``_head`` set), what follows it."""
+        buf = self._buf
+        seen = len(buf)
+        buf += data
+        end = buf.find(b"\r\n\r\n", max(0, seen - 3))
+        if end < 0:
+            return data[len(data):]
+        head = bytes(buf[:end + 2]).lower()  # each header line ends with \r\n
+        rest = data[end + 4 - seen:]
+        buf.clear()
+        length = header(head, b"content-length")
+        if not head.startswith(b"http/1.1 ") or not length or not length.isdigit():
+            self.fail(ValueError(f"bad response head {head[:80]!r}"))
+            return data[len(data):]
+        self._head, self._length, self._need = head, int(length), int(length)
+        self._keep = self.load.want_sample
+        return rest
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

@@ -59,6 +59,16 @@ async def serve(behaviour: Behaviour) -> tuple[asyncio.Server, str, list[bytes]]
     return server, f"http://127.0.0.1:{port}", received
 
 
+def feed(client: object, data: bytes) -> None:
+    """``data`` arriving on ``client``'s connection, as the event loop hands a ``BufferedProtocol`` its reads."""
+    while data:
+        buf = client.get_buffer(len(data))  # type: ignore[attr-defined]
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        client.buffer_updated(n)  # type: ignore[attr-defined]
+        data = data[n:]
+
+
 async def run_load(module: ModuleType, url: str, count: int, clients: int, timeout: float = 5.0) -> object:
     load = module.RawLoad(url, "/deconv?layer=demo", b"x" * 1000, "application/x-npy", count, timeout)
     await asyncio.wait_for(load.run(clients), 30)
@@ -153,7 +163,34 @@ def test_a_response_without_a_request_drops_the_connection(load_module: ModuleTy
     load = load_module.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
     client = load_module.RawClient(load)
     client.transport = transport = Transport()
-    client.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # nothing was sent
+    feed(client, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # nothing was sent
     assert transport.aborted
     assert load.statuses == {}
     assert load.latencies == []
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 8, 13, 64, 10**6])
+def test_responses_are_parsed_across_any_split_of_the_reads(load_module: ModuleType, piece: int) -> None:
+    class Transport:
+        aborted = False
+        sent = 0
+
+        def write(self, data: bytes) -> None:
+            self.sent += 1
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    load = load_module.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
+    client = load_module.RawClient(load)
+    client.transport = transport = Transport()
+    client.sent_at = 1.0  # the first request in flight; the second leaves when the first is answered
+    wire = (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-deconv-batch-size: 2\r\n\r\nfirst"
+            b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    for i in range(0, len(wire), piece):
+        feed(client, wire[i:i + piece])
+    assert transport.sent == 1
+    assert load.statuses == {"200": 2}
+    assert load.sample == b"first"  # the first answer's body, kept as the sample; the second only counted
+    assert load.batch_sizes == [2, 1]
+    assert transport.aborted  # no requests left: the client finished

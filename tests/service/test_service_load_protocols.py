@@ -20,6 +20,7 @@ from . import test_load_generator
 from .conftest import REPO_ROOT, ServerProcess
 
 load_module = test_load_generator.load_module  # the fixture: bench/service_load.py as a module
+feed = test_load_generator.feed
 
 BATCH = 4  # samples a request; the server's max_batch_size, as in the no-batching scenario
 
@@ -140,7 +141,7 @@ def test_an_answer_of_the_wrong_size_is_counted(load_module: ModuleType, reposit
     client = load_module.RawClient(load)
     client.transport = Transport()
     client.sent_at = 1.0  # a request in flight
-    client.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # no tensor in it
+    feed(client, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # no tensor in it
     assert load.statuses == {"wrong_size": 1}
     assert load.latencies == []
 
