@@ -197,10 +197,10 @@ class SourceTensor(_Described):
 
 
 class DeviceTensor(_Described):
-    """A tensor in a client's CUDA shared-memory region, by reference: the registration it lies in (``token``,
-    ``service.http.shm_regions``), that region's GPU, the byte offset in the region, dtype and shape. Only the
-    engine's worker of that GPU touches the bytes (``service.engine.cuda_shm``); as a result, the place the output
-    was written to."""
+    """A tensor in a client's shared-memory region that the engine maps, by reference: the registration it lies in
+    (``token``, ``service.http.shm_regions``), that region's GPU (-1: a system region the engine page-locked, for
+    any GPU), the byte offset in the region, dtype and shape. Only the engine's GPU worker touches the bytes
+    (``service.engine.cuda_shm``); as a result, the place the output was written to."""
 
     __slots__ = ("device", "dtype", "offset", "shape", "token")
 
@@ -217,25 +217,28 @@ class DeviceTensor(_Described):
 
 
 class CudaJob:
-    """A request with a tensor in CUDA shared memory: its input ``x`` (in a region, or host bytes) and where its
-    output goes (``out``: a region, or None for the host as usual). ``device``: the GPU whose worker runs it, the
-    regions' GPU. Shape and dtype are the input's, as for any request.
+    """A request with a tensor in shared memory the engine maps: its input ``x`` (in a region, or host bytes) and
+    where its output goes (``out``: a region, or None for the host as usual). ``device``: the GPU whose worker runs
+    it, its CUDA regions' GPU, or -1 (any GPU) when its regions are all system regions the engine page-locked. Shape
+    and dtype are the input's, as for any request.
 
     Raises:
-        RegionError: the input and the output lie on different GPUs.
+        RegionError: the input and the output lie on different GPUs, or neither is in a region.
     """
 
     __slots__ = ("device", "out", "x")
 
     def __init__(self, x: AnyTensor | DeviceTensor, out: DeviceTensor | None) -> None:
-        devices = {t.device for t in (x, out) if isinstance(t, DeviceTensor)}
-        if len(devices) != 1:
+        regions = [t for t in (x, out) if isinstance(t, DeviceTensor)]
+        if not regions:
+            raise RegionError("a shared-memory request names no region the engine maps")
+        devices = {t.device for t in regions if t.device >= 0}
+        if len(devices) > 1:
             raise RegionError(f"the input's and the output's CUDA shared-memory regions lie on GPUs "
-                              f"{sorted(devices)}; use regions of one GPU" if devices else
-                              "a CUDA shared-memory request names no CUDA region")
+                              f"{sorted(devices)}; use regions of one GPU")
         self.x = x
         self.out = out
-        self.device = devices.pop()
+        self.device = devices.pop() if devices else -1
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     system_shm_max_bytes: int = Field(
         16 * 2**30, ge=1, description="KServe system shared memory: most bytes of all registered regions together; "
         "a registration that would exceed it is 400.")
+    system_shm_pinned: bool = Field(
+        True, description="On GPUs: the engine maps each registered system shared-memory region and page-locks it "
+        "(cudaHostRegister), so that tensors in it go between the region and the GPU with no host copy; locking "
+        "commits the region's memory (bounded by DECONV_SYSTEM_SHM_MAX_BYTES). false: the HTTP processes copy them.")
     cuda_shm_max_regions: int = Field(
         64, ge=0, description="KServe CUDA shared memory (/v2/cudasharedmemory, GPU servers only): most regions "
         "registered at once over the whole server, each a client's GPU allocation the engine maps; registering "

@@ -15,6 +15,14 @@ that a region unregistered meanwhile is unmapped only once no batch uses it, and
 
 Two registrations of one allocation share one mapping: a process opens a handle once. The number of
 registrations is bounded (``Settings.cuda_shm_max_regions``).
+
+System regions (KServe system shared memory) are mapped here too when the engine computes on GPUs
+(``Settings.system_shm_pinned``): ``open_system`` maps the registered bytes of the client's POSIX object, checked to
+be the object registered, and page-locks them (``service.engine.ops.HostPin``), so that a tensor in such a region
+goes between it and the GPU by the copy engines alone (a ``DeviceTensor`` of device -1: any GPU), no host copy. The
+CPU never reads or writes that mapping: pages a client truncates away stay locked until the region is unmapped,
+so the GPU's copies never fault, where a CPU access would raise SIGBUS. Their number and bytes are bounded where
+they are registered (``Settings.system_shm_max_regions``, ``system_shm_max_bytes``).
 """
 
 from __future__ import annotations
@@ -22,13 +30,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from deconv_client import cuda_ipc
 
+from service.engine.ops import HostPin
 from service.errors import InternalError, RegionError, UnknownRegionError
+from service.ipc.shm import map_object
+
+# Page-locks host memory for the GPUs: a view of the same bytes whose lock lasts as long as any view made from it.
+PinFn = Callable[[memoryview], memoryview]
 
 log = logging.getLogger("deconv.service")
 
@@ -112,11 +126,19 @@ class _Mapping:
 
 
 @dataclass(eq=False)
+class _HostMapping:
+    """A system region's bytes, mapped and page-locked here (``open_system``); unmapped when the last view of them
+    is gone."""
+
+    view: memoryview
+
+
+@dataclass(eq=False)
 class _Region:
     """One registration: its mapping, its size, the batches using it (``pins``), and whether it is going."""
 
     token: str
-    mapping: _Mapping
+    mapping: _Mapping | _HostMapping
     byte_size: int
     pins: int = 0
     closing: bool = False
@@ -127,9 +149,11 @@ class CudaRegions:
     the event loop, ``lease`` and ``release`` on the GPU workers' threads (one lock for both sides). Unavailable
     until ``configure`` finds GPUs and the CUDA libraries."""
 
-    def __init__(self, max_regions: int) -> None:
+    def __init__(self, max_regions: int, system: bool = True) -> None:
         self.max_regions = max_regions
+        self.system = system  # map system regions too, when the engine computes on GPUs (Settings.system_shm_pinned)
         self._ipc: IpcBackend | None = None
+        self._pin: PinFn | None = None
         self._devices: list[int] = []
         self._reason = "CUDA shared memory is not ready: the engine has not started"
         self._lock = threading.Lock()  # _regions, _mappings, pins, closing
@@ -137,9 +161,13 @@ class CudaRegions:
         self._regions: dict[str, _Region] = {}
         self._mappings: dict[tuple[int, bytes], _Mapping] = {}
 
-    def configure(self, devices: list[torch.device], ipc: IpcBackend | None = None) -> None:
-        """Serve regions on these devices' GPUs (with ``ipc``, else the CUDA libraries of this process)."""
+    def configure(self, devices: list[torch.device], ipc: IpcBackend | None = None, pin: PinFn | None = None) -> None:
+        """Serve regions on these devices' GPUs (with ``ipc``, else the CUDA libraries of this process), and system
+        regions page-locked with ``pin`` (else ``HostPin`` on GPUs; none without a GPU)."""
         self._devices = sorted(d.index for d in devices if d.type == "cuda" and d.index is not None)
+        if pin is None and self.system and self._devices:
+            pin = _host_pin
+        self._pin = pin if self.system else None
         if ipc is None and self.max_regions > 0 and self._devices:
             try:
                 ipc = CudaIpc()
@@ -166,6 +194,11 @@ class CudaRegions:
     def reason(self) -> str:
         """Why regions cannot be opened ("" when they can)."""
         return self._reason
+
+    @property
+    def system_available(self) -> bool:
+        """Whether system regions are mapped here (``open_system``)."""
+        return self._pin is not None
 
     @property
     def regions(self) -> int:
@@ -210,6 +243,36 @@ class CudaRegions:
             except RegionError:
                 await asyncio.to_thread(self._unmap, [mapping])
                 raise
+
+    async def open_system(self, token: str, key: str, offset: int, byte_size: int, dev: int, ino: int) -> None:
+        """Map and page-lock ``byte_size`` bytes at ``offset`` of the shared-memory object ``key`` for registration
+        ``token`` (``CudaMemory.open_system``): the object must be the one registered (``dev``, ``ino``).
+
+        Raises:
+            RegionError: system regions are not mapped here, a token already open, the object gone, replaced or
+                too small, or memory that cannot be locked.
+        """
+        pin = self._pin
+        if pin is None:
+            raise RegionError("this server does not map system shared memory (no GPU, or "
+                              "DECONV_SYSTEM_SHM_PINNED=false)")
+        with self._lock:
+            if token in self._regions:
+                raise RegionError("this registration is open already")
+        view = await asyncio.to_thread(self._map_system, pin, key, offset, byte_size, dev, ino)
+        with self._lock:
+            if token in self._regions:
+                raise RegionError("this registration is open already")
+            self._regions[token] = _Region(token, _HostMapping(view), byte_size)
+
+    @staticmethod
+    def _map_system(pin: PinFn, key: str, offset: int, byte_size: int, dev: int, ino: int) -> memoryview:
+        mapped, start = map_object(key, offset, byte_size, dev, ino)
+        try:
+            locked = pin(mapped)  # whole pages; the region's bytes are a view of them
+        except RuntimeError as exc:
+            raise RegionError(f"cannot page-lock shared-memory object {key!r} for the GPU: {exc}") from None
+        return locked[start:start + byte_size]
 
     def _add(self, token: str, mapping: _Mapping, byte_size: int) -> None:
         """Register ``token`` on ``mapping`` (under the lock).
@@ -262,9 +325,12 @@ class CudaRegions:
             log.info("CUDA shared memory: unmapped %d allocation(s)", len(mappings))
 
     def _drop(self, region: _Region) -> list[_Mapping]:
-        """Forget ``region`` (under the lock); its mapping when no registration uses it any more."""
+        """Forget ``region`` (under the lock); its mapping when no registration uses it any more (a system
+        region's goes with its last view)."""
         del self._regions[region.token]
         mapping = region.mapping
+        if isinstance(mapping, _HostMapping):
+            return []
         mapping.users -= 1
         if mapping.users > 0:
             return []
@@ -284,8 +350,9 @@ class CudaRegions:
     # --- the workers' side ------------------------------------------------------------------------------
 
     def lease(self, token: str, offset: int, nbytes: int, device: int) -> torch.Tensor:
-        """The ``nbytes`` bytes at ``offset`` of registration ``token`` as a uint8 tensor on GPU ``device``, the
-        region held (not unmapped) until ``release(token)``.
+        """The ``nbytes`` bytes at ``offset`` of registration ``token`` as a uint8 tensor on GPU ``device`` (a
+        system region's: a CPU tensor over its page-locked bytes, for the GPU's copy engines only), the region held
+        (not unmapped) until ``release(token)``.
 
         Raises:
             UnknownRegionError: the region was unregistered.
@@ -294,14 +361,19 @@ class CudaRegions:
         with self._lock:
             region = self._regions.get(token)
             if region is None or region.closing:
-                raise UnknownRegionError("the CUDA shared-memory region was unregistered before the request ran")
-            if region.mapping.device != device:
-                raise RegionError(f"the CUDA shared-memory region lies on GPU {region.mapping.device}, not {device}")
+                raise UnknownRegionError("the shared-memory region was unregistered before the request ran")
+            mapping = region.mapping
+            if isinstance(mapping, _Mapping) and mapping.device != device:
+                raise RegionError(f"the CUDA shared-memory region lies on GPU {mapping.device}, not {device}")
             if offset + nbytes > region.byte_size:
-                raise RegionError(f"{nbytes} bytes at offset {offset} reach past the end of a CUDA shared-memory "
+                kind = "system" if isinstance(mapping, _HostMapping) else "CUDA"
+                raise RegionError(f"{nbytes} bytes at offset {offset} reach past the end of a {kind} shared-memory "
                                   f"region of {region.byte_size} bytes")
             region.pins += 1
-            ptr = region.mapping.ptr + offset
+            if isinstance(mapping, _HostMapping):
+                return torch.frombuffer(mapping.view, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes \
+                    else torch.empty(0, dtype=torch.uint8)
+            ptr = mapping.ptr + offset
         try:
             assert self._ipc is not None
             return self._ipc.view(device, ptr, nbytes)
@@ -318,3 +390,8 @@ class CudaRegions:
             region.pins -= 1
             unmap = self._drop(region) if region.closing and region.pins == 0 else []
         self._unmap(unmap)
+
+
+def _host_pin(view: memoryview) -> memoryview:
+    """``view`` page-locked for every GPU (``HostPin``), for the GPU's copy engines."""
+    return HostPin(view).view

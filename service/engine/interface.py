@@ -79,7 +79,8 @@ class LayerQueue(Protocol):
 
 
 class CudaMemory(Protocol):
-    """The engine's side of KServe CUDA shared memory: the clients' GPU allocations it maps, one per registration
+    """The engine's side of KServe CUDA shared memory (and of system regions it maps for its GPUs): the clients'
+    GPU allocations it maps, one per registration
     (``token``), where its GPU workers run (``service.engine.cuda_shm.CudaRegions``, or
     ``service.engine.remote.RemoteCudaMemory``, which asks the engine process). The registrations themselves (names,
     sizes, status) are the HTTP layer's (``service.http.shm_regions``)."""
@@ -100,6 +101,22 @@ class CudaMemory(Protocol):
         Raises:
             RegionError: unavailable, not a GPU of this engine, a handle that does not open, an allocation smaller
                 than ``byte_size``, or too many regions (400).
+        """
+        ...
+
+    @property
+    def system_available(self) -> bool:
+        """Whether system regions are mapped and page-locked here (``open_system``): a GPU engine with
+        ``Settings.system_shm_pinned``."""
+        ...
+
+    async def open_system(self, token: str, key: str, offset: int, byte_size: int, dev: int, ino: int) -> None:
+        """Map and page-lock ``byte_size`` bytes at ``offset`` of the client's shared-memory object ``key`` for
+        system registration ``token``, so that its tensors go between it and the GPU with no host copy (the
+        object must be the one registered: device ``dev``, inode ``ino``).
+
+        Raises:
+            RegionError: not available, or the object cannot be mapped or locked (the region then serves by copies).
         """
         ...
 

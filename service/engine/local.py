@@ -43,7 +43,8 @@ class LocalEngine:
         self.readiness = Readiness(self.metrics, "starting: kernels and self-tests have not finished")
         self.registry: Registry | None = None
         self.pool: WorkerPool | None = None
-        self.cuda_memory = CudaRegions(settings.cuda_shm_max_regions)  # available once start() found GPUs
+        # available once start() found GPUs
+        self.cuda_memory = CudaRegions(settings.cuda_shm_max_regions, settings.system_shm_pinned)
         self.batchers: dict[str, Batcher] = {}
         self.backend = ""
         self.drained = False

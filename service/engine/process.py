@@ -68,6 +68,9 @@ class EngineConnection(frames.FrameProtocol):
         elif kind == frames.CUDA_OPEN:
             call_id, token, handle, device, byte_size = frames.parse_cuda_open(body)
             self._call(call_id, self.server.engine.cuda_memory.open(token, handle, device, byte_size))
+        elif kind == frames.SYSTEM_OPEN:
+            call_id, token, key, offset, byte_size, dev, ino = frames.parse_system_open(body)
+            self._call(call_id, self.server.engine.cuda_memory.open_system(token, key, offset, byte_size, dev, ino))
         elif kind == frames.CUDA_CLOSE:
             call_id, tokens = frames.parse_cuda_close(body)
             self._call(call_id, self.server.engine.cuda_memory.close(tokens))
@@ -88,8 +91,8 @@ class EngineConnection(frames.FrameProtocol):
                 self.send(frames.reply_frame(call_id))
                 return
             if not isinstance(exc, ServiceError):
-                log.error("engine: a CUDA shared-memory call failed", exc_info=exc)
-                exc = InternalError("the engine failed to map or unmap CUDA shared memory")
+                log.error("engine: a shared-memory call failed", exc_info=exc)
+                exc = InternalError("the engine failed to map or unmap shared memory")
             self.send(frames.error_frame(call_id, exc))
 
         task.add_done_callback(answer)
@@ -173,7 +176,7 @@ class EngineServer:
         """The ``STATE`` frame for the engine as it is now."""
         e = self.engine
         return frames.state_frame(e.readiness.state, e.readiness.reason, e.backend, self.layers,
-                                  e.cuda_memory.available, e.cuda_memory.reason)
+                                  e.cuda_memory.available, e.cuda_memory.reason, e.cuda_memory.system_available)
 
     def _broadcast(self) -> None:
         frame = self.state_frame()

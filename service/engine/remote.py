@@ -256,12 +256,14 @@ class RemoteQueue:
 
 class RemoteCudaMemory:
     """The engine process's CUDA shared memory, from an HTTP process (``CudaMemory``): its availability from the
-    engine's ``STATE`` frames, ``open`` and ``close`` as ``CUDA_OPEN`` and ``CUDA_CLOSE`` calls."""
+    engine's ``STATE`` frames, ``open``, ``open_system`` and ``close`` as ``CUDA_OPEN``, ``SYSTEM_OPEN`` and
+    ``CUDA_CLOSE`` calls."""
 
     def __init__(self, engine: RemoteEngine) -> None:
         self._engine = engine
         self.available = False
         self.reason = "CUDA shared memory is not ready: waiting for the engine process"
+        self.system_available = False
 
     def _client(self) -> EngineClient:
         client = self._engine.client
@@ -274,6 +276,12 @@ class RemoteCudaMemory:
         client = self._client()
         call_id = next(client.ids)
         await client.call(call_id, frames.cuda_open_frame(call_id, token, handle, device, byte_size))
+
+    async def open_system(self, token: str, key: str, offset: int, byte_size: int, dev: int, ino: int) -> None:
+        """Ask the engine to map and page-lock a client's system region (``CudaMemory.open_system``)."""
+        client = self._client()
+        call_id = next(client.ids)
+        await client.call(call_id, frames.system_open_frame(call_id, token, key, offset, byte_size, dev, ino))
 
     async def close(self, tokens: list[str]) -> None:
         """Ask the engine to unmap these registrations' allocations (``CudaMemory.close``)."""
@@ -383,6 +391,7 @@ class RemoteEngine:
         self.backend = str(state["backend"])
         self.cuda_memory.available = bool(state.get("cuda_shm", False))
         self.cuda_memory.reason = str(state.get("cuda_shm_reason", ""))
+        self.cuda_memory.system_available = bool(state.get("system_shm", False))
         if state["layers"] != self.registry.names():
             new, reason = "failed", (f"the engine serves layers {state['layers']}, this process "
                                      f"{self.registry.names()}: the repository changed while starting; restart")

@@ -21,6 +21,8 @@ A batch of requests in clients' CUDA shared memory (``codec.CudaJob``; the batch
 own, on their GPU's worker) takes the device path instead (``Worker._device_batch``): the inputs are read where
 they are, in the regions the engine mapped (``service.engine.cuda_shm``), and the outputs written into theirs, on
 the worker's stream, which is waited for before the batch is answered; a request whose region went fails alone.
+Requests in system regions the engine mapped and page-locked take the same path on any GPU: their bytes go between
+region and GPU by the copy engines, with no host copy.
 
 ``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) that has room for another
 batch (a *reservation*: ``acquire``, given back when the batch is done). Nothing here imports FastAPI. A *slot*,
@@ -576,12 +578,15 @@ class Worker:
 
     def _device_input(self, regions: CudaRegions, job: CudaJob, leased: list[str]) -> torch.Tensor:
         """The job's input on this worker's device: a view of its region (a copy of its bytes when it is not
-        ``DEVICE_ALIGN``-aligned), or its host bytes uploaded."""
+        ``DEVICE_ALIGN``-aligned), its system region's page-locked bytes uploaded by the copy engine (the CPU never
+        touches them), or its host bytes uploaded."""
         x = job.x
         if not isinstance(x, DeviceTensor):
             return as_tensor(x).to(self.device)
         raw = regions.lease(x.token, x.offset, x.nbytes, self._gpu(job))
         leased.append(x.token)
+        if raw.device != self.device:
+            return raw.to(self.device, non_blocking=True).view(x.dtype).view(x.shape)
         if raw.data_ptr() % DEVICE_ALIGN:
             raw = raw.clone()
         return raw.view(x.dtype).view(x.shape)
@@ -612,7 +617,8 @@ class Worker:
         n, _, h, w = x.shape
         out_shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
         first = runs[0][2]
-        if len(runs) == 1 and first is not None and first.data_ptr() % DEVICE_ALIGN == 0:
+        if len(runs) == 1 and first is not None and first.device == x.device \
+                and first.data_ptr() % DEVICE_ALIGN == 0:
             self._forward_device(layer, x, weight, bias, first.view(x.dtype).view(out_shape), packs)
             return  # the answer is the output's region, set already
         y = self._forward_device(layer, x, weight, bias, None, packs)
@@ -622,8 +628,8 @@ class Worker:
             start += xi.shape[0]
             if out is None:
                 answers[i] = rows.cpu()
-            else:
-                out.copy_(rows.reshape(-1).view(torch.uint8))
+            else:  # a region on this GPU, or a system region's page-locked bytes (the copy engine writes them)
+                out.copy_(rows.reshape(-1).view(torch.uint8), non_blocking=True)
 
     def _forward_device(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         out: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:

@@ -42,7 +42,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, disconnected, read_body
-from service.http.shm_regions import CUDA, RegionError, RegionTable, TensorRef, tensor_ref
+from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -732,12 +732,13 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
 
 
 def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.SourceTensor | DeviceTensor:
-    """The input in its region, checked. In a system region its bytes are read when the request is queued, straight
-    into the engine link's arena where its queue takes them there (``RemoteQueue.takes_sources``), else into a copy
-    (held in the bytes-in-flight budget either way); no await comes between the check and the read. In a CUDA
-    region it stays there: the request names it, and the engine's GPU worker reads it."""
+    """The input in its region, checked. In a region the engine maps (a CUDA region, or a system region it
+    page-locked) it stays there: the request names it, and the engine's GPU worker reads it. In another system
+    region its bytes are read when the request is queued, straight into the engine link's arena where its queue
+    takes them there (``RemoteQueue.takes_sources``), else into a copy (held in the bytes-in-flight budget either
+    way); no await comes between the check and the read."""
     ref = x.ref
-    if regions.kind_of(ref.region) == CUDA:
+    if regions.by_reference(ref.region):
         return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x.dtype, x.shape)
     call.hold(ref.byte_size)
     return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), x.dtype, x.shape)
@@ -745,12 +746,13 @@ def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.Sou
 
 def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
                    ref: TensorRef) -> DeviceTensor | None:
-    """Check the output's region: large enough, and its bytes inside it. A CUDA region's output place (the engine
-    writes it there); None for a system region (written here once the result is back, held in the budget)."""
+    """Check the output's region: large enough, and its bytes inside it. The output's place in a region the engine
+    maps (the engine writes it there); None for another system region (written here once the result is back, held
+    in the budget)."""
     need = output_bytes(layer, x4)
     if ref.byte_size < need:
         raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
-    if regions.kind_of(ref.region) == CUDA:
+    if regions.by_reference(ref.region):
         n, _, h, w = (int(d) for d in x4.shape)
         shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
         return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
@@ -863,7 +865,7 @@ async def v2_infer_call(call: Call) -> Reply:
                 data = codec.bytes_of(y)
                 regions.write(out_ref.region, out_ref.offset, data)
                 written = data.nbytes
-            else:  # the engine wrote it into the CUDA region
+            else:  # the engine wrote it into the region
                 written = math.prod(y.shape) * y.element_size()
             out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": written}
             if out_ref.offset:

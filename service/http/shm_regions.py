@@ -15,6 +15,9 @@ Safety, whatever a client sends or does to its object:
 - Tensors are copied with ``pread``/``pwrite`` on the object's descriptor, never through a mapping: a client that
   truncates its object after registering makes the access fail with a short read (400), where a mapping would
   kill the server with SIGBUS. Before each access the object's current size is checked against the region.
+  On a GPU server the engine maps and page-locks a registered region instead (``mark_mapped``;
+  ``service.engine.cuda_shm``), and its tensors are not copied here at all: they go to the engine as references,
+  and only the GPU's copy engines touch the locked pages, which outlive a truncation (no fault, no SIGBUS).
 - Every access happens on the event loop, between two awaits, so a region cannot be unregistered (its descriptor
   closed, the number reused) while it is read or written.
 - The number of regions and their total bytes are bounded (``Settings.system_shm_max_regions``,
@@ -46,19 +49,16 @@ the record gone.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
 import logging
 import mmap
 import os
-import re
-import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,11 @@ import torch
 
 from service.codec import DeviceTensor
 from service.errors import RegionError, UnknownRegionError
+from service.ipc.shm import open_object
 
 log = logging.getLogger("deconv.service")
 
-SHM_DIR = Path("/dev/shm")
 MAX_NAME_CHARS = 256
-# A key names one object directly under /dev/shm; leading slashes are dropped as shm_open drops them.
-_KEY = re.compile(r"/*([^/\x00]{1,255})")
 # The generation counter of a multi-process server's records (DirectoryStore.generation).
 _GENERATION = struct.Struct("<Q")
 # The kinds of region (Record.kind), and what names them in messages.
@@ -83,8 +81,9 @@ _KIND_NAMES = {SYSTEM: "system", CUDA: "CUDA"}
 @dataclass(frozen=True)
 class Record:
     """One registration as the store keeps it: a system region (``key``, ``offset``; ``dev``/``ino``: the object
-    registered) or a CUDA region (``device_id``; the engine maps its allocation under ``token``). ``token``: this
-    registration, so that a name unregistered and registered again is never taken for the old one."""
+    registered; ``mapped``: the engine maps it too) or a CUDA region (``device_id``; the engine maps its allocation
+    under ``token``). ``token``: this registration, so that a name unregistered and registered again is never taken
+    for the old one."""
 
     name: str
     key: str
@@ -95,6 +94,7 @@ class Record:
     token: str
     kind: str = SYSTEM
     device_id: int = -1
+    mapped: bool = False  # a system region the engine maps and page-locks under ``token`` (``mark_mapped``)
 
     def status(self) -> dict[str, Any]:
         """The region's entry in a status answer (Triton's fields for its kind)."""
@@ -207,36 +207,9 @@ class Region:
         self.generation = generation
 
 
-def _object_path(key: str) -> Path:
-    m = _KEY.fullmatch(key)
-    if m is None or m.group(1) in (".", ".."):
-        raise RegionError(f"key {key!r} does not name a POSIX shared-memory object (one name under /dev/shm, as "
-                          "shm_open takes it, e.g. '/my_region')")
-    return SHM_DIR / m.group(1)
-
-
-def _open_object(key: str) -> tuple[int, os.stat_result]:
-    """The descriptor and ``fstat`` of the shared-memory object ``key`` (a regular file under /dev/shm).
-
-    Raises:
-        RegionError: no such object, not one this server may open read-write, or not a regular file.
-    """
-    path = _object_path(key)
-    try:
-        # O_NONBLOCK: a FIFO planted under that name must not stall the event loop; the check below refuses it.
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise RegionError(f"no shared-memory object {key!r} (create it with shm_open before registering)") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise RegionError(f"shared-memory key {key!r} is a symbolic link; name the object itself") from None
-        raise RegionError(f"cannot open shared-memory object {key!r} read-write: "
-                          f"{os.strerror(exc.errno or 0)}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise RegionError(f"shared-memory key {key!r} is not a memory object")
-    return fd, st
+def _engine_maps(record: Record) -> bool:
+    """Whether the engine maps ``record``'s memory under its token."""
+    return record.kind == CUDA or record.mapped
 
 
 def _non_negative_int(value: Any, what: str) -> int:
@@ -280,8 +253,8 @@ class RegionTable:
 
     # --- registration ----------------------------------------------------------------------------------------
 
-    def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> None:
-        """Register ``byte_size`` bytes at ``offset`` of object ``key`` as system region ``name``.
+    def register(self, name: str, key: Any, offset: Any, byte_size: Any) -> Record:
+        """Register ``byte_size`` bytes at ``offset`` of object ``key`` as system region ``name``; its record.
 
         Raises:
             RegionError: the extension is off, a field is invalid, the object cannot be opened or is too small,
@@ -294,7 +267,7 @@ class RegionTable:
             raise RegionError(f"key must be a string, got {key!r}")
         offset = _non_negative_int(offset, "offset")
         byte_size = _positive_int(byte_size, "byte_size")
-        fd, st = _open_object(key)
+        fd, st = open_object(key)
         try:
             if offset + byte_size > st.st_size:
                 raise RegionError(f"region of {byte_size} bytes at offset {offset} does not fit object {key!r} "
@@ -307,6 +280,21 @@ class RegionTable:
         self._forget(name)
         self._open[name] = Region(record, fd, -1)  # read again on first use: other changes may have come between
         log.info("shared memory: registered region %r (%d bytes at offset %d of %s)", name, byte_size, offset, key)
+        return record
+
+    def mark_mapped(self, record: Record) -> bool:
+        """Note that the engine maps system region ``record`` (``CudaMemory.open_system``), so that its tensors go to
+        the engine by reference (``device_tensor``); False when that registration is gone meanwhile (the caller
+        then unmaps it)."""
+        mapped = replace(record, mapped=True)
+        with self.store.locked():
+            if self.store.get(record.name) != record:
+                return False
+            self.store.add(mapped)  # other processes see it by the store's generation
+        region = self._open.get(record.name)
+        if region is not None and region.record.token == record.token:
+            region.record = mapped  # this process's, read already (a single process's store has no generation)
+        return True
 
     def cuda_record(self, name: str, device_id: Any, byte_size: Any) -> Record:
         """A new CUDA region's record (not stored yet: ``add_cuda`` does, once the engine mapped its memory under
@@ -364,7 +352,7 @@ class RegionTable:
 
     def unregister(self, name: str, kind: str = SYSTEM) -> list[str]:
         """Unregister region ``name`` of ``kind`` (nothing happens when none is registered, as in Triton); the
-        tokens of what was unregistered (the engine unmaps a CUDA region's memory by its token)."""
+        tokens of what the engine maps among it (a CUDA region, a mapped system region: it unmaps them by token)."""
         with self.store.locked():
             record = self.store.get(name)
             if record is not None and record.kind == kind:
@@ -375,10 +363,10 @@ class RegionTable:
             return []
         self._forget(name)
         log.info("shared memory: unregistered %s region %r", _KIND_NAMES[kind], name)
-        return [record.token]
+        return [record.token] if _engine_maps(record) else []
 
     def unregister_all(self, kind: str = SYSTEM) -> list[str]:
-        """Unregister every region of ``kind``; their tokens."""
+        """Unregister every region of ``kind``; the tokens of those the engine maps."""
         with self.store.locked():
             records = [r for r in self.store.all() if r.kind == kind]
             for r in records:
@@ -387,7 +375,7 @@ class RegionTable:
             self._forget(r.name)
         if records:
             log.info("shared memory: unregistered %d %s region(s)", len(records), _KIND_NAMES[kind])
-        return [r.token for r in records]
+        return [r.token for r in records if _engine_maps(r)]
 
     def status(self, name: str | None = None, kind: str = SYSTEM) -> list[dict[str, Any]]:
         """Every region's status of ``kind``, or region ``name``'s.
@@ -440,12 +428,13 @@ class RegionTable:
             raise UnknownRegionError(f"no shared-memory region named {name!r} is registered")
         if region is not None and region.record.token == record.token:
             region.generation = generation
+            region.record = record  # the same registration, perhaps since mapped by the engine
             return region
         self._forget(name)
         if record.kind == CUDA:
             region = self._open[name] = Region(record, None, generation)
             return region
-        fd, st = _open_object(record.key)
+        fd, st = open_object(record.key)
         if (st.st_dev, st.st_ino) != (record.dev, record.ino):
             os.close(fd)
             raise RegionError(f"shared-memory object {record.key!r} of region {name!r} was replaced after the region "
@@ -461,11 +450,21 @@ class RegionTable:
         """
         return self._region(name).record.kind
 
-    def _within(self, name: str, offset: int, byte_size: int, kind: str) -> Region:
-        """Region ``name`` of ``kind``, after checking that ``byte_size`` bytes at ``offset`` lie inside it."""
+    def by_reference(self, name: str) -> bool:
+        """Whether the engine maps region ``name`` (a CUDA region, or a system region it page-locked), so that its
+        tensors go to the engine as references (``device_tensor``) rather than bytes.
+
+        Raises:
+            UnknownRegionError: no region ``name``.
+        """
+        return _engine_maps(self._region(name).record)
+
+    def _within(self, name: str, offset: int, byte_size: int, kind: str | None) -> Region:
+        """Region ``name`` (of ``kind``, when given), after checking that ``byte_size`` bytes at ``offset`` lie
+        inside it."""
         region = self._region(name)
         r = region.record
-        if r.kind != kind:
+        if kind is not None and r.kind != kind:
             raise RegionError(f"shared-memory region {name!r} is a {_KIND_NAMES[r.kind]} region")
         if offset + byte_size > r.byte_size:
             raise RegionError(f"{byte_size} bytes at offset {offset} reach past the end of shared-memory region "
@@ -474,14 +473,17 @@ class RegionTable:
 
     def device_tensor(self, name: str, offset: int, byte_size: int, dtype: torch.dtype,
                       shape: tuple[int, ...]) -> DeviceTensor:
-        """A tensor of ``shape`` at ``offset`` of CUDA region ``name``, whose ``byte_size`` bytes (at least the
-        tensor's) are checked to lie inside it: a reference for the engine, which alone maps the memory.
+        """A tensor of ``shape`` at ``offset`` of region ``name`` (one the engine maps: ``by_reference``), whose
+        ``byte_size`` bytes (at least the tensor's) are checked to lie inside it: a reference for the engine, which
+        alone touches the memory (a system region's device is -1: any GPU).
 
         Raises:
             UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
         """
-        r = self._within(name, offset, byte_size, CUDA).record
-        return DeviceTensor(r.token, r.device_id, offset, dtype, shape)
+        r = self._within(name, offset, byte_size, None).record
+        if not _engine_maps(r):
+            raise RegionError(f"shared-memory region {name!r} is not mapped by the engine")
+        return DeviceTensor(r.token, r.device_id if r.kind == CUDA else -1, offset, dtype, shape)
 
     def _span(self, name: str, offset: int, byte_size: int) -> tuple[Region, int]:
         """The system region and the object offset of ``byte_size`` bytes at ``offset`` of region ``name``,

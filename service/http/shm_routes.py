@@ -6,7 +6,8 @@
 Both kinds have the same five routes (every region's status, one region's status, register, unregister,
 unregister every region), declared once by ``_add_routes`` from a ``_Kind``: what differs is the register body,
 the status entry, and what registering and unregistering do besides the table (a CUDA region is mapped by the
-engine before its record is stored, and unmapped after its record is gone).
+engine before its record is stored, and unmapped after its record is gone; on a GPU server a system region is
+mapped and page-locked by the engine after its record is stored, and unmapped after its record is gone).
 
 Every route needs the API key when one is configured, status included: a region is what lets a client read and
 write that memory through the server.
@@ -18,7 +19,8 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +29,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from service.engine.interface import CudaMemory
-from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError
+from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError, ServiceError
 from service.http.asgi import call_of
 from service.http.routes import check_api_key
-from service.http.shm_regions import CUDA, SYSTEM, Record, RegionTable
+from service.http.shm_regions import CUDA, SYSTEM, RegionTable
+
+log = logging.getLogger("deconv.service")
 
 router = APIRouter()
 
@@ -116,15 +120,28 @@ async def _register_body(request: Request, fields: tuple[str, ...], shape: str) 
 
 
 async def _register_system(request: Request, regions: RegionTable, name: str) -> None:
+    """Store the record, then, on a GPU server (``CudaMemory.system_available``), have the engine map and page-lock
+    the region so that its tensors go to the GPU with no host copy. Should the engine refuse, the region serves
+    through copies as it would without a GPU; should it be unregistered meanwhile, the mapping is closed again."""
     req = await _register_body(request, ("key", "byte_size"), '{"key": ..., "offset": ..., "byte_size": ...}')
-    regions.register(name, req["key"], req.get("offset", 0), req["byte_size"])
+    record = regions.register(name, req["key"], req.get("offset", 0), req["byte_size"])
+    memory = _cuda_memory(request)
+    if not memory.system_available:
+        return
+    try:
+        await _opened(memory, record.token, memory.open_system(record.token, record.key, record.offset,
+                                                               record.byte_size, record.dev, record.ino))
+    except ServiceError as exc:  # the engine refused or is away: the copies serve
+        log.warning("shared memory: region %r is served by copies: %s", name, exc)
+        return
+    if not regions.mark_mapped(record):
+        await memory.close([record.token])
 
 
 async def _unregister_system(request: Request, regions: RegionTable, name: str | None) -> None:
-    if name is None:
-        regions.unregister_all(SYSTEM)
-    else:
-        regions.unregister(name, SYSTEM)
+    tokens = regions.unregister_all(SYSTEM) if name is None else regions.unregister(name, SYSTEM)
+    if tokens:
+        await _cuda_memory(request).close(tokens)
 
 
 def _raw_handle(value: Any) -> bytes:
@@ -161,7 +178,7 @@ async def _register_cuda(request: Request, regions: RegionTable, name: str) -> N
     cuda = _cuda_memory(request)
     if not cuda.available:
         raise RegionError(cuda.reason)
-    await _open(cuda, record, handle)
+    await _opened(cuda, record.token, cuda.open(record.token, handle, record.device_id, record.byte_size))
     try:
         regions.add_cuda(record)
     except BaseException:
@@ -169,19 +186,20 @@ async def _register_cuda(request: Request, regions: RegionTable, name: str) -> N
         raise
 
 
-async def _open(cuda: CudaMemory, record: Record, handle: bytes) -> None:
-    """``cuda.open`` for ``record``; should the caller be cancelled meanwhile, the mapping is closed once made."""
-    opening = asyncio.ensure_future(cuda.open(record.token, handle, record.device_id, record.byte_size))
+async def _opened(cuda: CudaMemory, token: str, opening: Coroutine[Any, Any, None]) -> None:
+    """Await ``opening`` (the engine mapping registration ``token``); should the caller be cancelled meanwhile,
+    the mapping is closed once made."""
+    task = asyncio.ensure_future(opening)
     try:
-        await asyncio.shield(opening)
+        await asyncio.shield(task)
     except asyncio.CancelledError:
         def close_when_open(done: asyncio.Future[None]) -> None:
             if not done.cancelled() and done.exception() is None:
-                task = asyncio.ensure_future(cuda.close([record.token]))
-                _late_closes.add(task)
-                task.add_done_callback(_late_closes.discard)
+                closing = asyncio.ensure_future(cuda.close([token]))
+                _late_closes.add(closing)
+                closing.add_done_callback(_late_closes.discard)
 
-        opening.add_done_callback(close_when_open)
+        task.add_done_callback(close_when_open)
         raise
 
 

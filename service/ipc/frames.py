@@ -14,22 +14,25 @@ HTTP process -> engine:
   With flag ``DEVICE`` the request has a tensor in CUDA shared memory (``codec.CudaJob``): the head is followed by
   ``i32 GPU | u8 where | 32s input token | u64 input offset | 32s output token | u64 output offset | u32 N, C, H, W
   of the output`` (``where``: 1 the input is in a region, 2 the output goes to one; a token names a registration,
-  ``service.engine.cuda_shm``) and by the input's bytes when it is not in a region.
+  ``service.engine.cuda_shm``; GPU -1: the regions are system regions the engine page-locked, for any GPU) and by
+  the input's bytes when it is not in a region.
 * ``DROP``: ``u64 id | u8 reason``: the caller gave up on a queued request (reason: ``DROP_REASONS``). The
   engine answers ``ERROR`` (deadline_exceeded) only for reason ``deadline`` and only when the request was still
   queued; otherwise a batch already holds it and its ``RESULT`` or ``ERROR`` follows as usual.
 * ``CUDA_OPEN``: ``u64 call id | i32 GPU | u64 byte size | 32s token | 64s IPC handle``: map a client's GPU
   allocation for a CUDA shared-memory registration. ``CUDA_CLOSE``: ``u64 call id | 32s token ...``: unmap those
-  registrations'. The engine answers each with ``REPLY`` or ``ERROR`` (call ids and request ids are one sequence).
+  registrations'. ``SYSTEM_OPEN``: ``u64 call id | u64 offset | u64 byte size | u64 device | u64 inode | 32s token``
+  + the key (UTF-8): map and page-lock a client's system shared-memory region (``CUDA_CLOSE`` unmaps it too). The
+  engine answers each with ``REPLY`` or ``ERROR`` (call ids and request ids are one sequence).
 
 Engine -> HTTP process:
 
-* ``STATE``: JSON ``{"state", "reason", "backend", "layers": [names], "cuda_shm": bool, "cuda_shm_reason"}``, on
-  connect and at every change.
+* ``STATE``: JSON ``{"state", "reason", "backend", "layers": [names], "cuda_shm": bool, "cuda_shm_reason",
+  "system_shm": bool}``, on connect and at every change (``system_shm``: the engine maps system regions).
 * ``RESULT``: ``u64 id | u32 batch_samples | u32 batch_requests | f64 queue_s | u32 N, C, H, W | u8 len | u8 flags``
   + worker name + output bytes (the request's dtype); with flag ``SHARED`` no bytes: the output is in the
   request's slot; with flag ``DEVICE`` no bytes: the output is in the request's CUDA shared-memory region.
-* ``REPLY``: ``u64 call id``: a ``CUDA_OPEN`` or ``CUDA_CLOSE`` is done.
+* ``REPLY``: ``u64 call id``: a ``CUDA_OPEN``, ``SYSTEM_OPEN`` or ``CUDA_CLOSE`` is done.
 * ``ERROR``: ``u64 id`` + JSON ``{"type", "message", "headers"}`` (a ``ServiceError`` of that type).
 * ``DONE``: ``u64 id``: a request with a slot that the engine took out of its queue after a ``DROP``; it holds
   nothing of it any more (the HTTP process may reuse the slot).
@@ -53,7 +56,7 @@ import torch
 from service import errors
 from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, bytes_of
 
-SUBMIT, DROP, STATE, RESULT, ERROR, DONE, CUDA_OPEN, CUDA_CLOSE, REPLY = 1, 2, 3, 4, 5, 6, 7, 8, 9
+SUBMIT, DROP, STATE, RESULT, ERROR, DONE, CUDA_OPEN, CUDA_CLOSE, REPLY, SYSTEM_OPEN = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 SHARED = 1  # flag of SUBMIT and RESULT: the tensor is in the HTTP process's arena, not in the frame
 DEVICE = 2  # flag of SUBMIT and RESULT: a tensor is in a client's CUDA shared-memory region
 IN_REGION, OUT_REGION = 1, 2  # a DEVICE SUBMIT's "where"
@@ -71,6 +74,7 @@ _SHARED_RESULT = struct.Struct("<IB" + _RESULT.format[1:])  # a RESULT's prefix 
 _ID = struct.Struct("<Q")
 _DEVICE = struct.Struct(f"<iB{TOKEN_BYTES}sQ{TOKEN_BYTES}sQ4I")
 _CUDA_OPEN = struct.Struct(f"<QiQ{TOKEN_BYTES}s64s")
+_SYSTEM_OPEN = struct.Struct(f"<5Q{TOKEN_BYTES}s")
 
 # The length field is 32 bits: a larger frame cannot be sent (the sender raises ProtocolError).
 MAX_FRAME_BYTES = 2**32 - 1
@@ -135,10 +139,11 @@ def drop_frame(request_id: int, reason: str) -> list[bytes | memoryview]:
 
 
 def state_frame(state: str, reason: str, backend: str, layers: list[str], cuda_shm: bool = False,
-                cuda_shm_reason: str = "") -> list[bytes | memoryview]:
-    """``STATE`` of the engine (``cuda_shm``: whether it maps CUDA shared memory; else why not)."""
+                cuda_shm_reason: str = "", system_shm: bool = False) -> list[bytes | memoryview]:
+    """``STATE`` of the engine (``cuda_shm``: whether it maps CUDA shared memory, else why not; ``system_shm``:
+    whether it maps system regions)."""
     body = json.dumps({"state": state, "reason": reason, "backend": backend, "layers": layers,
-                       "cuda_shm": cuda_shm, "cuda_shm_reason": cuda_shm_reason}).encode()
+                       "cuda_shm": cuda_shm, "cuda_shm_reason": cuda_shm_reason, "system_shm": system_shm}).encode()
     return _frame(STATE, body)
 
 
@@ -164,6 +169,14 @@ def cuda_open_frame(call_id: int, token: str, handle: bytes, device: int, byte_s
     if len(handle) != 64:
         raise ProtocolError(f"a CUDA IPC handle has 64 bytes, got {len(handle)}")
     return _frame(CUDA_OPEN, _CUDA_OPEN.pack(call_id, device, byte_size, _token_bytes(token), handle))
+
+
+def system_open_frame(call_id: int, token: str, key: str, offset: int, byte_size: int, dev: int,
+                      ino: int) -> list[bytes | memoryview]:
+    """``SYSTEM_OPEN``: map and page-lock ``byte_size`` bytes at ``offset`` of the object ``key`` (device ``dev``,
+    inode ``ino``) for registration ``token``."""
+    return _frame(SYSTEM_OPEN, _SYSTEM_OPEN.pack(call_id, offset, byte_size, dev, ino, _token_bytes(token)),
+                  key.encode())
 
 
 def cuda_close_frame(call_id: int, tokens: list[str]) -> list[bytes | memoryview]:
@@ -283,6 +296,16 @@ def parse_cuda_open(body: bytearray) -> tuple[int, str, bytes, int, int]:
         return call_id, token.decode("ascii"), handle, device, byte_size
     except (struct.error, UnicodeDecodeError) as exc:
         raise ProtocolError(f"bad CUDA_OPEN frame: {exc}") from exc
+
+
+def parse_system_open(body: bytearray) -> tuple[int, str, str, int, int, int, int]:
+    """Decode a ``SYSTEM_OPEN`` body: (call id, token, key, offset, byte size, device, inode)."""
+    try:
+        call_id, offset, byte_size, dev, ino, token = _SYSTEM_OPEN.unpack_from(body)
+        key = bytes(body[_SYSTEM_OPEN.size:]).decode()
+        return call_id, token.decode("ascii"), key, offset, byte_size, dev, ino
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"bad SYSTEM_OPEN frame: {exc}") from exc
 
 
 def parse_cuda_close(body: bytearray) -> tuple[int, list[str]]:

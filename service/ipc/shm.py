@@ -1,4 +1,6 @@
-"""Shared memory between an HTTP process and the engine (``DECONV_HTTP_PROCESSES`` > 1): tensors without sockets.
+"""Shared memory between an HTTP process and the engine (``DECONV_HTTP_PROCESSES`` > 1): tensors without sockets;
+and the clients' POSIX shared-memory objects (KServe system shared memory), opened and mapped by key
+(``open_object``, ``map_object``).
 
 Each HTTP process owns one arena, an anonymous memory file (``memfd_create``) of ``DECONV_IPC_SHM_BYTES`` bytes,
 and passes its file descriptor to the engine over the engine socket when it connects (``SCM_RIGHTS``, in the
@@ -28,16 +30,22 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import errno
 import functools
 import mmap
 import os
+import re
 import socket
+import stat
 import struct
 import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+
+from service.errors import RegionError
 
 # Slots start on cache-line boundaries.
 ALIGN = 64
@@ -194,3 +202,72 @@ def recv_hello(sock: socket.socket) -> memoryview | None:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+# --- the clients' POSIX shared-memory objects (KServe system shared memory) -------------------------------------
+
+SHM_DIR = Path("/dev/shm")
+# A key names one object directly under /dev/shm; leading slashes are dropped as shm_open drops them.
+_KEY = re.compile(r"/*([^/\x00]{1,255})")
+
+
+def _object_path(key: str) -> Path:
+    m = _KEY.fullmatch(key)
+    if m is None or m.group(1) in (".", ".."):
+        raise RegionError(f"key {key!r} does not name a POSIX shared-memory object (one name under /dev/shm, as "
+                          "shm_open takes it, e.g. '/my_region')")
+    return SHM_DIR / m.group(1)
+
+
+def open_object(key: str) -> tuple[int, os.stat_result]:
+    """The descriptor and ``fstat`` of the shared-memory object ``key`` (a regular file under /dev/shm).
+
+    Raises:
+        RegionError: no such object, not one this server may open read-write, or not a regular file.
+    """
+    path = _object_path(key)
+    try:
+        # O_NONBLOCK: a FIFO planted under that name must not stall the event loop; the check below refuses it.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise RegionError(f"no shared-memory object {key!r} (create it with shm_open before registering)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RegionError(f"shared-memory key {key!r} is a symbolic link; name the object itself") from None
+        raise RegionError(f"cannot open shared-memory object {key!r} read-write: "
+                          f"{os.strerror(exc.errno or 0)}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise RegionError(f"shared-memory key {key!r} is not a memory object")
+    return fd, st
+
+
+def map_object(key: str, offset: int, byte_size: int, dev: int, ino: int) -> tuple[memoryview, int]:
+    """``byte_size`` bytes at ``offset`` of the shared-memory object ``key``, mapped read-write: the mapping (whole
+    pages, from the one that holds ``offset``) and where in it the bytes start. The object must be the one
+    registered (device ``dev``, inode ``ino``) and hold those bytes now. The mapping lives as long as a view of it.
+
+    Touching mapped pages that a client later truncated away raises SIGBUS in the process that touches them: the
+    caller hands the memory only to the GPU's copy engines after locking it (``service.engine.ops.HostPin``), whose
+    locked pages outlive a truncation.
+
+    Raises:
+        RegionError: no such object, another object under that name, or too small.
+    """
+    fd, st = open_object(key)
+    try:
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise RegionError(f"shared-memory object {key!r} was replaced after the region was registered; register "
+                              "it again")
+        if offset + byte_size > st.st_size:
+            raise RegionError(f"shared-memory object {key!r} holds {st.st_size} bytes, fewer than the region's "
+                              f"{byte_size} at offset {offset}")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            mapped = mmap.mmap(fd, offset + byte_size - start, offset=start)
+        except OSError as exc:
+            raise RegionError(f"cannot map shared-memory object {key!r}: {os.strerror(exc.errno or 0)}") from None
+    finally:
+        os.close(fd)
+    return memoryview(mapped), offset - start

@@ -30,7 +30,7 @@ from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
 
 from . import test_load_generator
-from .conftest import ServerProcess, run
+from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda
 
@@ -138,6 +138,52 @@ def test_tritonclient_infers_through_cuda_shared_memory(live: ServerProcess, reg
             client.close()
         cudashm.destroy_shared_memory_region(ins)
         cudashm.destroy_shared_memory_region(outs)
+
+
+def test_system_regions_go_between_the_region_and_the_gpu(live: ServerProcess, registry: Registry) -> None:
+    """tritonclient's system shared memory against a GPU server: the engine maps and page-locks the regions, the
+    tensors go between them and the GPU by reference (in a multi-process server the requests reach the engine as
+    references, path "cuda", not through the arena), megabyte requests among them; numbers against float64."""
+    import tritonclient.http as triton
+    import tritonclient.utils.shared_memory as sysshm
+
+    layer = registry.get("dcgan_up1")  # [n, 128, 32, 32] fp32: 0.5 MiB a sample in, 1 MiB out
+    tag = uuid.uuid4().hex[:8]
+    xs = [torch.randn(n, 128, 32, 32, dtype=torch.float64).float() for n in (1, 4, 2)]
+    in_bytes = sum(x.numel() * 4 for x in xs)
+    out_bytes = 2 * in_bytes
+    ins = sysshm.create_shared_memory_region(f"in-{tag}", f"/deconv-in-{tag}", in_bytes)
+    outs = sysshm.create_shared_memory_region(f"out-{tag}", f"/deconv-out-{tag}", out_bytes)
+    client = _triton(live)
+    before = _ipc_by_reference(live)
+    try:
+        sysshm.set_shared_memory_region(ins, [x.numpy() for x in xs])
+        client.register_system_shared_memory(f"in-{tag}", f"/deconv-in-{tag}", in_bytes)
+        client.register_system_shared_memory(f"out-{tag}", f"/deconv-out-{tag}", out_bytes)
+        at_in = at_out = 0
+        for x in xs:
+            n_in, n_out = x.numel() * 4, x.numel() * 8
+            inp = triton.InferInput("input", list(x.shape), "FP32")
+            inp.set_shared_memory(f"in-{tag}", n_in, offset=at_in)
+            out = triton.InferRequestedOutput("output", binary_data=True)
+            out.set_shared_memory(f"out-{tag}", n_out, offset=at_out)
+            result = client.infer("dcgan_up1", [inp], outputs=[out])
+            assert result.get_output("output")["parameters"]["shared_memory_byte_size"] == n_out
+            y = np.array(sysshm.get_contents_as_numpy(outs, np.float32, [x.shape[0], 64, 64, 64], offset=at_out))
+            assert _err(y, _reference(layer, x)) <= layer.tolerance
+            at_in, at_out = at_in + n_in, at_out + n_out
+        if metric_value(httpx.get(live.url + "/metrics").text, "deconv_http_processes") == 2:
+            assert _ipc_by_reference(live) - before == len(xs)
+        client.unregister_system_shared_memory()
+    finally:
+        client.close()
+        sysshm.destroy_shared_memory_region(ins)
+        sysshm.destroy_shared_memory_region(outs)
+
+
+def _ipc_by_reference(proc: ServerProcess) -> float:
+    """Requests a multi-process server's HTTP processes sent to the engine naming regions the engine maps."""
+    return metric_value(httpx.get(proc.url + "/metrics").text, "deconv_ipc_requests_total", path="cuda")
 
 
 def _region(t: torch.Tensor) -> tuple[dict[str, Any], int]:

@@ -152,7 +152,7 @@ def test_error_state_and_drop_frames() -> None:
     assert isinstance(err, DeadlineExceededError)
     assert err.status == 504
     assert frames.parse_state(s) == {"state": "ready", "reason": "ready", "backend": "cuda", "layers": ["a", "b"],
-                                     "cuda_shm": True, "cuda_shm_reason": ""}
+                                     "cuda_shm": True, "cuda_shm_reason": "", "system_shm": False}
     assert frames.parse_drop(d) == (9, "deadline")
 
 
