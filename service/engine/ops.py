@@ -242,7 +242,6 @@ class HostPin:
         # ``buffer`` (numpy clears an array's weak references before it releases its base).
         array = np.frombuffer(buffer, dtype=np.uint8)
         address = int(_load_extension().host_register(array))
-        self.nbytes = buffer.nbytes
         self.view = memoryview(array)
         weakref.finalize(array, _load_extension().host_unregister, address)
 
