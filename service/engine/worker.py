@@ -41,9 +41,9 @@ worker's thread (``_serve``). Everything the loop alone uses (``inflight_batches
 * ``_slot_lock`` makes ``_deliver``'s check "am I still the current generation?" and its writes into the
   requests' slots one step with respect to ``_replace``: once a replacement has failed a batch, its slots may
   serve other requests, and a replaced thread that comes back late must not write into them. A batch the GPU writes
-  into its slots itself (``_direct_batch``) is marked ``_writing`` under the same lock before it starts; a
-  replacement leaves that one batch unanswered, to the old thread, so that its slots stay its requests' until the
-  writes are done.
+  into its slots or its clients' regions itself (``_direct_batch``, ``_device_batch``) is marked ``_writing`` under
+  the same lock before it starts (``_writes``); a replacement leaves that one batch unanswered, to the old thread,
+  so that its slots stay its requests' and no client is told its request failed while the writes go on.
 
 ``busy_since`` is written by the thread and read by the watchdog without a lock (a float, replaced whole).
 """
@@ -56,7 +56,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from typing import TypeVar
 
@@ -298,12 +298,27 @@ class Worker:
         straight between slots and GPU, every other batch through staging memory."""
         if isinstance(inputs[0], CudaJob):
             jobs: list[CudaJob] = inputs  # type: ignore[assignment]
-            return self._guarded(layer, inputs, lambda: self._device_batch(layer, jobs))
+            return self._guarded(layer, inputs, lambda: self._device_batch(layer, jobs, generation, future))
         if self._direct_slots(inputs):
             slots: list[SlotTensor] = inputs  # type: ignore[assignment]
             return self._guarded(layer, inputs,  # type: ignore[return-value]
                                  lambda: self._direct_batch(layer, slots, generation, future))
         return self._deliver(inputs, self._batch_output(layer, inputs), generation)  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _writes(self, generation: int, future: Future[list[AnyTensor]]) -> Iterator[None]:
+        """Around a batch whose outputs the GPU writes into memory other requests may later use (slots, clients'
+        regions): it starts only if this thread is still the current one, and is marked ``_writing`` meanwhile, so
+        that a replacement leaves it to this thread (module docstring, "Threads and locks")."""
+        with self._slot_lock:
+            if generation != self._generation:
+                raise InternalError(f"worker {self.name}: replaced before the batch started")
+            self._writing = future
+        try:
+            yield
+        finally:
+            with self._slot_lock:
+                self._writing = None
 
     def _direct_slots(self, inputs: list[AnyTensor]) -> bool:
         """Whether a batch goes straight between its slots and the GPU: on a GPU, every request in a page-locked
@@ -328,14 +343,10 @@ class Worker:
         requests' until the writes are over and the batch is answered, late, by this thread. Out of memory (before
         anything is written): the staged path, which splits the batch in halves."""
         weight, bias, packs = self._weights[layer.name]
-        with self._slot_lock:
-            if generation != self._generation:
-                raise InternalError(f"worker {self.name}: replaced before the batch started")
-            self._writing = future
+        if self.faults is not None:  # before anything is written: a thread stalled here is replaced as any other
+            self.faults.before_forward(layer.name, sum(int(x.shape[0]) for x in inputs))
         try:
-            if self.faults is not None:
-                self.faults.before_forward(layer.name, sum(int(x.shape[0]) for x in inputs))
-            with contextlib.ExitStack() as stack:
+            with self._writes(generation, future), contextlib.ExitStack() as stack:
                 if self.is_cuda:
                     stack.enter_context(torch.cuda.device(self.device))
                     stack.enter_context(torch.cuda.stream(self._stream))
@@ -347,9 +358,6 @@ class Worker:
                 self.metrics.worker_direct_batches.labels(self.name).inc()
             _, c_out, h_out, w_out = self._out_shape(layer, inputs[0])
             return [RawTensor(x.out, x.dtype, (int(x.shape[0]), c_out, h_out, w_out)) for x in inputs]
-        finally:
-            with self._slot_lock:
-                self._writing = None
         self._count_failure("oom_retry")
         log.warning("worker %s: out of memory for a batch of layer %s straight from its slots; staging it instead",
                     self.name, layer.name)
@@ -418,7 +426,7 @@ class Worker:
             self._abandoned.append(self._thread)
             with self._slot_lock:  # the old thread's outputs are in their slots now, or never will be
                 self._thread = self._start_thread()
-                writing = self._writing  # ... except a batch the GPU is writing into them: the old thread answers it
+                writing = self._writing  # ... except a batch the GPU is writing: the old thread answers it
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
         error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
         failed = [f for f in held if f is not writing]  # settling one takes it out of held
@@ -428,7 +436,7 @@ class Worker:
             self.metrics.worker_restarts.labels(self.name, reason).inc()
             self.metrics.worker_busy.labels(self.name).set(0)
         log.error("worker %s: thread %s; %d batch(es) it held failed%s; started a new thread", self.name, reason,
-                  len(failed), "" if writing is None else " (the one it writes into slots is answered when it ends)")
+                  len(failed), "" if writing is None else " (the one the GPU writes is answered when it ends)")
         return True
 
     def stalled(self, timeout_s: float) -> bool:
@@ -532,14 +540,17 @@ class Worker:
 
     # --- requests in CUDA shared memory -----------------------------------------------------------------
 
-    def _device_batch(self, layer: Layer, jobs: list[CudaJob]) -> list[_Output]:
+    def _device_batch(self, layer: Layer, jobs: list[CudaJob], generation: int,
+                      future: Future[list[AnyTensor]]) -> list[_Output]:
         """A batch of requests with tensors in CUDA shared memory, on this worker's GPU and stream: each input read
         where it is (in its region, no copy; host bytes are uploaded), the batch computed, each output written where
         it goes (its region; else back to the host), then the stream waited for, so that the answer finds the
         output in place. A lone request whose output region is aligned is computed straight into it; otherwise the
         batch's output is computed once and each request's rows copied into its region (one device copy). Regions
         are leased for the batch (``CudaRegions.lease``): one unregistered meanwhile is unmapped after it. A request
-        whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer)."""
+        whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer). The GPU
+        writes the clients' regions, so the batch is one that a replacement leaves to this thread (``_writes``): a
+        client told its request failed could otherwise find a late write in a region it uses again."""
         regions = self._cuda
         if regions is None:
             raise InternalError(f"worker {self.name} has no CUDA shared memory")
@@ -547,7 +558,7 @@ class Worker:
         answers: list[_Output | None] = [job.out for job in jobs]  # None: a host output, set once computed
         runs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (request, input, output region's bytes)
         leased: list[str] = []
-        with contextlib.ExitStack() as stack:
+        with self._writes(generation, future), contextlib.ExitStack() as stack:
             if self.is_cuda:
                 stack.enter_context(torch.cuda.device(self.device))
                 stack.enter_context(torch.cuda.stream(self._stream))

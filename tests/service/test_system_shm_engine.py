@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.codec import CudaJob, DeviceTensor
 from service.engine.cuda_shm import CudaRegions
-from service.errors import RegionError, UnknownRegionError
+from service.errors import InternalError, RegionError, UnknownRegionError
 from service.http.shm_regions import RegionTable
 from service.ipc import frames
 
@@ -298,6 +300,60 @@ def test_a_region_the_engine_cannot_map_is_served_by_copies(repo, objects: Objec
             assert rel_err(y, reference(module, torch.from_numpy(x))) < 1e-5
 
     run(main())
+
+
+def test_a_replacement_leaves_the_batch_writing_clients_regions_to_the_old_thread(repo, objects: Objects) -> None:
+    """A client told that its request failed could reuse its output region: the batch the GPU writes into it is not
+    failed by a replacement (watchdog: stalled) but answered by the old thread once written; one queued behind it
+    fails, and the new thread serves the next."""
+    from service.engine.registry import BatchLimits, load_repository
+    from service.engine.worker import Worker, kernel_forward
+
+    root, module = repo
+    layer = load_repository(root, BatchLimits(8, 1 << 20, 0.0, 8)).get("up")
+    x = np.random.default_rng(9).standard_normal((1, 4, 6, 6)).astype(np.float32)
+    in_key, in_obj = objects.new(x.nbytes)
+    in_obj.buf[:] = x.tobytes()
+    out_key, out_obj = objects.new(Y_BYTES // 3)
+    started, go = threading.Event(), threading.Event()
+
+    def stalling(xs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lay: Any) -> torch.Tensor:
+        started.set()
+        assert go.wait(30)
+        return kernel_forward(xs, w, b, lay)
+
+    regions = _regions()
+    worker = Worker(torch.device("cpu"), forward=stalling, cuda=regions)
+    worker.load(layer)
+
+    async def main() -> None:
+        tokens = []
+        for key, size in ((in_key, x.nbytes), (out_key, Y_BYTES // 3)):
+            tokens.append(uuid.uuid4().hex)
+            await regions.open_system(tokens[-1], key, 0, size, *_identity_of(key))
+        job = CudaJob(DeviceTensor(tokens[0], -1, 0, torch.float32, x.shape),
+                      DeviceTensor(tokens[1], -1, 0, torch.float32, (1, 6, 12, 12)))
+        assert job.device == -1  # system regions only: any GPU
+        writing = worker.submit(layer, [job])
+        assert await asyncio.to_thread(started.wait, 30)
+        queued = worker.submit(layer, [job])
+        assert worker.restart("stalled")
+        with pytest.raises(InternalError, match="stalled"):
+            await asyncio.wrap_future(queued)
+        assert not writing.done()
+        go.set()
+        (answer,) = await asyncio.wrap_future(writing)
+        assert answer is job.out
+        y = np.frombuffer(bytes(out_obj.buf), np.float32).reshape(1, 6, 12, 12)
+        assert rel_err(y, reference(module, torch.from_numpy(x))) < 1e-5
+        (again,) = await asyncio.wrap_future(worker.submit(layer, [job]))  # the new thread serves
+        assert again is job.out
+
+    try:
+        run(main())
+    finally:
+        go.set()
+        worker.shutdown()
 
 
 # --- a multi-process server's frames --------------------------------------------------------------------------
