@@ -625,8 +625,7 @@ class Worker:
                         packs: WeightPacks | None) -> None:
         """Compute ``runs`` (request, input, output bytes) together; set each request's answer."""
         x = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
-        n, _, h, w = x.shape
-        out_shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
+        out_shape = self._out_shape(layer, x)
         first = runs[0][2]
         if len(runs) == 1 and first is not None and first.device == x.device \
                 and first.data_ptr() % DEVICE_ALIGN == 0:

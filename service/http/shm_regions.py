@@ -442,14 +442,6 @@ class RegionTable:
         region = self._open[name] = Region(record, fd, generation)
         return region
 
-    def kind_of(self, name: str) -> str:
-        """The kind of region ``name`` (``SYSTEM`` or ``CUDA``).
-
-        Raises:
-            UnknownRegionError: no region ``name``.
-        """
-        return self._region(name).record.kind
-
     def by_reference(self, name: str) -> bool:
         """Whether the engine maps region ``name`` (a CUDA region, or a system region it page-locked), so that its
         tensors go to the engine as references (``device_tensor``) rather than bytes.
