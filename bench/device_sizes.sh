@@ -11,13 +11,18 @@
 #                              every kernel call holds exactly one request (the off server's repository holds a copy
 #                              of the layer for each size, named <layer>_b<batch>, with that limit);
 #   naive                      .npy, one nn.ConvTranspose2d call per request.
-# Sizes (input bytes, fp32; the output is twice that): 64KiB = demo [4,16,16,16] (64 clients), 1MiB = dcgan_up1
-# [2,128,32,32] (32 clients), 4MiB = [8,128,32,32] (16), 16MiB = [32,128,32,32] (8).
+# Sizes (input bytes, fp32; the output is twice that): 16KiB = demo [1,16,16,16] (64 clients), 64KiB = demo
+# [4,16,16,16] (64), 1MiB = dcgan_up1 [2,128,32,32] (32 clients), 4MiB = [8,128,32,32] (16), 16MiB = [32,128,32,32]
+# (8); and gpu-16MiB, a layer whose GPU work outweighs the data path's: pix2pix-u5 of bench/layer_zoo.py in exact
+# fp32 (ConvTranspose2d(1024, 256, 4, 2, 1), exported by bench/zoo_layer.py: 16 MiB of weights, not in git),
+# [16,1024,16,16] = 16 MiB in and 16 MiB out, 34 GFLOP a request (32 clients).
 # Each run stops after MAX_SECONDS (default 3) of measurement or its request count, whichever comes first, after a
 # warm-up of at most as long; every step has a timeout, and no run starts after STOP_AFTER_S (default 330) seconds,
 # so that the table comes out within a call of ~400 s (the kernel build takes ~100 s of it).
 # Figures a run: requests/s, payload GB/s (input + output tensor bytes a request), p50/p99, mean batch, the server's
-# CPU ms per request in its HTTP processes and its engine process (the naive server's: its one process).
+# CPU ms per request in its HTTP processes and its engine process (the naive server's: its one process), and each
+# GPU's utilisation (nvidia-smi's share of time a kernel ran, sampled every 200 ms; mean of the run's second half,
+# the measured part).
 # Env: SIZES (default "64KiB 1MiB 4MiB 16MiB"), CASES (default "on-npy on-kserve on-shm on-cuda-shm off-npy naive"),
 # REQUESTS (a cap for every run instead of each size's), CLIENTS (for every size instead of its own), MAX_SECONDS,
 # HTTP_PROCS (8), LOAD_PROCS (4), SERVER_ENV (extra NAME=VALUE settings for the servers, such as
@@ -48,24 +53,32 @@ if [ "$DEVICES" != cpu ]; then
 fi
 
 # size -> layer batch height width clients requests
-declare -A CASE=([64KiB]="demo 4 16 16 64 40000" [1MiB]="dcgan_up1 2 32 32 32 10000"
-                 [4MiB]="dcgan_up1 8 32 32 16 4000" [16MiB]="dcgan_up1 32 32 32 8 1000")
+declare -A CASE=([16KiB]="demo 1 16 16 64 60000" [64KiB]="demo 4 16 16 64 40000" [1MiB]="dcgan_up1 2 32 32 32 10000"
+                 [4MiB]="dcgan_up1 8 32 32 16 4000" [16MiB]="dcgan_up1 32 32 32 8 1000"
+                 [gpu-16MiB]="pix2pix_u5 16 16 16 32 4000")
+# layers not bundled: exported from bench/layer_zoo.py (bench/zoo_layer.py arguments)
+declare -A ZOO=([pix2pix_u5]="pix2pix-u5 --precision fp32")
 SIZES=${SIZES:-64KiB 1MiB 4MiB 16MiB}
 work=/tmp/device_sizes; rm -rf "$work"; mkdir -p "$work/on" "$work/off" "$work/runs"
 layers=""
 for size in $SIZES; do
   [ -n "${CASE[$size]:-}" ] || { echo "unknown size $size (${!CASE[*]})"; exit 2; }
   read -r layer batch _ <<< "${CASE[$size]}"
-  cp -f "layers/$layer.json" "layers/$layer.safetensors" "$work/on/"
+  if [ -n "${ZOO[$layer]:-}" ]; then
+    [ -f "$work/on/$layer.json" ] || "$PY" bench/zoo_layer.py ${ZOO[$layer]} "$work/on" > /dev/null || exit 1
+    src=$work/on
+  else
+    cp -f "layers/$layer.json" "layers/$layer.safetensors" "$work/on/"; src=layers
+  fi
   case ",$layers," in *",$layer,"*) ;; *) layers=${layers:+$layers,}$layer ;; esac
   # batching off: a copy of the layer whose kernel calls hold one request of this size
-  "$PY" - "$layer" "$batch" "$work/off" <<'PY' || exit 1
+  "$PY" - "$layer" "$batch" "$work/off" "$src" <<'PY' || exit 1
 import json, shutil, sys
-layer, batch, off = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-cfg = json.load(open(f"layers/{layer}.json"))
+layer, batch, off, src = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+cfg = json.load(open(f"{src}/{layer}.json"))
 cfg.update(name=f"{layer}_b{batch}", max_batch_size=batch)
 json.dump(cfg, open(f"{off}/{cfg['name']}.json", "w"), indent=1)
-shutil.copy(f"layers/{layer}.safetensors", f"{off}/{cfg['name']}.safetensors")
+shutil.copy(f"{src}/{layer}.safetensors", f"{off}/{cfg['name']}.safetensors")
 PY
 done
 
@@ -106,6 +119,7 @@ echo "servers ready: $SECONDS s"
 CASES=${CASES:-on-npy on-kserve on-shm on-cuda-shm off-npy naive}
 cuda_devices=$DEVICES; [ "$DEVICES" = auto ] && cuda_devices=all  # cuda-shm clients: the server's GPUs, in turn
 [ "$DEVICES" = cpu ] && CASES=$(echo "$CASES" | tr ' ' '\n' | grep -vx on-cuda-shm | tr '\n' ' ')
+gpu_util=(); [ "$DEVICES" = cpu ] || gpu_util=(--gpu-util)
 for size in $SIZES; do
   read -r layer batch height width clients requests <<< "${CASE[$size]}"
   clients=${CLIENTS:-$clients}
@@ -118,7 +132,7 @@ for size in $SIZES; do
       --server-pid "${pid[$server]}" --devices "$DEVICES" --repository "$repo" --layer "$name" --batch "$batch" \
       --height "$height" --width "$width" --client raw --protocol "$proto" --procs "${LOAD_PROCS:-4}" \
       --clients "$clients" --requests "${REQUESTS:-$requests}" --warmup "$((2 * clients))" \
-      --cuda-devices "$cuda_devices" \
+      --cuda-devices "$cuda_devices" "${gpu_util[@]}" \
       --max-seconds "${MAX_SECONDS:-3}" --timeout 30 --out "$work/runs/$size-$c.json" \
       > "$logs/run-$size-$c.log" 2>&1 || { echo "$size $c failed:"; tail -3 "$logs/run-$size-$c.log"; }
   done
@@ -143,16 +157,17 @@ for size in sizes:
 json.dump({"benchmark": "device_sizes", "device": device, "host_cpus": os.cpu_count(), "results": results},
           open(f"{out}/sizes.json", "w"), indent=1)
 print(f"device: {device}")
-print(f"{'size':<6} {'case':<11} {'req/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} "
-      f"{'http ms/req':>11} {'engine ms/req':>13} {'ok':>7} {'errors':>6} {'rel err':>8}")
+print(f"{'size':<9} {'case':<11} {'req/s':>9} {'GB/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'batch':>6} "
+      f"{'http ms/req':>11} {'engine ms/req':>13} {'gpu %':>9} {'ok':>7} {'errors':>6} {'rel err':>8}")
 for key, r in results.items():
     size, case = key.split()
     cpu = r.get("server_cpu_ms_per_request") or {}
     http = cpu.get("http", cpu.get("naive", cpu.get("main")))
     f = lambda v, spec: format(v, spec) if v is not None else format("-", spec.split(".")[0])
-    print(f"{size:<6} {case:<11} {r['requests_per_s']:>9.1f} {f(r.get('payload_gb_per_s'), '>7.3f')} "
+    gpus = "/".join(f"{u:.0f}" for u in (r.get("gpu_util_pct") or {}).values()) or "-"
+    print(f"{size:<9} {case:<11} {r['requests_per_s']:>9.1f} {f(r.get('payload_gb_per_s'), '>7.3f')} "
           f"{f(r['p50_ms'], '>8.2f')} {f(r['p99_ms'], '>8.2f')} {f(r['mean_batch_size'], '>6.1f')} "
-          f"{f(http, '>11.3f')} {f(cpu.get('engine'), '>13.3f')} {r['ok']:>7} {r['requests'] - r['ok']:>6} "
+          f"{f(http, '>11.3f')} {f(cpu.get('engine'), '>13.3f')} {gpus:>9} {r['ok']:>7} {r['requests'] - r['ok']:>6} "
           f"{f(r['max_rel_err_vs_fp64'], '>8.1e')}")
 missing = [f"{s} {c}" for s in sizes for c in cases if f"{s} {c}" not in results]
 if missing:

@@ -48,7 +48,9 @@ server, are the limit) and the server's CPU time per process and per request in 
 ``engine`` the engine process's, ``main`` that of ``python -m service`` itself: the supervisor of a multi-process
 server, or the whole of a single-process one; ``naive`` the naive server's). With ``shm`` the window of those
 samples also holds the registering and unregistering of the measured clients' regions (two small requests a
-client: noise only in runs of a few requests).
+client: noise only in runs of a few requests). ``--gpu-util`` samples each GPU's utilisation with ``nvidia-smi``
+every 200 ms during a measured round (``gpu_util_pct``, by GPU index: the mean share of time a kernel ran, over the
+samples taken from 1 s after the common start to the end; nvidia-smi's figure covers the last sample period).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -768,7 +771,45 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
                 if swept:
                     print(f"swept {len(swept)} shared-memory region(s) the load processes left", flush=True)
     wall = max(p["end"] for p in parts) - start_at
-    return summarize(count, parts, wall)
+    result = summarize(count, parts, wall)
+    result["window"] = (start_at, max(p["end"] for p in parts))
+    return result
+
+
+class GpuSampler:
+    """``nvidia-smi`` printing each GPU's utilisation every ``period_ms``, every line stamped when it arrives;
+    ``mean(start, end)``: the mean by GPU index of the samples stamped between those times (``time.time()``)."""
+
+    def __init__(self, period_ms: int = 200) -> None:
+        self.samples: list[tuple[float, int, float]] = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            index, _, util = line.partition(",")
+            with contextlib.suppress(ValueError):
+                self.samples.append((time.time(), int(index), float(util)))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.reader.join(10)
+
+    def mean(self, start: float, end: float) -> dict[str, float] | None:
+        by_gpu: dict[int, list[float]] = {}
+        for stamp, index, util in self.samples:
+            if start <= stamp <= end:
+                by_gpu.setdefault(index, []).append(util)
+        return {str(i): round(statistics.fmean(v), 1) for i, v in sorted(by_gpu.items())} or None
 
 
 def stop_workers(children: list[subprocess.Popen[bytes]]) -> None:
@@ -890,7 +931,14 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     timings = server_timings(url, args.layer) if target.name != "naive" else {}
     before = process_tree_cpu(pid) if pid is not None else {}
     before_main = process_tree_cpu(pid, main_thread=True) if pid is not None else {}
-    result = drive_processes(url, args, args.requests)
+    sampler = GpuSampler() if args.gpu_util else None
+    try:
+        result = drive_processes(url, args, args.requests)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    start, end = result.pop("window")
+    result["gpu_util_pct"] = sampler.mean(start + 1.0, end) if sampler is not None else None
     after = process_tree_cpu(pid) if pid is not None else {}
     after_main = process_tree_cpu(pid, main_thread=True) if pid is not None else {}
     # Where a request's time went on the server: queue, batch (start to outputs), receipt to response.
@@ -1063,6 +1111,8 @@ def main() -> None:
     p.add_argument("--server-pid", type=int, default=None,
                    help="with --url: the server's process (python -m service, or the naive server), whose CPU time "
                         "and its children's is sampled")
+    p.add_argument("--gpu-util", action="store_true",
+                   help="sample each GPU's utilisation with nvidia-smi during the measured rounds (gpu_util_pct)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)

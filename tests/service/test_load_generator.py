@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
@@ -194,3 +196,24 @@ def test_responses_are_parsed_across_any_split_of_the_reads(load_module: ModuleT
     assert load.sample == b"first"  # the first answer's body, kept as the sample; the second only counted
     assert load.batch_sizes == [2, 1]
     assert transport.aborted  # no requests left: the client finished
+
+
+def test_gpu_utilisation_is_the_mean_by_gpu_of_the_samples_in_the_window(
+        load_module: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for nvidia-smi: two samples of two GPUs, a line it could not measure, then it waits to be stopped.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '0, 50\\n1, 90\\n0, [N/A]\\n0, 70\\n1, 100\\n'\nexec sleep 600\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    before = time.time()
+    sampler = load_module.GpuSampler()
+    try:
+        deadline = time.monotonic() + 60
+        while len(sampler.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        sampler.stop()
+    assert sampler.proc.returncode is not None  # stopped, not left running
+    assert [(index, util) for _, index, util in sampler.samples] == [(0, 50.0), (1, 90.0), (0, 70.0), (1, 100.0)]
+    assert sampler.mean(before, time.time()) == {"0": 60.0, "1": 95.0}
+    assert sampler.mean(0.0, before - 1) is None  # no sample in that window
