@@ -308,6 +308,7 @@ class RemoteEngine:
         self._queues: dict[str, RemoteQueue] = {}
         self._faults = Faults.from_spec(settings.faults) if settings.test_mode else Faults()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._heard = asyncio.Event()  # the engine's first STATE came, its link was lost, or the drain began
 
     @property
     def queues(self) -> Mapping[str, LayerQueue]:
@@ -332,13 +333,19 @@ class RemoteEngine:
         for queue in self._queues.values():
             queue.begin_drain()
         self.readiness.notify()
+        self._heard.set()
 
     async def start(self) -> None:
-        """Load the repository (the same files as the engine) and connect to the engine.
+        """Load the repository (the same files as the engine), connect to the engine and wait for its state.
+
+        The process serves only once it knows the engine's state: its readiness, and whether it maps CUDA and system
+        shared memory (what ``/v2`` advertises). The engine sends it once it has mapped and page-locked this
+        process's arena.
 
         Raises:
             RepositoryError: the layer repository is invalid.
-            ConnectionError: the engine socket did not accept a connection within ``CONNECT_TIMEOUT_S``.
+            ConnectionError: the engine socket did not accept a connection, or the engine sent no state, within
+                ``CONNECT_TIMEOUT_S``.
         """
         self._loop = loop = asyncio.get_running_loop()
         parent_gone = asyncio.Event()
@@ -372,6 +379,11 @@ class RemoteEngine:
             queue = self._queues[layer.name] = RemoteQueue(layer, index, client)
             if self.readiness.state == "draining":  # the drain began while this process was connecting
                 queue.begin_drain()
+        try:
+            await asyncio.wait_for(self._heard.wait(), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise ConnectionError(f"the engine at {self.engine_socket} sent no state within "
+                                  f"{CONNECT_TIMEOUT_S:g} s") from None
 
     def _arena(self) -> shm.Arena | None:
         """This process's shared memory for the engine link (``Settings.ipc_shm_bytes``), or None."""
@@ -388,6 +400,7 @@ class RemoteEngine:
     def engine_state(self, state: dict[str, Any]) -> None:
         """Take over the engine's readiness (unless this process is draining, or failed on its own)."""
         assert self.registry is not None
+        self._heard.set()
         self.backend = str(state["backend"])
         self.cuda_memory.available = bool(state.get("cuda_shm", False))
         self.cuda_memory.reason = str(state.get("cuda_shm_reason", ""))
@@ -403,6 +416,7 @@ class RemoteEngine:
 
     def engine_lost(self, exc: Exception | None) -> None:
         """The engine connection closed: not ready from now on (the supervisor stops the server)."""
+        self._heard.set()
         if self.readiness.state != "draining":
             log.error("the engine connection was lost%s; not ready", f": {exc}" if exc else "")
             self.readiness.set("failed", "the engine process is gone")

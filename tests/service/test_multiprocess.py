@@ -27,7 +27,7 @@ from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, load_repository
 from service.engine.worker import Worker
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
-from service.ipc import frames
+from service.ipc import frames, shm
 from service.supervisor import SERVING, ConnectionDispatcher, _stop_all
 
 from .conftest import (
@@ -570,3 +570,44 @@ def test_port_in_use_fails_at_start(repo, tmp_path):
                               text=True, timeout=60, check=False)
     assert done.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+def test_an_http_process_serves_only_once_it_knows_the_engines_state(repo, tmp_path, monkeypatch) -> None:
+    """``RemoteEngine.start`` returns after the engine's first ``STATE`` (which the engine sends once it has mapped
+    and page-locked the arena), so that no request meets a process that has not heard what the engine offers: its
+    readiness and the shared-memory extensions ``/v2`` lists."""
+    import service.engine.remote
+    from service.config import Settings
+    from service.engine.remote import RemoteEngine
+
+    monkeypatch.setattr(service.engine.remote, "watch_parent", lambda on_exit: None)  # pytest's stdin is no supervisor
+    root, _ = repo
+    path = str(tmp_path / "engine.sock")
+    engine = RemoteEngine(Settings(layer_repository=root, devices="cpu", ipc_shm_bytes=0), path)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            listener.setblocking(False)
+            task = asyncio.create_task(engine.start())
+            conn, _ = await loop.sock_accept(listener)
+            with conn:
+                conn.setblocking(True)
+                assert await loop.run_in_executor(None, shm.recv_hello, conn) is None  # no arena
+                for _ in range(50):
+                    await asyncio.sleep(0)
+                assert not task.done()  # connected, but no state yet
+                assert engine.readiness.state == "starting"
+                assert not engine.cuda_memory.available
+                names = [layer.name for layer in engine.registry]  # type: ignore[union-attr]
+                state = frames.state_frame("ready", "", "cuda", names, True, "", True)
+                await loop.sock_sendall(conn, _wire(state))
+                await asyncio.wait_for(task, 60)
+                assert engine.readiness.state == "ready"
+                assert engine.cuda_memory.available
+                assert engine.cuda_memory.system_available
+                engine.client.close()  # type: ignore[union-attr]
+
+    run(main(), 120)
