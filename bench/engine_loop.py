@@ -42,6 +42,7 @@ class InstantExecutor:
     """One reservation; a batch's outputs are its requests' slots, answered after one loop iteration."""
 
     parallelism = 1
+    devices = 1
 
     def __init__(self) -> None:
         self.busy = False

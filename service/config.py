@@ -50,10 +50,12 @@ class Settings(BaseSettings):
         description='"auto" (every visible GPU, else the CPU), "cpu", "all" (every GPU; fails without one) '
         'or CUDA device indices such as "0,1".',
     )
-    workers_per_device: int = Field(
-        1, ge=1, le=8,
-        description="Worker threads per device, each with its own CUDA stream and copy of the weights: with two, one "
-        "batch's host copies and transfers run while another's do (megabyte tensors through host memory).",
+    workers_per_device: int | None = Field(
+        None, ge=1, le=8,
+        description="Worker threads per device, each with its own CUDA stream and copy of the weights (default: 2 a "
+        "GPU, 1 on the CPU). A layer's batch goes to a second worker of a GPU only when it is full already and its "
+        "tensors cross host memory, so that its transfers overlap another batch's kernel while small requests keep "
+        "their batches whole.",
     )
     max_batch_size: int = Field(64, ge=1, description="Default most samples in one kernel call.")
     max_batch_bytes: int = Field(256 * 2**20, ge=1, description="Default most output bytes in one kernel call.")

@@ -4,7 +4,7 @@ One Python process parses HTTP for every request, which limits a single-process 
 requests per second however fast the GPU is. Here the work is split:
 
 * one **engine** process (``service.engine.process``): the ``LocalEngine`` a server of one process serves HTTP on
-  (the layer repository, the self-tests, one batcher per layer and one worker per GPU), fed over a Unix socket
+  (the layer repository, the self-tests, one batcher per layer and two worker threads a GPU), fed over a Unix socket
   instead of HTTP;
 * N **HTTP** processes (``service.http.frontend``): the same HTTP code as a server of one process, on a
   ``RemoteEngine``: they serve the connections this process hands them, decode and validate tensors, and forward

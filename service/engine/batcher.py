@@ -8,12 +8,18 @@ A batch is executed when the group of the oldest queued request holds ``max_batc
 first, and a worker has room for another batch (while every worker is busy the queue keeps filling, so batches grow with
 load). Requests are packed first come, first served.
 
-Batches are packed late: while a layer's batches occupy every worker (``Executor.parallelism``), its next batch
-is packed only when one of them leaves its worker, not as soon as a worker's queue has room, so that the requests
-arriving during a batch ride in the next one instead of waiting behind a batch packed before they came (H200, 64
-clients: 11-25% more requests/s and a lower p99; docs/operations.md). The finished batch's results go out after
-the next batch has started. A layer whose batches hold one sample (``max_batch_size`` 1) has nothing to gain
-from waiting: it fills the workers' queues, which keeps a worker busy between batches.
+Batches are packed late: while a layer has a batch on a worker of every device (``Executor.devices``), its next
+batch is packed only when one of them leaves its worker, not as soon as a worker's queue has room, so that the
+requests arriving during a batch ride in the next one instead of waiting behind a batch packed before they came
+(H200, 64 clients: 11-25% more requests/s and a lower p99; docs/operations.md). Only a batch that is already full
+(the oldest request's group holds ``max_batch_size`` samples or ``max_batch_bytes``) goes early, onto another worker
+of a device (``Executor.parallelism``: every worker, ``DECONV_WORKERS_PER_DEVICE`` a device), since waiting could
+not make it larger: then one batch's transfers and host work overlap another's kernel on the same GPU, while small
+requests keep their batches whole. Batches in a GPU's CUDA shared memory have no transfers to overlap and stay one a
+GPU; the oldest request of a lane with room goes first, so that a free GPU does not wait behind requests for a busy
+one. The finished batch's results go out after the next batch has started. A layer whose batches hold one sample
+(``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers' queues, which keeps a worker busy
+between batches.
 
 Admission is decided at the door: ``submit`` raises ``OverloadedError`` (429) at once when the queue holds
 ``max_queue_size`` requests and ``NotReadyError`` (503) while draining; nothing waits for room. Each request owns
@@ -54,6 +60,11 @@ class Executor(Protocol):
         """Batches executing at the same time when every worker is busy: one per worker."""
         ...
 
+    @property
+    def devices(self) -> int:
+        """Batches executing at the same time with one on each device (``parallelism`` or fewer)."""
+        ...
+
     async def acquire(self) -> Any:
         """Wait for and reserve room for a batch on some worker (a reservation); ``acquire(device)`` on a worker of
         that GPU (a batch in its CUDA shared memory)."""
@@ -67,6 +78,12 @@ class Executor(Protocol):
         """Execute one batch on the reservation (released when done); one output per input, or the exception of
         that input's request alone."""
         ...
+
+
+def on_gpu(lane: int | None) -> bool:
+    """Whether a batch of ``lane`` (``Pending.key``) has its tensors in a GPU's CUDA shared memory: no transfers to
+    overlap, so a second worker of that GPU would only add host work (H100, 4 MiB requests: 30% fewer)."""
+    return lane is not None and lane >= 0
 
 
 class Answer:
@@ -159,7 +176,9 @@ class Batcher:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._executing = 0  # this layer's batches on a worker, outputs not back yet (late packing counts these)
-        self._finished: asyncio.Event | None = None  # set whenever one of this layer's batches leaves its worker
+        self._lanes: dict[int | None, int] = {}  # ... of them by lane (Pending.key)
+        # set whenever one of this layer's batches leaves its worker, or a request fills its group while some run
+        self._finished: asyncio.Event | None = None
         self._draining = False
         self._depth_due = False  # a queue-depth update is scheduled (submit)
         if metrics is not None:  # this layer's series, looked up once (labels() per request shows in profiles)
@@ -249,6 +268,8 @@ class Batcher:
         totals = self._totals.setdefault(item.key, [0, 0])
         totals[0] += item.samples
         totals[1] += item.out_bytes
+        if self._executing and self._finished is not None and self._has_room(item.key):
+            self._finished.set()  # a batch may start on a free GPU, or a full one on another worker of a busy one
         if not self._depth_due and self.metrics is not None:  # the gauge follows within one loop iteration:
             self._depth_due = True  # once for a burst of requests, not once per request
             loop.call_soon(self._report_depth)
@@ -319,32 +340,67 @@ class Batcher:
                     break
             if head.state != "queued":
                 continue
-            if self.layer.limits.max_batch_size > 1:  # pack late (module docstring)
-                await self._wait_for_room()
-            # Requests keep joining the queue while workers are busy. A batch in CUDA shared memory needs its GPU.
             lane = head.key[3]
+            if self.layer.limits.max_batch_size > 1:  # pack late (module docstring)
+                first = await self._wait_for_room()
+                if first is None:
+                    continue
+                lane = first.key[3]
+            # Requests keep joining the queue while workers are busy. A batch in CUDA shared memory needs its GPU.
             reservation = await (self.executor.acquire() if lane is None else self.executor.acquire(lane))
             batch = self._pack(lane)
             if not batch:
                 self.executor.release(reservation)
                 continue
             self._executing += 1
-            task = asyncio.create_task(self._execute(reservation, batch))
+            self._lanes[lane] = self._lanes.get(lane, 0) + 1
+            task = asyncio.create_task(self._execute(reservation, batch, lane))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             return True
 
-    def _left_worker(self) -> None:
+    def _left_worker(self, lane: int | None) -> None:
         self._executing -= 1
+        self._lanes[lane] -= 1
         if self._finished is not None:
             self._finished.set()
 
-    async def _wait_for_room(self) -> None:
-        """Wait until fewer of this layer's batches are on a worker than the executor runs at once."""
+    async def _wait_for_room(self) -> Pending | None:
+        """Wait until the oldest queued request of some lane may start a batch (``_first_with_room``) and return it;
+        None when the queue is empty."""
         assert self._finished is not None
-        while self._executing >= self.executor.parallelism:
+        while self._queue:
+            first = self._first_with_room()
+            if first is not None:
+                return first
             self._finished.clear()
             await self._finished.wait()
+        return None
+
+    def _first_with_room(self) -> Pending | None:
+        """The oldest queued request of a lane with room for its batch (``_has_room``); None when no lane has."""
+        lanes = len({key[3] for key in self._totals})
+        seen: set[int | None] = set()
+        for item in self._queue.values():
+            lane = item.key[3]
+            if lane in seen:
+                continue
+            if self._has_room(item.key):
+                return item
+            seen.add(lane)
+            if len(seen) == lanes:
+                break
+        return None
+
+    def _has_room(self, key: tuple[torch.dtype, int, int, int | None]) -> bool:
+        """Whether a batch of the group ``key`` may start now (module docstring): in a GPU's CUDA shared memory,
+        when none of this layer's runs on that GPU; through host memory, while fewer of them run than there are
+        devices, or workers when the group fills a batch already."""
+        if on_gpu(key[3]):
+            return not self._lanes.get(key[3])
+        through_host = self._executing - sum(n for lane, n in self._lanes.items() if on_gpu(lane))
+        return through_host < self.executor.devices or (
+            through_host < self.executor.parallelism and self._group_full(key))
 
     def _pack(self, lane: int | None = None) -> list[Pending]:
         """The next batch: the oldest queued request of ``lane`` (see ``Pending.key``) and the requests of its key
@@ -393,7 +449,7 @@ class Batcher:
         if self.metrics is not None:
             self._depth.set(len(self._queue))
 
-    async def _execute(self, reservation: Any, batch: list[Pending]) -> None:
+    async def _execute(self, reservation: Any, batch: list[Pending], lane: int | None) -> None:
         start = time.monotonic()
         samples = sum(i.samples for i in batch)
         name = self.layer.name
@@ -407,7 +463,7 @@ class Batcher:
             try:
                 outputs = await self.executor.run(reservation, self.layer, [i.x for i in batch])
             finally:
-                self._left_worker()
+                self._left_worker(lane)
             if self.metrics is not None:
                 self._batch_time.observe(time.monotonic() - start)
         except Exception as exc:

@@ -29,9 +29,14 @@ from service.metrics import Metrics
 
 log = logging.getLogger("deconv.service")
 
+# Worker threads a GPU unless Settings.workers_per_device says otherwise: the second takes a layer's full batches
+# while the first runs one (service.engine.batcher), so that transfers overlap kernels (bench/NOTES.md). The CPU has
+# one: two CPU convolutions at once would only share its cores.
+GPU_WORKERS = 2
+
 
 class LocalEngine:
-    """The layers computed in this process: batchers on the event loop, one worker thread per device.
+    """The layers computed in this process: batchers on the event loop, worker threads on the devices.
 
     ``observe_queue_time`` False (the engine process): the HTTP processes observe each request's queue time, from
     the RESULT frame, in parallel and off the engine's event loop.
@@ -99,7 +104,7 @@ class LocalEngine:
         log.info("layer repository %s: %d layer(s): %s", self.registry.root, len(self.registry),
                  ", ".join(self.registry.names()))
         self.cuda_memory.configure(devices)
-        per = s.workers_per_device
+        per = s.workers_per_device or (GPU_WORKERS if self.backend == "cuda" else 1)
         workers = [Worker(d, self.metrics, faults=self.faults, cuda=self.cuda_memory,
                           name=str(d) if per == 1 else f"{d}/{i}")
                    for d in devices for i in range(per)]

@@ -2,9 +2,9 @@
 
 ``python -m service.engine.process --socket PATH`` (started by ``service.supervisor``, never by hand) runs the
 ``LocalEngine`` a server of one process serves HTTP on (repository check, kernels, self-tests, one batcher per layer,
-one worker per device), without HTTP: the HTTP processes, each on a ``service.engine.remote.RemoteEngine``, connect
-to the Unix socket at PATH and send it the requests they decoded (``service.ipc.frames``). Requests from every HTTP
-process share one queue per layer, so they batch together.
+worker threads on each device), without HTTP: the HTTP processes, each on a ``service.engine.remote.RemoteEngine``,
+connect to the Unix socket at PATH and send it the requests they decoded (``service.ipc.frames``). Requests from every
+HTTP process share one queue per layer, so they batch together.
 
 Signals: SIGTERM drains (queued requests run at once, new ones get 503), waits for the HTTP processes to hang
 up, and exits 0 when everything queued was answered (1 otherwise; 3 when the repository or devices are invalid).

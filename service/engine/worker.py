@@ -712,14 +712,20 @@ class WorkerPool:
         """Batches executing at once when every worker is busy: one per worker."""
         return len(self.workers)
 
+    @property
+    def devices(self) -> int:
+        """Batches executing at once with one on each device: the devices the workers run on."""
+        return len({w.device for w in self.workers})
+
     def load(self, layer: Layer) -> None:
         """Put the layer's weights on every worker."""
         for w in self.workers:
             w.load(layer)
 
     async def acquire(self, device: int | None = None) -> Worker:
-        """Wait for a worker with room for another batch and reserve it: the one with the fewest samples in flight
-        (with ``device``, among the workers of that GPU: a batch in its CUDA shared memory)."""
+        """Wait for a worker with room for another batch and reserve it: on the device with the fewest samples in
+        flight, the worker there with the fewest (with ``device``, among the workers of that GPU: a batch in its CUDA
+        shared memory)."""
         if self._freed is None:
             self._freed = asyncio.Event()
         candidates = self.workers
@@ -728,7 +734,10 @@ class WorkerPool:
         while True:
             free = [w for w in candidates if w.inflight_batches < self.max_inflight_batches]
             if free:
-                worker = min(free, key=lambda w: (w.inflight_samples, w.inflight_batches))
+                on_device: dict[torch.device, int] = {}
+                for w in self.workers:
+                    on_device[w.device] = on_device.get(w.device, 0) + w.inflight_samples
+                worker = min(free, key=lambda w: (on_device[w.device], w.inflight_samples, w.inflight_batches))
                 worker.inflight_batches += 1
                 return worker
             self._freed.clear()

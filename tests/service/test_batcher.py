@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from service.codec import CudaJob, DeviceTensor
 from service.engine.batcher import Batcher
 from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, LayerConfig
@@ -32,13 +33,14 @@ class FakeExecutor:
     def __init__(self, slots: int = 1, fail: int = 0) -> None:
         self.slots = slots
         self.parallelism = slots
+        self.devices = slots  # one worker a device, unless a test says otherwise
         self.free = asyncio.Event()
         self.batches: list[list[int]] = []
         self.times: list[float] = []
         self.fail = fail  # fail this many batches first
         self.hold: asyncio.Event | None = None  # set: batches wait for it before finishing
 
-    async def acquire(self) -> str:
+    async def acquire(self, device: int | None = None) -> str:
         while self.slots == 0:
             self.free.clear()
             await self.free.wait()
@@ -58,7 +60,8 @@ class FakeExecutor:
             if self.fail:
                 self.fail -= 1
                 raise InternalError("kernel failed")
-            return [x.sum(1, keepdim=True).expand(-1, 3, -1, -1).clone() for x in inputs]
+            return [x.sum(1, keepdim=True).expand(-1, 3, -1, -1).clone() if isinstance(x, torch.Tensor) else x
+                    for x in inputs]
         finally:
             self.release(slot)
 
@@ -157,7 +160,7 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
     one-sample batches fills it."""
     async def main() -> None:
         ex = FakeExecutor(slots=2)
-        ex.parallelism = 1
+        ex.parallelism = ex.devices = 1
         ex.hold = asyncio.Event()
         b = Batcher(make_layer(max_batch_size=max_batch_size, delay_ms=0), ex)
         b.start()
@@ -174,6 +177,80 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
         assert ex.batches == ([[1], [1, 1, 1]] if max_batch_size > 1 else [[1], [1], [1], [1]])
+        await b.drain()
+
+    run(main(), 120)
+
+
+async def settle() -> None:
+    """Let every task that can run, run (the batcher's loop reacts within a few event-loop iterations)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("where", ["host", "system region", "cuda region"])
+def test_only_a_full_batch_through_host_memory_goes_to_a_second_worker_of_a_device(where: str):
+    """Two workers on one device: while a batch of the layer runs, the next one is packed at once only when it is
+    full already (waiting could not make it larger) and its tensors cross host memory (its transfers overlap the
+    running batch's kernel); a partial one, or one in a GPU's CUDA shared memory, waits for the running batch."""
+    def request() -> torch.Tensor | CudaJob:
+        if where == "host":
+            return x()
+        return CudaJob(DeviceTensor("region", 0 if where == "cuda region" else -1, 0, torch.float32, (1, 2, 4, 4)),
+                       None)
+
+    async def main() -> None:
+        ex = FakeExecutor(slots=2)
+        ex.devices = 1
+        ex.hold = asyncio.Event()
+        b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
+        b.start()
+        first = b.submit(request())
+        await settle()
+        assert ex.batches == [[1]]  # runs (held)
+        rest = [b.submit(request()) for _ in range(3)]
+        await settle()
+        assert ex.batches == [[1]]  # three of four samples: waits although the second worker is free
+        assert b.depth == 3
+        rest.append(b.submit(request()))  # the group is full now
+        await settle()
+        if where == "cuda region":
+            assert ex.batches == [[1]]  # nothing to overlap: still one batch at a time
+        else:
+            assert ex.batches == [[1], [1, 1, 1, 1]]  # onto the second worker at once
+            rest += [b.submit(request()) for _ in range(2)]
+            await settle()
+            assert len(ex.batches) == 2  # both workers busy
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in rest))
+        assert ex.batches == [[1], [1, 1, 1, 1]] + ([] if where == "cuda region" else [[1, 1]])
+        await b.drain()
+
+    run(main(), 120)
+
+
+def test_a_free_gpu_does_not_wait_behind_requests_for_a_busy_one():
+    """Two GPUs, requests in their CUDA shared memory: while GPU 0 runs a batch of the layer, a request for GPU 1 that
+    came after more requests for GPU 0 starts at once on GPU 1; those for GPU 0 wait for its batch (one at a time)."""
+    def job(gpu: int) -> CudaJob:
+        return CudaJob(DeviceTensor(f"region-{gpu}", gpu, 0, torch.float32, (1, 2, 4, 4)), None)
+
+    async def main() -> None:
+        ex = FakeExecutor(slots=4)
+        ex.devices = 2
+        ex.hold = asyncio.Event()
+        b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
+        b.start()
+        first = b.submit(job(0))
+        await settle()
+        assert ex.batches == [[1]]  # on GPU 0 (held)
+        later = [b.submit(job(0)), b.submit(job(0)), b.submit(job(1))]
+        await settle()
+        assert ex.batches == [[1], [1]]  # GPU 1's request went past GPU 0's
+        assert b.depth == 2
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in later))
+        assert ex.batches == [[1], [1], [1, 1]]
         await b.drain()
 
     run(main(), 120)

@@ -15,7 +15,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
-from service.engine.local import LocalEngine
+from service.engine.local import GPU_WORKERS, LocalEngine
 from service.engine.registry import Layer
 
 from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app
@@ -36,6 +36,11 @@ def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref).norm() / ref.norm())
 
 
+def _gpu_workers() -> list[str]:
+    """The names of the workers of a server on every GPU with the default workers a GPU."""
+    return [f"cuda:{i}/{j}" for i in range(torch.cuda.device_count()) for j in range(GPU_WORKERS)]
+
+
 def _settings(**kw: Any) -> Settings:
     return Settings(layer_repository=DEFAULT_LAYER_REPOSITORY, devices="all", **kw)
 
@@ -45,7 +50,8 @@ def test_every_bundled_layer_on_every_gpu_matches_float64():
         async with serve_app(_settings(), timeout=COMPILE_TIMEOUT_S) as (app, client):
             engine: LocalEngine = app.state.engine
             assert engine.backend == "cuda"
-            assert len(engine.pool.workers) == torch.cuda.device_count()
+            assert len(engine.pool.workers) == GPU_WORKERS * torch.cuda.device_count()
+            assert engine.pool.devices == torch.cuda.device_count()
             for layer in engine.registry:
                 c = layer.config
                 for n, h, w in ((1, 7, 5), (5, 16, 16), (3, 13, 29)):
@@ -83,8 +89,7 @@ def test_concurrent_requests_batch_on_the_gpu_and_split_back_correctly():
             assert max(sizes) > 8  # several requests shared a kernel call
             text = (await client.get("/metrics")).text
             assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
-            total = sum(metric_value(text, "deconv_worker_batches_total", worker=f"cuda:{i}")
-                        for i in range(torch.cuda.device_count()))
+            total = sum(metric_value(text, "deconv_worker_batches_total", worker=name) for name in _gpu_workers())
             assert total >= 2
 
     run(main(), COMPILE_TIMEOUT_S + 120)
@@ -148,7 +153,8 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
         assert metric_value(text, "deconv_requests_total", layer="demo", api="native", status="200") == 4
         assert metric_value(text, "deconv_ipc_requests_total", path="shared") == len(jobs)  # shared memory
-        assert metric_value(text, "deconv_worker_direct_batches_total", worker="cuda:0") >= 1  # page-locked
+        direct = sum(metric_value(text, "deconv_worker_direct_batches_total", worker=name) for name in _gpu_workers())
+        assert direct >= 1  # page-locked
 
     try:
         proc.wait_ready(COMPILE_TIMEOUT_S)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -120,6 +121,24 @@ def test_pool_picks_the_least_busy_worker_with_a_free_slot(layers):
         pool.release(b)
         assert await asyncio.wait_for(waiter, 5) is b
         pool.shutdown()
+
+    run(main(), 10)
+
+
+def test_pool_fills_the_least_busy_device_before_a_second_worker_of_a_busy_one():
+    """Two GPUs with two workers each: a batch goes to a worker of the device with the fewest samples in flight, so
+    that two batches at once run on two GPUs, not on two workers of one (the selection alone: stand-in workers)."""
+    async def main() -> None:
+        workers = [SimpleNamespace(name=f"cuda:{d}/{i}", device=torch.device("cuda", d), is_cuda=True,
+                                   inflight_samples=0, inflight_batches=0) for d in (0, 1) for i in (0, 1)]
+        pool = WorkerPool(workers, max_inflight_batches=1)  # type: ignore[arg-type]
+        first = await pool.acquire()
+        first.inflight_samples = 8
+        second = await pool.acquire()
+        assert (first.name, second.name) == ("cuda:0/0", "cuda:1/0")
+        second.inflight_samples = 2
+        assert (await pool.acquire()).name == "cuda:1/1"  # the device with fewer samples in flight
+        assert (await pool.acquire(0)).name == "cuda:0/1"  # a batch in GPU 0's CUDA shared memory
 
     run(main(), 10)
 
@@ -276,6 +295,7 @@ def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
         async with serve_app(settings) as (app, client):
             pool = app.state.engine.pool
             assert [w.name for w in pool.workers] == ["cpu/0", "cpu/1"]
+            assert (pool.parallelism, pool.devices) == (2, 1)  # a layer's full batches may use both
             assert all(set(w._weights) == set(layers) for w in pool.workers)
             answers = await asyncio.gather(*(
                 client.post("/deconv?layer=demo", content=npy_bytes(x.numpy()), headers={"content-type": NPY})
