@@ -188,6 +188,17 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def held_batcher(workers: int, devices: int) -> tuple[FakeExecutor, Batcher]:
+    """A started batcher (batches of up to 4 samples, no delay) on ``workers`` fake workers over ``devices`` devices,
+    whose batches run until ``ex.hold`` is set. Call it on the running event loop."""
+    ex = FakeExecutor(slots=workers)
+    ex.devices = devices
+    ex.hold = asyncio.Event()
+    b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
+    b.start()
+    return ex, b
+
+
 @pytest.mark.parametrize("where", ["host", "system region", "cuda region"])
 def test_only_a_full_batch_through_host_memory_goes_to_a_second_worker_of_a_device(where: str):
     """Two workers on one device: while a batch of the layer runs, the next one is packed at once only when it is
@@ -200,11 +211,7 @@ def test_only_a_full_batch_through_host_memory_goes_to_a_second_worker_of_a_devi
                        None)
 
     async def main() -> None:
-        ex = FakeExecutor(slots=2)
-        ex.devices = 1
-        ex.hold = asyncio.Event()
-        b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
-        b.start()
+        ex, b = held_batcher(workers=2, devices=1)
         first = b.submit(request())
         await settle()
         assert ex.batches == [[1]]  # runs (held)
@@ -236,11 +243,7 @@ def test_a_free_gpu_does_not_wait_behind_requests_for_a_busy_one():
         return CudaJob(DeviceTensor(f"region-{gpu}", gpu, 0, torch.float32, (1, 2, 4, 4)), None)
 
     async def main() -> None:
-        ex = FakeExecutor(slots=4)
-        ex.devices = 2
-        ex.hold = asyncio.Event()
-        b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
-        b.start()
+        ex, b = held_batcher(workers=4, devices=2)
         first = b.submit(job(0))
         await settle()
         assert ex.batches == [[1]]  # on GPU 0 (held)
