@@ -770,9 +770,9 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
                 swept = sweep_regions(url, [child.pid for child in children])
                 if swept:
                     print(f"swept {len(swept)} shared-memory region(s) the load processes left", flush=True)
-    wall = max(p["end"] for p in parts) - start_at
-    result = summarize(count, parts, wall)
-    result["window"] = (start_at, max(p["end"] for p in parts))
+    end = max(p["end"] for p in parts)
+    result = summarize(count, parts, end - start_at)
+    result["window"] = (start_at, end)
     return result
 
 
