@@ -147,6 +147,12 @@ class Engine(Protocol):
         """Whether every request taken has been answered."""
         ...
 
+    def body_buffer(self, nbytes: int) -> memoryview | None:
+        """Writable memory of ``nbytes`` bytes for a request body, from where a tensor decoded in it reaches the
+        engine with no copy (given back once the last view of it is gone); None when the engine has none to lend
+        (the HTTP layer reads the body into memory of its own)."""
+        ...
+
     async def start(self) -> None:
         """Load the layer repository and start serving; readiness follows as the layers are checked.
 

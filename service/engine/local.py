@@ -70,6 +70,10 @@ class LocalEngine:
         queued = any(b.depth for b in self.batchers.values())
         return not queued and (self.pool is None or not any(w.inflight_batches for w in self.pool.workers))
 
+    def body_buffer(self, nbytes: int) -> memoryview | None:
+        """None: the workers take a request's tensor from any host memory (``Engine.body_buffer``)."""
+        return None
+
     def begin_drain(self) -> None:
         """Refuse new work (503 from now on); queued requests still run, at once (``Engine.begin_drain``)."""
         if self.readiness.begin_drain():

@@ -22,7 +22,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,6 +39,17 @@ from service.metrics import Metrics, update_lock
 log = logging.getLogger("deconv.service")
 
 CONNECT_TIMEOUT_S = 30.0
+
+
+class Slot(NamedTuple):
+    """A request's place in the arena, held until the engine's last word on it: the slot to give back (``start``),
+    where the output goes and its size, and the input's bytes when they lie in a slot of their own (a body read
+    into the arena), kept alive so that their slot is not given back before."""
+
+    start: int
+    out_offset: int
+    out_bytes: int
+    held_input: memoryview | None
 
 
 class RemotePending:
@@ -67,9 +78,9 @@ class EngineClient(frames.FrameProtocol):
         self.pending: dict[int, tuple[RemotePending, torch.dtype, Any]] = {}  # id -> entry, dtype, queue histogram
         self.ids = itertools.count(1)
         self.arena = arena  # this process's shared memory, mapped by the engine too (None: tensors inline)
-        # Requests holding a slot of the arena, until the engine's last word on them: id -> (slot, output offset,
-        # output bytes). A request given up on keeps its slot here until then (service.ipc.shm).
-        self.slots: dict[int, tuple[int, int, int]] = {}
+        # Requests holding a slot of the arena, until the engine's last word on them. A request given up on keeps
+        # its slot here until then (service.ipc.shm).
+        self.slots: dict[int, Slot] = {}
         self.calls: dict[int, asyncio.Future[None]] = {}  # CUDA shared-memory calls waiting for the engine's answer
         paths = engine.metrics.ipc_requests
         self.sent_shared, self.sent_inline, self.sent_cuda = paths.labels("shared"), paths.labels("inline"), \
@@ -86,7 +97,7 @@ class EngineClient(frames.FrameProtocol):
                     y = out.y
                     if out.shared and slot is not None and self.arena is not None:
                         # The answer is the slot's bytes, which hold the slot until they are written (shm.Arena.lend).
-                        y = RawTensor(self.arena.lend(slot[0], slot[1], y.data.nbytes), y.dtype, y.shape)
+                        y = RawTensor(self.arena.lend(slot.start, slot.out_offset, y.data.nbytes), y.dtype, y.shape)
                         slot = None
                     entry[2].observe(out.queue_s)  # the engine leaves the queue-time histogram to this process
                     entry[0].future.set_result(Result(y, out.batch_samples, out.batch_requests, out.queue_s,
@@ -113,19 +124,21 @@ class EngineClient(frames.FrameProtocol):
         else:
             raise frames.ProtocolError(f"unexpected frame kind {kind} from the engine")
 
-    def _output_view(self, slot: tuple[int, int, int]) -> memoryview:
+    def _output_view(self, slot: Slot) -> memoryview:
         assert self.arena is not None
-        return self.arena.view[slot[1]:slot[1] + slot[2]]
+        return self.arena.view[slot.out_offset:slot.out_offset + slot.out_bytes]
 
-    def _release(self, slot: tuple[int, int, int] | None) -> None:
+    def _release(self, slot: Slot | None) -> None:
         if slot is not None and self.arena is not None:
-            self.arena.free(slot[0])
+            self.arena.free(slot.start)
 
     def send_input(self, request_id: int, layer: Layer, index: int, x: AnyTensor | SourceTensor | CudaJob,
                    received: float, deadline: float | None) -> None:
-        """Send a ``SUBMIT``: through a slot of the arena when one is free, else with the input's bytes. An input
-        still at its source (``SourceTensor``) is read straight into the slot, or into a copy to send inline. A
-        request in CUDA shared memory (``CudaJob``) only names its regions.
+        """Send a ``SUBMIT``: through the arena when there is room, else with the input's bytes. An input whose
+        bytes lie in the arena already (a body read into ``RemoteEngine.body_buffer``) is named where it is, with a
+        slot for the output, and held until the engine's last word on the request; any other input is copied into
+        a slot for it and its output. An input still at its source (``SourceTensor``) is read straight into the
+        slot, or into a copy to send inline. A request in CUDA shared memory (``CudaJob``) only names its regions.
 
         Raises:
             ServiceError: the source could not be read (nothing is sent, the slot is given back).
@@ -140,21 +153,31 @@ class EngineClient(frames.FrameProtocol):
             nbytes = x.nbytes if data is None else data.nbytes
             n, _, h, w = x.shape
             out_bytes = layer.output_bytes(int(n), int(h), int(w))
-            in_bytes = shm.aligned(nbytes)
-            start = arena.alloc(in_bytes + out_bytes)
-            if start is not None:
-                try:
-                    if data is None:
-                        x.fill(arena.view[start:start + nbytes])
-                    else:
-                        arena.view[start:start + nbytes] = data
-                except BaseException:
-                    arena.free(start)
-                    raise
-                self.slots[request_id] = (start, start + in_bytes, out_bytes)
-                self.send(frames.submit_frame(request_id, index, x, received, deadline, (start, start + in_bytes)))
-                self.sent_shared.inc()
-                return
+            in_place = None if data is None else arena.offset_of(data)
+            if in_place is not None:  # only the output needs a slot; without room for it the input goes inline
+                start = arena.alloc(out_bytes)
+                if start is not None:
+                    self.slots[request_id] = Slot(start, start, out_bytes, data)
+                    self.send(frames.submit_frame(request_id, index, x, received, deadline, (in_place, start)))
+                    self.sent_shared.inc()
+                    return
+            else:
+                in_bytes = shm.aligned(nbytes)
+                start = arena.alloc(in_bytes + out_bytes)
+                if start is not None:
+                    try:
+                        if data is None:
+                            x.fill(arena.view[start:start + nbytes])
+                        else:
+                            arena.view[start:start + nbytes] = data
+                    except BaseException:
+                        arena.free(start)
+                        raise
+                    self.slots[request_id] = Slot(start, start + in_bytes, out_bytes, None)
+                    self.send(frames.submit_frame(request_id, index, x, received, deadline,
+                                                  (start, start + in_bytes)))
+                    self.sent_shared.inc()
+                    return
         if isinstance(x, SourceTensor):
             x = x.load()
         self.send(frames.submit_frame(request_id, index, x, received, deadline))
@@ -319,6 +342,15 @@ class RemoteEngine:
     def idle(self) -> bool:
         """Whether every request sent to the engine has been answered."""
         return self.client is None or not self.client.pending
+
+    def body_buffer(self, nbytes: int) -> memoryview | None:
+        """A slot of this process's arena, lent until its last view is gone: a tensor decoded in it goes to the
+        engine by reference (``EngineClient.send_input``). None without an arena or when none is free."""
+        arena = self.client.arena if self.client is not None else None
+        if arena is None:
+            return None
+        start = arena.alloc(nbytes)
+        return None if start is None else arena.lend(start, start, nbytes)
 
     def begin_drain(self) -> None:
         """Refuse new work (503 from now on); requests sent are still answered (``Engine.begin_drain``)."""

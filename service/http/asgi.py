@@ -39,6 +39,7 @@ from service.errors import (
     ServiceError,
     error_body,
 )
+from service.http.bodies import MIN_BYTES
 
 if TYPE_CHECKING:
     from starlette.datastructures import URLPath
@@ -53,6 +54,9 @@ log = logging.getLogger("deconv.service")
 # Set in a request's scope by the connection (service.http.server.HTTPProtocol) when its body did not arrive in time:
 # the disconnect the application then receives is a 408, already written to the client.
 BODY_TIMED_OUT = "deconv.body_timed_out"
+# Set in a request's scope by the connection (service.http.server.HTTPProtocol): ``await scope[BODY_INTO](scope,
+# view)`` fills ``view`` with the next bytes of the body straight from the connection, and returns how many it wrote.
+BODY_INTO = "deconv.body_into"
 CLOSE = (b"connection", b"close")
 
 
@@ -157,13 +161,17 @@ def call_of(request: Request) -> Call:
     return Call(request.scope, request.receive, dict(request.path_params))
 
 
-async def read_body(call: Call, limit: int) -> bytearray | memoryview:
+async def read_body(call: Call, limit: int, *, tensor_as_is: bool = True) -> bytearray | memoryview:
     """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large.
 
-    A body of a declared length of ``service.http.bodies.MIN_BYTES`` or more is read into a reused buffer of the
-    app's ``BodyPool``, which comes back to the pool when the request's last view of it is gone; any other body into
-    a buffer that grows with the bytes received, never from the declared length alone. The declared length is taken
-    from the app's budget before reading (the received length, chunk by chunk, when none is declared).
+    A body of a declared length of ``service.http.bodies.MIN_BYTES`` or more is read into memory lent for it: with
+    ``tensor_as_is`` (a tensor's bytes in the body as they are, not JSON or compressed) the engine's
+    (``Engine.body_buffer``: a multi-process server's shared memory, from where the tensor goes to the engine by
+    reference), else a reused buffer of the app's ``BodyPool``; either comes back when the request's last view of
+    it is gone. The connection writes such a body straight into that memory (``BODY_INTO``) when it can.
+    Any other body goes into a buffer that grows with the bytes received, never from the declared length alone.
+    The declared length is taken from the app's budget before reading (the received length, chunk by chunk, when
+    none is declared).
 
     Raises:
         PayloadTooLargeError: the declared or the received length exceeds ``limit`` (413).
@@ -177,17 +185,20 @@ async def read_body(call: Call, limit: int) -> bytearray | memoryview:
         if size > limit:
             raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
         call.hold(size)
-    pooled = call.bodies.take(size) if size is not None else None
+    lent = _lent_buffer(call, size, tensor_as_is) if size is not None and size >= MIN_BYTES else None
     received, more = 0, True
-    if pooled is not None:
+    if lent is not None:
+        into = call.scope.get(BODY_INTO)
         while more:
-            chunk, more = await _body_piece(call)
+            chunk, more = await _body_piece(call)  # what came with the head (and 100 Continue, if asked)
             end = received + len(chunk)
-            if end > len(pooled):
+            if end > len(lent):
                 raise MalformedBodyError(f"body longer than its Content-Length of {size} bytes")
-            pooled[received:end] = chunk
+            lent[received:end] = chunk
             received = end
-        body: bytearray | memoryview = pooled
+            if more and into is not None and received < len(lent):
+                received += await into(call.scope, lent[received:])
+        body: bytearray | memoryview = lent
     else:
         buf = bytearray()
         while more:
@@ -203,6 +214,13 @@ async def read_body(call: Call, limit: int) -> bytearray | memoryview:
     if size is not None and received != size:
         raise MalformedBodyError(f"body ended after {received} of {size} bytes")
     return body
+
+
+def _lent_buffer(call: Call, size: int, engine_first: bool) -> memoryview | None:
+    """Memory for a body of ``size`` bytes (``MIN_BYTES`` or more): the engine's when ``engine_first`` and it has
+    room, else the app's pool's, else none (the caller's own)."""
+    lent = call.engine.body_buffer(size) if engine_first else None
+    return lent if lent is not None else call.bodies.take(size)
 
 
 async def _body_piece(call: Call) -> tuple[bytes, bool]:

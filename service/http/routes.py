@@ -822,8 +822,11 @@ async def v2_infer_call(call: Call) -> Reply:
         _check_version(version)
         engine.readiness.check_ready()
         limit = engine.settings.max_body_bytes
-        raw = await read_body(call, limit)
-        body = _decompress(raw, call.headers.get("content-encoding"), limit)
+        encoding = call.headers.get("content-encoding")
+        binary = call.headers.get("inference-header-content-length") is not None
+        identity = (encoding or "identity").strip().lower() == "identity"
+        raw = await read_body(call, limit, tensor_as_is=binary and identity)
+        body = _decompress(raw, encoding, limit)
         if body is not raw:
             call.hold(len(body))
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),

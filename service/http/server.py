@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -21,8 +21,11 @@ from service.config import Settings
 from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
 from service.http.app import create_app
-from service.http.asgi import BODY_TIMED_OUT, error_reply
+from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, error_reply
 from service.ipc.process import SERVING
+
+if TYPE_CHECKING:
+    from starlette.types import Scope
 
 log = logging.getLogger("deconv.service")
 MAX_FDS_PER_MESSAGE = 16
@@ -127,6 +130,11 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
 
     and each time the connection closes. ``serve`` sets the limits from the settings (class attributes, as uvicorn
     builds the protocol itself).
+
+    A request's body can also be read straight into a buffer the application chooses (``read_into``, in the scope
+    as ``BODY_INTO``): uvicorn joins the pieces the parser hands over into its own buffer, and each ``receive``
+    copies that again into a new ``bytes``; here, while the application waits in ``read_into``, each piece is copied
+    once, into the application's buffer, and nothing collects in between.
     """
 
     max_header_bytes = 64 * 2**10
@@ -143,10 +151,65 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._lingered = 0
         self._heads = 0  # request heads completed on this connection
         self._timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        # The application's buffer that the body's pieces go into (read_into), how much of it is filled, and the
+        # future its wait ends with.
+        self._sink: memoryview | None = None
+        self._sunk = 0
+        self._sink_done: asyncio.Future[None] | None = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         super().connection_lost(exc)
+        self._end_sink()
+
+    async def read_into(self, scope: Scope, view: memoryview) -> int:
+        """Fill ``view`` (writable bytes) with the next bytes of the body of ``scope``'s request: first those the
+        connection holds already, then each piece as it arrives, copied once, straight from the parser.
+
+        Returns the count written: all of ``view`` unless the body ended, the client went or the body timed out
+        first (the next ``receive`` then says which). A request that is not this connection's current one gets only
+        what the connection holds of its body.
+        """
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not scope:
+            return 0
+        filled = 0
+        held = cycle.body  # what the parser handed over before the application asked (uvicorn's bytearray)
+        if held:
+            filled = min(len(held), view.nbytes)
+            with memoryview(held) as pieces:
+                view[:filled] = pieces[:filled]
+            del held[:filled]
+        if filled == view.nbytes or not cycle.more_body or cycle.disconnected or self._sink is not None:
+            return filled
+        self._sink, self._sunk = view, filled
+        self._sink_done = done = self.loop.create_future()
+        self.flow.resume_reading()  # uvicorn pauses past its high-water mark: nothing collects now
+        try:
+            await done
+        finally:
+            filled = self._sunk
+            self._sink, self._sink_done = None, None
+        return filled
+
+    def _end_sink(self) -> None:
+        """Wake the application waiting in ``read_into``."""
+        if self._sink_done is not None and not self._sink_done.done():
+            self._sink_done.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is None:
+            super().on_body(body)
+            return
+        start = self._sunk
+        end = min(start + len(body), sink.nbytes)  # never past it: the buffer is the body's remaining length
+        sink[start:end] = memoryview(body)[:end - start]
+        self._sunk = end
+        if end - start < len(body):
+            super().on_body(body[end - start:])
+        if end == sink.nbytes:
+            self._end_sink()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -181,6 +244,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._head_bytes = 0
         self._heads += 1
         self._in_body = True
+        self.scope[BODY_INTO] = self.read_into  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -188,6 +252,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._in_body = False
         self._awaiting_head = True
         super().on_message_complete()
+        self._end_sink()
 
     def _refuse(self, error: ServiceError, path: str = "/") -> None:
         """Write ``error``'s answer with ``Connection: close``, then close: at once when the client sends nothing
@@ -219,6 +284,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
             cycle.scope[BODY_TIMED_OUT] = True  # type: ignore[literal-required]
             cycle.disconnected = True  # the application's reads see the client gone, its answer goes nowhere
             cycle.message_event.set()
+            self._end_sink()
             self._refuse(RequestTimeoutError(f"the body did not arrive within {self.body_timeout_s:g} s"),
                          cycle.scope["path"])
         else:

@@ -88,6 +88,7 @@ class Arena:
             os.close(self.fd)
             raise
         self.view = memoryview(self._map)  # format "B"
+        self._address = _address(self.view)
         self._free: list[tuple[int, int]] = [(0, size)]  # disjoint [start, end) ranges, sorted, never adjacent
         self._used: dict[int, int] = {}  # start -> end of each slot handed out
 
@@ -131,6 +132,11 @@ class Arena:
         else:
             free.insert(i, (start, end))
 
+    def offset_of(self, view: memoryview) -> int | None:
+        """Where the bytes of ``view`` (C-contiguous) lie in the arena, or None when they are not all inside it."""
+        offset = _address(view) - self._address
+        return offset if offset >= 0 and offset + view.nbytes <= self.size else None
+
     def lend(self, start: int, offset: int, nbytes: int) -> memoryview:
         """A writable view of the ``nbytes`` bytes at ``offset``, inside the slot at ``start`` (from ``alloc``),
         that holds the slot: it is given back (``free``) once that view and every view, array or tensor made from
@@ -141,6 +147,11 @@ class Arena:
         """Close the file descriptor (the engine holds its own copy); the mapping stays while views of it live."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _address(view: memoryview) -> int:
+    """The address of the first byte of ``view``."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def lend(view: memoryview, release: Callable[[], None]) -> memoryview:

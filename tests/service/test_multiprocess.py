@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
+import json
 import math
 import os
 import signal
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from service import codec
 from service.codec import RawTensor, copy_into, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, load_repository
@@ -410,6 +413,42 @@ def test_requests_spread_over_the_http_processes_share_batches_and_metrics(repo,
             assert metric_value(text, "deconv_queue_time_seconds_count", layer="fast") == 24  # once each
             assert metric_value(text, "deconv_ready") == 1
             assert metric_value(text, "deconv_ipc_requests_total", path="shared") == 24  # through shared memory
+
+    run(main())
+
+
+def test_large_bodies_of_every_format_are_answered_from_the_shared_memory(repo, server_factory):
+    """Bodies of 64 KiB or more are read into the HTTP process's arena and their tensors go to the engine where they
+    lie (test_shm.py shows the frames): every format and layout, whatever offset the tensor has in the body."""
+    root, module = repo
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(root), "DECONV_HTTP_PROCESSES": "2"})
+    _wait_serving(proc, 2)
+
+    async def main() -> None:
+        x = np.random.default_rng(7).standard_normal((4, 4, 48, 48)).astype(np.float32)  # 144 KiB
+        ref = reference(module, torch.from_numpy(x))
+        kserve = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                              "parameters": {"binary_data_size": x.nbytes}}],
+                  "parameters": {"binary_data_output": True}, "id": "odd"}  # an odd JSON length
+        head = json.dumps(kserve).encode()
+        async with httpx.AsyncClient(base_url=proc.url, timeout=30) as client:
+            for body, content_type in ((npy_bytes(x), NPY), (npy_bytes(np.asfortranarray(x)), NPY),
+                                       (codec.encode(torch.from_numpy(x), codec.SAFETENSORS), codec.SAFETENSORS)):
+                r = await client.post("/deconv?layer=fast", content=body,
+                                      headers={"content-type": content_type, "accept": NPY})
+                assert r.status_code == 200, r.text[:300]
+                assert rel_err(load_npy(r.content), ref) < 1e-5
+            for encoding in ("identity", "gzip"):
+                body = head + x.tobytes()
+                headers = {"inference-header-content-length": str(len(head)), "content-encoding": encoding,
+                           "content-type": "application/octet-stream"}
+                r = await client.post("/v2/models/fast/infer", headers=headers,
+                                      content=gzip.compress(body) if encoding == "gzip" else body)
+                assert r.status_code == 200, r.text[:300]
+                n = int(r.headers["inference-header-content-length"])
+                assert rel_err(np.frombuffer(r.content[n:], np.float32).reshape(tuple(ref.shape)), ref) < 1e-5
+            text = (await client.get("/metrics")).text
+        assert metric_value(text, "deconv_ipc_requests_total", path="shared") == 5
 
     run(main())
 

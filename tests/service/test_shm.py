@@ -9,17 +9,19 @@ import math
 import socket
 import struct
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from service import codec
 from service.codec import RawTensor, SlotTensor, tensor_bytes
-from service.config import DEFAULT_LAYER_REPOSITORY
+from service.config import DEFAULT_LAYER_REPOSITORY, Settings
 from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, load_repository
-from service.engine.remote import EngineClient, RemoteQueue
+from service.engine.remote import EngineClient, RemoteEngine, RemoteQueue
 from service.engine.worker import Worker
 from service.errors import InternalError, OverloadedError
 from service.ipc import frames, shm
@@ -523,6 +525,78 @@ def test_an_answer_in_a_slot_holds_it_until_its_last_view_is_gone(demo: Layer) -
         del second, item
         await asyncio.to_thread(holder.clear)
         assert arena.slots == 0
+
+    run(main())
+
+
+def test_a_body_read_into_the_arena_goes_to_the_engine_where_it_is(demo: Layer, tmp_path: Path) -> None:
+    """A body in memory the engine lent (``RemoteEngine.body_buffer``: a slot of the arena) is decoded in place and
+    its input named where it lies, with a slot for the output only: no copy. The body's slot is held until the
+    engine's last word on the request (RESULT, ERROR or DONE), whatever the route still holds; without room for
+    the output the input travels inline."""
+    async def main() -> None:
+        x = torch.randn(2, 16, 5, 5)
+        y = _expected(demo, x)
+        body_bytes = codec.encode(x, codec.NPY)
+        out_bytes = y.numel() * 4
+        arena = shm.Arena(2 * shm.aligned(len(body_bytes)) + shm.aligned(out_bytes) - shm.ALIGN)
+        client, transport, _ = _client(arena)
+        engine = RemoteEngine(Settings(layer_repository=tmp_path), str(tmp_path / "engine.sock"))
+        engine.client = client
+        batcher = RemoteQueue(demo, 0, client)
+        engine_view = memoryview(arena._map)
+
+        def submitted() -> frames.Submit:
+            ((_, frame),) = _sent(client, transport)
+            return frames.parse_submit(frame, engine_view)
+
+        body = engine.body_buffer(len(body_bytes))
+        assert body is not None
+        assert arena.slots == 1
+        body[:] = body_bytes
+        x_in = codec.decode_raw(body, codec.NPY)
+        del body
+        item = batcher.submit(x_in)
+        req = submitted()
+        assert req.out_offset is not None
+        header = len(body_bytes) - x.numel() * 4
+        assert arena.offset_of(req.x.data) == arena.offset_of(x_in.data) == header  # the body's own bytes
+        assert arena.slots == 2  # the body's slot and the output's
+        assert torch.equal(req.x.tensor(), x)
+        del x_in  # the route lets go of the body: the engine may still read it
+        assert arena.slots == 2
+        _answer(client, req.request_id, y, engine_view[req.out_offset:req.out_offset + out_bytes])
+        assert arena.slots == 1  # the engine's last word: the body's slot is given back; the answer holds its own
+        result = item.future.result()
+        assert torch.equal(result.output.tensor(), y)
+        del result, item
+        assert arena.slots == 0
+
+        # Dropped: the body's slot is held until DONE.
+        body = engine.body_buffer(len(body_bytes))
+        assert body is not None
+        body[:] = body_bytes
+        item = batcher.submit(codec.decode_raw(body, codec.NPY))
+        del body
+        req = submitted()
+        assert batcher.drop(item, "disconnected")
+        _sent(client, transport)
+        assert arena.slots == 2
+        data = b"".join(bytes(p) for p in frames.done_frame(req.request_id))
+        client.frame_received(data[4], bytearray(data[5:]))
+        assert arena.slots == 0
+
+        # No room for the output next to two bodies: the input goes inline.
+        bodies = [engine.body_buffer(len(body_bytes)) for _ in range(2)]
+        assert all(b is not None for b in bodies)
+        assert arena.slots == 2
+        bodies[0][:] = body_bytes  # type: ignore[index]
+        item = batcher.submit(codec.decode_raw(bodies[0], codec.NPY))  # type: ignore[arg-type]
+        req = submitted()
+        assert req.out_offset is None
+        assert torch.equal(req.x.tensor(), x)
+        del bodies
+        assert arena.slots == 0  # an inline request holds no slot
 
     run(main())
 

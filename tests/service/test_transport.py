@@ -1,6 +1,7 @@
 """The HTTP connection: one write per response (``service.http.server.CoalescingTransport`` under uvicorn's own
 protocol), and request bodies through ``HTTPProtocol`` as they arrive: in pieces, past the reading high-water mark,
-pipelined, in chunked transfer encoding, after ``Expect: 100-continue``, and cut off by the client."""
+pipelined, in chunked transfer encoding, after ``Expect: 100-continue``, cut off by the client, and straight into
+the application's buffer (``BODY_INTO``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from service.http.asgi import BODY_INTO, BODY_TIMED_OUT
 from service.http.server import CoalescingTransport, HTTPProtocol
 
 from .conftest import REPO_ROOT
@@ -51,6 +54,9 @@ class FakeTransport(asyncio.Transport):
 
     def get_write_buffer_size(self) -> int:
         return 7
+
+    def can_write_eof(self) -> bool:
+        return False
 
     def pause_reading(self) -> None:
         pass
@@ -323,3 +329,75 @@ def test_a_client_gone_mid_body_is_a_disconnect_for_the_application() -> None:
     assert seen[0]["body"] == b"z" * 1000
     assert seen[0]["more_body"]
 
+
+
+def _into_app(results: list[tuple[bytes, int, dict[str, Any]]]) -> Any:
+    """An ASGI app that reads its body as ``service.http.asgi.read_body`` does: what came with the head from
+    ``receive``, the rest through the connection's ``BODY_INTO`` into a buffer of the declared length, then one
+    more ``receive`` (the body's end, or the disconnect). Records (the buffer, bytes filled, the last message)."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        size = int(dict(scope["headers"])[b"content-length"])
+        view = memoryview(bytearray(size))
+        first = await receive()
+        view[:len(first["body"])] = first["body"]
+        filled, last = len(first["body"]), first
+        if first["more_body"]:
+            filled += await scope[BODY_INTO](scope, view[filled:])
+            last = await receive()
+        results.append((bytes(view), filled, last))
+        if last["type"] == "http.request":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+def test_a_body_read_into_the_applications_buffer_collects_nowhere_on_the_way() -> None:
+    body = os.urandom(400_000)
+    results: list[tuple[bytes, int, dict[str, Any]]] = []
+
+    async def main() -> None:
+        real = CountingTransport()
+        protocol = _protocol(_into_app(results), real)
+        head = b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body)
+        protocol.data_received(head + body[:1000])
+        protocol.data_received(body[1000:100_000])  # past the high-water mark before the application reads
+        assert real.paused >= 1
+        await _turns()
+        assert real.resumed >= 1
+        for start in range(100_000, len(body), 60_000):
+            protocol.data_received(body[start:start + 60_000])
+            assert len(protocol.cycle.body) == 0  # each piece went straight into the application's buffer
+        await _turns()
+        protocol.data_received(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")  # the next request
+        await _turns()
+        assert _answers(real.calls) == [b"ok", b"ok"]
+
+    asyncio.run(main())
+    assert [(got, filled, last["type"], last["more_body"]) for got, filled, last in results] == [
+        (body, len(body), "http.request", False), (b"abc", 3, "http.request", False)]
+
+
+@pytest.mark.parametrize("ending", ["disconnect", "body timeout"])
+def test_a_body_cut_off_while_read_into_a_buffer_comes_short_then_as_a_disconnect(ending: str) -> None:
+    results: list[tuple[bytes, int, dict[str, Any]]] = []
+
+    async def main() -> None:
+        real = FakeTransport()
+        protocol = _protocol(_into_app(results), real)
+        protocol.data_received(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n" + b"z" * 1000)
+        await _turns()
+        protocol.data_received(b"y" * 1500)
+        await _turns()
+        assert not results  # still waiting for the rest
+        if ending == "disconnect":
+            protocol.connection_lost(None)
+        else:
+            protocol._body_timed_out()
+        await _turns()
+        assert protocol.scope.get(BODY_TIMED_OUT, False) == (ending == "body timeout")
+
+    asyncio.run(main())
+    ((got, filled, last),) = results
+    assert (got[:2500], filled, last["type"]) == (b"z" * 1000 + b"y" * 1500, 2500, "http.disconnect")
