@@ -16,10 +16,11 @@ requests arriving during a batch ride in the next one instead of waiting behind 
 of a device (``Executor.parallelism``: every worker, ``DECONV_WORKERS_PER_DEVICE`` a device), since waiting could
 not make it larger: then one batch's transfers and host work overlap another's kernel on the same GPU, while small
 requests keep their batches whole. Batches in a GPU's CUDA shared memory have no transfers to overlap and stay one a
-GPU; the oldest request of a lane with room goes first, so that a free GPU does not wait behind requests for a busy
-one. The finished batch's results go out after the next batch has started. A layer whose batches hold one sample
-(``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers' queues, which keeps a worker busy
-between batches.
+GPU, unless the lane's batches are long (``LONG_GPU_BATCH_S``): then a full one goes to the GPU's other worker, whose
+host work overlaps the running kernels. The oldest request of a lane with room goes first, so that a free GPU does
+not wait behind requests for a busy one. The finished batch's results go out after the next batch has started. A
+layer whose batches hold one sample (``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers'
+queues, which keeps a worker busy between batches.
 
 Admission is decided at the door: ``submit`` raises ``OverloadedError`` (429) at once when the queue holds
 ``max_queue_size`` requests and ``NotReadyError`` (503) while draining; nothing waits for room. Each request owns
@@ -82,8 +83,16 @@ class Executor(Protocol):
 
 def on_gpu(lane: int | None) -> bool:
     """Whether a batch of ``lane`` (``Pending.key``) has its tensors in a GPU's CUDA shared memory: no transfers to
-    overlap, so a second worker of that GPU would only add host work (H100, 4 MiB requests: 30% fewer)."""
+    overlap, so a second worker of that GPU adds host work (H100, 4 MiB requests: 30% fewer), and takes a batch only
+    when the lane's batches are long (``LONG_GPU_BATCH_S``)."""
     return lane is not None and lane >= 0
+
+
+# A full batch in a GPU's CUDA shared memory goes to the GPU's other worker while one runs only when the lane's last
+# batch took this long: then the kernels, not the worker's host work between two batches, are most of a batch, and
+# the other worker's host work overlaps them. H100, same call: a layer of 34 GFLOP a request, ~4 ms a batch, gains;
+# 4 MiB requests of a light layer, batches well under 1 ms, would lose (bench/NOTES.md).
+LONG_GPU_BATCH_S = 2e-3
 
 
 class Answer:
@@ -177,6 +186,7 @@ class Batcher:
         self._running: set[asyncio.Task[None]] = set()
         self._executing = 0  # this layer's batches on a worker, outputs not back yet (late packing counts these)
         self._lanes: dict[int | None, int] = {}  # ... of them by lane (Pending.key)
+        self._lane_batch_s: dict[int | None, float] = {}  # the last batch of each lane: start to leaving its worker
         # set whenever one of this layer's batches leaves its worker, or a request fills its group while some run
         self._finished: asyncio.Event | None = None
         self._draining = False
@@ -359,7 +369,8 @@ class Batcher:
             task.add_done_callback(self._running.discard)
             return True
 
-    def _left_worker(self, lane: int | None) -> None:
+    def _left_worker(self, lane: int | None, seconds: float) -> None:
+        self._lane_batch_s[lane] = seconds
         self._executing -= 1
         self._lanes[lane] -= 1
         if self._finished is not None:
@@ -394,10 +405,15 @@ class Batcher:
 
     def _has_room(self, key: tuple[torch.dtype, int, int, int | None]) -> bool:
         """Whether a batch of the group ``key`` may start now (module docstring): in a GPU's CUDA shared memory,
-        when none of this layer's runs on that GPU; through host memory, while fewer of them run than there are
-        devices, or workers when the group fills a batch already."""
-        if on_gpu(key[3]):
-            return not self._lanes.get(key[3])
+        when none of this layer's runs on that GPU, or fewer than its workers when the group fills a batch already
+        and the lane's batches are long (``LONG_GPU_BATCH_S``); through host memory, while fewer of them run than
+        there are devices, or workers when the group fills a batch already."""
+        lane = key[3]
+        if on_gpu(lane):
+            running = self._lanes.get(lane, 0)
+            return not running or (running * self.executor.devices < self.executor.parallelism
+                                   and self._lane_batch_s.get(lane, 0.0) >= LONG_GPU_BATCH_S
+                                   and self._group_full(key))
         through_host = self._executing - sum(n for lane, n in self._lanes.items() if on_gpu(lane))
         return through_host < self.executor.devices or (
             through_host < self.executor.parallelism and self._group_full(key))
@@ -463,7 +479,7 @@ class Batcher:
             try:
                 outputs = await self.executor.run(reservation, self.layer, [i.x for i in batch])
             finally:
-                self._left_worker(lane)
+                self._left_worker(lane, time.monotonic() - start)
             if self.metrics is not None:
                 self._batch_time.observe(time.monotonic() - start)
         except Exception as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from service.codec import CudaJob, DeviceTensor
+from service.engine import batcher as batcher_module
 from service.engine.batcher import Batcher
 from service.engine.interface import Result
 from service.engine.registry import BatchLimits, Layer, LayerConfig
@@ -231,6 +233,38 @@ def test_only_a_full_batch_through_host_memory_goes_to_a_second_worker_of_a_devi
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
         assert ex.batches == [[1], [1, 1, 1, 1]] + ([] if where == "cuda region" else [[1, 1]])
+        await b.drain()
+
+    run(main(), 120)
+
+
+@pytest.mark.parametrize("long_batches", [True, False], ids=["long-batches", "short-batches"])
+def test_a_full_batch_in_cuda_shared_memory_goes_to_a_second_worker_only_after_long_batches(
+        long_batches: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers on one GPU, requests in its CUDA shared memory: a full batch goes to the second worker while one
+    runs only once the lane's last batch took ``LONG_GPU_BATCH_S`` or more (here a nanosecond: any batch, or never),
+    never before a batch of the lane was measured."""
+    monkeypatch.setattr(batcher_module, "LONG_GPU_BATCH_S", 1e-9 if long_batches else math.inf)
+
+    def job() -> CudaJob:
+        return CudaJob(DeviceTensor("region", 0, 0, torch.float32, (1, 2, 4, 4)), None)
+
+    async def main() -> None:
+        ex, b = held_batcher(workers=2, devices=1)
+        for phase in (1, 2):
+            ex.hold = asyncio.Event()
+            first = b.submit(job())
+            await settle()
+            rest = [b.submit(job()) for _ in range(4)]  # a full group
+            await settle()
+            if phase == 2 and long_batches:  # (phase 1: no batch of the lane measured yet)
+                assert ex.batches[-2:] == [[1], [1, 1, 1, 1]]  # onto the second worker at once
+            else:
+                assert ex.batches[-1] == [1]  # the full group waits for the running batch
+            ex.hold.set()
+            await asyncio.gather(first.future, *(i.future for i in rest))
+            await settle()
+        assert len(ex.batches) == 4
         await b.drain()
 
     run(main(), 120)
