@@ -155,7 +155,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         # future its wait ends with.
         self._sink: memoryview | None = None
         self._sunk = 0
-        self._sink_done: asyncio.Future[None] | None = None
+        self._sink_done: asyncio.Future[int] | None = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
@@ -186,16 +186,19 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._sink_done = done = self.loop.create_future()
         self.flow.resume_reading()  # uvicorn pauses past its high-water mark: nothing collects now
         try:
-            await done
+            return await done
         finally:
-            filled = self._sunk
-            self._sink, self._sink_done = None, None
-        return filled
+            if self._sink_done is done:  # cancelled while waiting
+                self._sink, self._sink_done = None, None
 
     def _end_sink(self) -> None:
-        """Wake the application waiting in ``read_into``."""
-        if self._sink_done is not None and not self._sink_done.done():
-            self._sink_done.set_result(None)
+        """Hand the application waiting in ``read_into`` the count written, and stop writing into its buffer at once
+        (what the parser hands over next, of this body or a pipelined request's, goes to uvicorn as usual)."""
+        done = self._sink_done
+        if done is not None:
+            self._sink, self._sink_done = None, None
+            if not done.done():
+                done.set_result(self._sunk)
 
     def on_body(self, body: bytes) -> None:
         sink = self._sink
