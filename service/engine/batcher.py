@@ -90,8 +90,8 @@ def on_gpu(lane: int | None) -> bool:
 
 # A full batch in a GPU's CUDA shared memory goes to the GPU's other worker while one runs only when the lane's last
 # batch took this long: then the kernels, not the worker's host work between two batches, are most of a batch, and
-# the other worker's host work overlaps them. H100, same call: a layer of 34 GFLOP a request, ~4 ms a batch, gains;
-# 4 MiB requests of a light layer, batches well under 1 ms, would lose (bench/NOTES.md).
+# the other worker's host work overlaps them. H100: a layer of 34 GFLOP a request, up to ~4.5 ms a batch, gains; 4 MiB
+# requests of a light layer, batches of at most ~1.3 ms, would lose (bench/NOTES.md).
 LONG_GPU_BATCH_S = 2e-3
 
 
