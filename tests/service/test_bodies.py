@@ -4,6 +4,8 @@ and bodies read through them by the routes."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import threading
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from service.config import Settings
+from service.engine.local import LocalEngine
 from service.http.bodies import GRAIN, MIN_BYTES, BodyPool
 
 from .conftest import NPY, load_npy, npy_bytes, reference, rel_err, run, serve_app, write_layer
@@ -128,5 +131,52 @@ def test_large_bodies_are_read_into_reused_buffers_with_the_right_answers(tmp_pa
                                   headers={"content-type": NPY, "content-length": str(len(short))})
             assert r.status_code == 400
             assert "ended after" in r.text
+
+    run(main())
+
+
+def test_only_bodies_that_carry_a_tensor_as_it_is_are_read_into_the_engines_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that holds its tensor's bytes as they are (.npy, safetensors, KServe binary) is read into memory the
+    engine lends (``Engine.body_buffer``: a multi-process server's arena), from where the tensor goes on without a
+    copy; a compressed or JSON body, whose tensor is made from it, goes to the reused buffers instead."""
+    module = write_layer(tmp_path, "wide", in_channels=16, out_channels=4, kernel_size=2, stride=2)
+    settings = Settings(layer_repository=tmp_path, devices="cpu", body_pool_bytes=16 * MiB)
+    lent: list[int] = []
+
+    def body_buffer(self: object, nbytes: int) -> memoryview:
+        lent.append(nbytes)
+        return memoryview(bytearray(nbytes))
+
+    monkeypatch.setattr(LocalEngine, "body_buffer", body_buffer)
+    x = torch.randn(2, 16, 32, 32, generator=torch.Generator().manual_seed(3))  # 128 KiB
+    ref = reference(module, x)
+    binary = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                          "parameters": {"binary_data_size": x.numel() * 4}}],
+              "parameters": {"binary_data_output": True}}
+    head = json.dumps(binary).encode()
+    as_json = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                      "data": x.flatten().tolist()}],
+                          "parameters": {"binary_data_output": True}}).encode()
+
+    async def main() -> None:
+        async with serve_app(settings) as (_, client):
+            bodies = [("/deconv?layer=wide", npy_bytes(x.numpy()), {"content-type": NPY}, True),
+                      ("/v2/models/wide/infer", head + x.numpy().tobytes(),
+                       {"inference-header-content-length": str(len(head))}, True),
+                      ("/v2/models/wide/infer", gzip.compress(head + x.numpy().tobytes()),
+                       {"inference-header-content-length": str(len(head)), "content-encoding": "gzip"}, False),
+                      ("/v2/models/wide/infer", as_json, {"content-type": "application/json"}, False)]
+            for path, body, headers, engines in bodies:
+                lent.clear()
+                r = await client.post(path, content=body, headers=headers)
+                assert r.status_code == 200, r.text[:300]
+                if path.startswith("/deconv"):
+                    y = load_npy(r.content)
+                else:
+                    n = int(r.headers["inference-header-content-length"])
+                    y = np.frombuffer(r.content[n:], np.float32).reshape(tuple(ref.shape))
+                assert rel_err(torch.from_numpy(np.array(y)), ref) < 1e-5
+                assert lent == ([len(body)] if engines else []), path
 
     run(main())
