@@ -433,12 +433,10 @@ class HeldBuffers {
   ~HeldBuffers() {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
-  // The object's memory as one C-contiguous block (writable when asked); throws the Python error when it has
-  // none.
-  const Py_buffer& get(PyObject* obj, bool writable = false) {
+  // The object's memory as one C-contiguous block; throws the Python error when it has none.
+  const Py_buffer& get(PyObject* obj) {
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
-      throw py::error_already_set();
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
     views_.push_back(view);
     return views_.back();
   }
@@ -447,7 +445,7 @@ class HeldBuffers {
   std::vector<Py_buffer> views_;
 };
 
-// A batch's input as host parts, in order.
+// A piece of a batch's input or output in memory, in order.
 struct Part {
   const void* data;
   size_t bytes;
@@ -543,12 +541,45 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
   return y_host;
 }
 
-// forward_gathered with nothing staged, for parts and outputs in page-locked memory (host_register): each part is
-// uploaded from where it is and the output downloaded in pieces into `outs` (writable buffers, in order, whose sizes
-// add up to the output's: each request's rows into its own place), then the current stream is waited for. Any host
-// memory works; pageable memory goes at the speed of the driver's own staging. Returns the kernel path as forward.
-int64_t forward_direct(const py::list& parts,  // CPU tensors or buffers: [N, C_in, H_in, W_in] in order
-                       const py::list& outs,   // writable buffers: [N, C_out, H_out, W_out] in order
+// (address, bytes) pairs of memory the GPU reaches (unified addressing) as parts; throws unless their bytes add up
+// to those of the batch's `tensor` ("input" or "output").
+std::vector<Part> placed_parts(const std::vector<std::pair<int64_t, int64_t>>& pairs, size_t nbytes,
+                               const char* tensor) {
+  std::vector<Part> parts;
+  parts.reserve(pairs.size());
+  size_t total = 0;
+  for (const auto& [address, bytes] : pairs) {
+    TORCH_CHECK(address != 0 && bytes > 0, "conv_transpose2d_placed: a place needs an address and bytes.");
+    parts.push_back({reinterpret_cast<const void*>(address), static_cast<size_t>(bytes)});
+    total += static_cast<size_t>(bytes);
+  }
+  TORCH_CHECK(total == nbytes, "conv_transpose2d_placed: the ", tensor, " places hold ", num(total), " bytes, the ",
+              tensor, " ", num(nbytes), ".");
+  return parts;
+}
+
+// Whether a place is memory of GPU `device` aligned for the kernels' vector accesses, which they then read or write
+// in place.
+bool in_place(const Part& place, int device) {
+  constexpr uintptr_t kAlign = 16;
+  if (reinterpret_cast<uintptr_t>(place.data) % kAlign != 0) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, place.data) != cudaSuccess) {
+    cudaGetLastError();  // not an address the driver knows: host memory, copied as such
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice && attr.device == device;
+}
+
+// A batch read from `parts` and written into `places`, (address, bytes) each in order, wherever the GPU reaches
+// them: device memory of the weight's GPU (such as a client's CUDA shared memory mapped here), page-locked host
+// memory (host_register), or other host memory (at the speed of the driver's own staging). The parts are copied
+// one after the other into the batch's input on the weight's GPU, or read in place when there is one part in that
+// GPU's memory; the output is copied in pieces into the places (each request's rows into its own), or written in
+// place when there is one place in that GPU's memory. With the GIL released once, on the current stream, which is
+// waited for. The caller keeps the memory alive and unchanged until this returns. Returns the kernel path as forward.
+int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  // [N, C_in, H_in, W_in] in order
+                       const std::vector<std::pair<int64_t, int64_t>>& outs,   // [N, C_out, H_out, W_out] in order
                        const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
                        const c10::optional<torch::Tensor>& bias, std::vector<int64_t> stride,
                        std::vector<int64_t> padding, std::vector<int64_t> output_padding,
@@ -556,45 +587,47 @@ int64_t forward_direct(const py::list& parts,  // CPU tensors or buffers: [N, C_
                        int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
                        int64_t force_round, WeightPacks* packs) {
   const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
-  const torch::Tensor x_meta = host_batch_input("conv_transpose2d_direct", x_shape, weight, packs);
+  const torch::Tensor x_meta = host_batch_input("conv_transpose2d_placed", x_shape, weight, packs);
   const Problem pr =
       check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  std::vector<torch::Tensor> tensors;
-  HeldBuffers buffers(parts.size() + outs.size());
-  const std::vector<Part> host = host_parts(parts, weight, x_meta.nbytes(), buffers, tensors);
-  std::vector<Part> places;
-  size_t out_total = 0;
-  for (const py::handle obj : outs) {
-    const Py_buffer& view = buffers.get(obj.ptr(), /*writable=*/true);
-    places.push_back({view.buf, static_cast<size_t>(view.len)});
-    out_total += places.back().bytes;
-  }
+  const std::vector<Part> in = placed_parts(parts, x_meta.nbytes(), "input");
+  const std::vector<int64_t> y_shape{pr.N, pr.C_out, pr.H_out, pr.W_out};
   const size_t y_bytes = static_cast<size_t>(pr.N * pr.C_out * pr.H_out * pr.W_out) * x_meta.element_size();
-  TORCH_CHECK(out_total == y_bytes, "conv_transpose2d_direct: the output places hold ", num(out_total),
-              " bytes, the output ", num(y_bytes), ".");
+  const std::vector<Part> out = placed_parts(outs, y_bytes, "output");
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(weight.device().index()).stream();
-  const torch::Tensor x = at::empty(x_shape, weight.options());
-  char* to = static_cast<char*>(x.data_ptr());
-  for (const Part& part : host) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(to, part.data, part.bytes, cudaMemcpyHostToDevice, stream));
-    to += part.bytes;
+  const int device = weight.device().index();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  torch::Tensor x;
+  if (in.size() == 1 && in_place(in[0], device)) {
+    x = at::from_blob(const_cast<void*>(in[0].data), x_shape, weight.options());
+  } else {
+    x = at::empty(x_shape, weight.options());
+    char* to = static_cast<char*>(x.data_ptr());
+    for (const Part& part : in) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(to, part.data, part.bytes, cudaMemcpyDefault, stream));
+      to += part.bytes;
+    }
   }
+  c10::optional<torch::Tensor> y_out;
+  if (out.size() == 1 && in_place(out[0], device))
+    y_out = at::from_blob(const_cast<void*>(out[0].data), y_shape, weight.options());
   const auto [y_any, path] =
-      launch(x, weight, bias, c10::nullopt, pr, stride, padding, dilation, groups, precision, forced, packs);
-  const torch::Tensor y = y_any.contiguous();
-  const char* from = static_cast<const char*>(y.data_ptr());
-  for (const Part& place : places) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(const_cast<void*>(place.data), from, place.bytes, cudaMemcpyDeviceToHost, stream));
-    from += place.bytes;
+      launch(x, weight, bias, y_out, pr, stride, padding, dilation, groups, precision, forced, packs);
+  if (!y_out.has_value()) {
+    const torch::Tensor y = y_any.contiguous();
+    const char* from = static_cast<const char*>(y.data_ptr());
+    for (const Part& place : out) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(const_cast<void*>(place.data), from, place.bytes, cudaMemcpyDefault, stream));
+      from += place.bytes;
+    }
   }
   C10_CUDA_CHECK(cudaStreamSynchronize(stream));
   return path;
 }
 
 // Page-locks a host buffer's memory for every GPU (cudaHostRegisterPortable), so that copies to and from it are
-// direct DMA (forward_direct). Returns its address, for host_unregister; the caller keeps the memory mapped until
+// direct DMA (forward_placed). Returns its address, for host_unregister; the caller keeps the memory mapped until
 // then. Throws when the driver refuses (the memory stays pageable and usable).
 int64_t host_register(const py::object& buffer) {
   Py_buffer view;
@@ -650,10 +683,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
         py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
-  m.def("forward_direct", &forward_direct,
-        "ConvTranspose2d forward of an input given as host parts, each uploaded where it is, into host places "
-        "(writable buffers, in order), on the current stream, waiting for the result, with the GIL released once; "
-        "for page-locked memory (host_register). Returns the kernel path as forward does.",
+  m.def("forward_placed", &forward_placed,
+        "ConvTranspose2d forward of an input read from places ((address, bytes) pairs, in order) into places, "
+        "wherever the GPU reaches them (its own memory, page-locked or other host memory), on the current stream, "
+        "waiting for the result, with the GIL released once. Returns the kernel path as forward does.",
         py::arg("parts"), py::arg("outs"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,

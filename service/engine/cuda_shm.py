@@ -8,10 +8,10 @@ tell) and kept until the registration goes (``close``) or the engine stops (``cl
 never touch device memory: they have no CUDA.
 
 A request's tensor in a region travels as a ``codec.DeviceTensor`` (token, offset, dtype, shape) inside a
-``codec.CudaJob``. The worker of the region's GPU leases the region for the batch (``lease``: a uint8 CUDA tensor
-over exactly the tensor's bytes, the bounds checked again) and gives it back after the batch (``release``), so
-that a region unregistered meanwhile is unmapped only once no batch uses it, and a later request gets
-``UnknownRegionError``.
+``codec.CudaJob``. The worker of the region's GPU leases the region for the batch (``place``: the address of exactly
+the tensor's bytes, the bounds checked again; ``lease``: a tensor over them) and gives it back after the batch
+(``release``), so that a region unregistered meanwhile is unmapped only once no batch uses it, and a later request
+gets ``UnknownRegionError``.
 
 Two registrations of one allocation share one mapping: a process opens a handle once. The number of
 registrations is bounded (``Settings.cuda_shm_max_regions``).
@@ -37,9 +37,9 @@ from typing import Protocol
 import torch
 from deconv_client import cuda_ipc
 
-from service.engine.ops import HostPin
+from service.engine.ops import HostPin, Place
 from service.errors import InternalError, RegionError, UnknownRegionError
-from service.ipc.shm import map_object
+from service.ipc.shm import address_of, map_object
 
 # Page-locks host memory for the GPUs: a view of the same bytes whose lock lasts as long as any view made from it.
 PinFn = Callable[[memoryview], memoryview]
@@ -127,10 +127,11 @@ class _Mapping:
 
 @dataclass(eq=False)
 class _HostMapping:
-    """A system region's bytes, mapped and page-locked here (``open_system``); unmapped when the last view of them
-    is gone."""
+    """A system region's bytes, mapped and page-locked here (``open_system``), and their address; unmapped when the
+    last view of them is gone."""
 
     view: memoryview
+    address: int
 
 
 @dataclass(eq=False)
@@ -263,7 +264,7 @@ class CudaRegions:
         with self._lock:
             if token in self._regions:
                 raise RegionError("this registration is open already")
-            self._regions[token] = _Region(token, _HostMapping(view), byte_size)
+            self._regions[token] = _Region(token, _HostMapping(view, address_of(view)), byte_size)
 
     @staticmethod
     def _map_system(pin: PinFn, key: str, offset: int, byte_size: int, dev: int, ino: int) -> memoryview:
@@ -358,6 +359,31 @@ class CudaRegions:
             UnknownRegionError: the region was unregistered.
             RegionError: it lies on another GPU, or the bytes are not all inside it.
         """
+        mapping = self._hold(token, offset, nbytes, device)
+        if isinstance(mapping, _HostMapping):
+            return torch.frombuffer(mapping.view, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes \
+                else torch.empty(0, dtype=torch.uint8)
+        try:
+            assert self._ipc is not None
+            return self._ipc.view(device, mapping.ptr + offset, nbytes)
+        except BaseException:
+            self.release(token)
+            raise
+
+    def place(self, token: str, offset: int, nbytes: int, device: int) -> Place:
+        """``lease`` as the place the GPU reaches the bytes at (``ops.Place``: a CUDA region's device address, or a
+        system region's page-locked host address), with no tensor made: for ``ops.conv_transpose2d_placed``.
+
+        Raises:
+            UnknownRegionError: the region was unregistered.
+            RegionError: it lies on another GPU, or the bytes are not all inside it.
+        """
+        mapping = self._hold(token, offset, nbytes, device)
+        return (mapping.address if isinstance(mapping, _HostMapping) else mapping.ptr) + offset, nbytes
+
+    def _hold(self, token: str, offset: int, nbytes: int, device: int) -> _Mapping | _HostMapping:
+        """Check that the bytes lie in registration ``token``, on ``device`` for a CUDA region, and hold the region
+        (``lease``); its mapping."""
         with self._lock:
             region = self._regions.get(token)
             if region is None or region.closing:
@@ -370,16 +396,7 @@ class CudaRegions:
                 raise RegionError(f"{nbytes} bytes at offset {offset} reach past the end of a {kind} shared-memory "
                                   f"region of {region.byte_size} bytes")
             region.pins += 1
-            if isinstance(mapping, _HostMapping):
-                return torch.frombuffer(mapping.view, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes \
-                    else torch.empty(0, dtype=torch.uint8)
-            ptr = mapping.ptr + offset
-        try:
-            assert self._ipc is not None
-            return self._ipc.view(device, ptr, nbytes)
-        except BaseException:
-            self.release(token)
-            raise
+            return mapping
 
     def release(self, token: str) -> None:
         """Give back a ``lease``; a region unregistered meanwhile is unmapped now."""

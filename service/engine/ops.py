@@ -1,10 +1,10 @@
-"""The kernels' batch calls for serving: host memory in, host memory out, the GIL released once per batch; and
-device memory in, device memory out, for requests in CUDA shared memory.
+"""The kernels' batch calls for serving: a batch's requests read where they are and written where they go, the GIL
+released once per batch.
 
 ``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived, copied into staging
-memory), ``conv_transpose2d_direct`` (the same, uploaded from and downloaded into memory locked with ``HostPin``),
-``conv_transpose2d_staged`` (a host tensor into a host tensor) and ``conv_transpose2d_device`` (a CUDA tensor into
-a given CUDA tensor, such as a client's region) are what the workers (``service.engine.worker``) run;
+memory), ``conv_transpose2d_placed`` (a batch read from and written into places the GPU reaches: clients' CUDA
+shared memory, memory locked with ``HostPin``; ``conv_transpose2d_direct`` gives it host buffers) and
+``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers (``service.engine.worker``) run;
 ``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal layer
 (``kernels._ops``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
 """
@@ -26,7 +26,6 @@ from kernels._ops import (
     ConvArgs,
     ConvTranspose2dArgumentError,
     _ext_packs,
-    _forward_cuda,
     _load_extension,
     _out_hw,
     check_shapes,
@@ -34,6 +33,7 @@ from kernels._ops import (
     resolve_precision,
 )
 from kernels.tuning import DEFAULT, KernelChoice
+from service.ipc.shm import address_of
 
 
 class WeightPacks:
@@ -185,6 +185,61 @@ def _check_parts(parts: Sequence[HostPart], dims: tuple[int, ...], dtype: torch.
         raise ConvTranspose2dArgumentError(f"the parts hold {total} bytes; a {list(dims)} {dtype} input is {want}")
 
 
+Place = tuple[int, int]
+"""Memory the GPU reaches (unified addressing) as (address, bytes): device memory of the weight's GPU, page-locked
+host memory (``HostPin``), or other host memory."""
+
+
+def conv_transpose2d_placed(
+    parts: Sequence[Place],
+    outs: Sequence[Place],
+    shape: Sequence[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: ConvArgs,
+    precision: str | None,
+    choice: KernelChoice = DEFAULT,
+    packs: WeightPacks | None = None,
+) -> str:
+    """``conv_transpose2d`` of an input read from ``parts`` into ``outs``: places of memory the GPU reaches, in order
+    (a serving batch: each request's input where it arrived, each request's output where it goes).
+
+    The input ``shape`` ([N, C_in, H, W], N >= 1, ``weight``'s dtype) is the parts' bytes one after the other, and the
+    output ``[N, C_out, H_out, W_out]`` the places' bytes. In one extension call that releases the GIL once, on the
+    current stream: the parts are copied into the batch's input on ``weight``'s GPU (one part in that GPU's memory,
+    16-byte aligned, is read in place), the kernels run, the output is copied in pieces into the places (one place in
+    that GPU's memory, aligned, is written in place), and the stream is waited for. The caller keeps the memory alive
+    and unchanged until this returns; pageable host memory goes at the speed of the driver's own staging. ``choice``
+    and ``packs`` as for ``conv_transpose2d_staged``. Returns the kernel family that ran.
+
+    Raises:
+        ConvTranspose2dArgumentError: invalid shapes, arguments or dtypes, or places that do not add up to the input
+            or the output.
+    """
+    dims = _check_dims(shape, weight, "conv_transpose2d_placed")
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
+    h_out, w_out = _out_hw(dims, weight, args)
+    itemsize = weight.dtype.itemsize
+    _check_places(parts, math.prod(dims) * itemsize, "input")
+    _check_places(outs, dims[0] * weight.shape[1] * args.groups * h_out * w_out * itemsize, "output")
+    mode = resolve_precision(weight.dtype, precision)
+    path = _load_extension().forward_placed(
+        list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
+        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+    return KERNEL_PATHS[path]
+
+
+def _check_places(places: Sequence[Place], want: int, tensor: str) -> None:
+    """Raise unless ``places`` are (address, bytes) pairs holding exactly ``want`` bytes of the ``tensor``."""
+    total = 0
+    for i, (address, nbytes) in enumerate(places):
+        if address <= 0 or nbytes <= 0:
+            raise ConvTranspose2dArgumentError(f"{tensor} place {i}: ({address}, {nbytes}) is not an address and bytes")
+        total += nbytes
+    if total != want:
+        raise ConvTranspose2dArgumentError(f"the {tensor} places hold {total} bytes; the {tensor} is {want}")
+
+
 def conv_transpose2d_direct(
     parts: Sequence[HostPart],
     outs: Sequence[memoryview],
@@ -201,30 +256,29 @@ def conv_transpose2d_direct(
     Each part is uploaded from where it is, and the output ``[N, C_out, H_out, W_out]`` is downloaded in pieces
     into ``outs`` (writable C-contiguous buffers, in order, whose sizes add up to the output's: a serving batch's
     requests, each its rows into its own place), in one extension call that releases the GIL once and returns once
-    the output is there. Pageable memory works too, at the speed of the driver's own staging. Returns the kernel
-    family that ran.
+    the output is there (``conv_transpose2d_placed``). Pageable memory works too, at the speed of the driver's own
+    staging. Returns the kernel family that ran.
 
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, parts that do not add up to
             ``shape``, or places that do not add up to the output.
     """
     dims = _check_dims(shape, weight, "conv_transpose2d_direct")
-    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
     _check_parts(parts, dims, weight.dtype)
-    h_out, w_out = _out_hw(dims, weight, args)
-    want = dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
-    total = 0
     for i, out in enumerate(outs):
         if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
             raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
-        total += out.nbytes
-    if total != want:
-        raise ConvTranspose2dArgumentError(f"the output places hold {total} bytes; the output is {want}")
-    mode = resolve_precision(weight.dtype, precision)
-    path = _load_extension().forward_direct(
-        list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
-        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
-    return KERNEL_PATHS[path]
+    places = [host_place(p) for p in parts], [host_place(o) for o in outs]
+    return conv_transpose2d_placed([p for p in places[0] if p[1]], [o for o in places[1] if o[1]], dims, weight, bias,
+                                   args, precision, choice, packs)
+
+
+def host_place(part: HostPart) -> Place:
+    """Where a host part's bytes are: a contiguous CPU tensor's or a C-contiguous buffer's."""
+    if isinstance(part, torch.Tensor):
+        return part.data_ptr(), part.numel() * part.element_size()
+    view = memoryview(part)
+    return address_of(view), view.nbytes
 
 
 class HostPin:
@@ -244,35 +298,3 @@ class HostPin:
         address = int(_load_extension().host_register(array))
         self.view = memoryview(array)
         weakref.finalize(array, _load_extension().host_unregister, address)
-
-
-def conv_transpose2d_device(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    args: ConvArgs,
-    precision: str | None,
-    out: torch.Tensor | None = None,
-    choice: KernelChoice = DEFAULT,
-    packs: WeightPacks | None = None,
-) -> torch.Tensor:
-    """``conv_transpose2d`` of a CUDA input on the current stream, written into ``out`` when given (a contiguous
-    ``[N, C_out, H_out, W_out]`` CUDA tensor of the input's dtype, such as a view of a client's CUDA shared-memory
-    region), else into a new tensor; returns the output without waiting for the stream. No autograd. ``choice``
-    and ``packs`` as for ``conv_transpose2d_staged``.
-
-    Raises:
-        ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
-    """
-    if input.dim() != 4 or not input.is_cuda:
-        raise ConvTranspose2dArgumentError("conv_transpose2d_device takes a 4-D CUDA input")
-    if input.dtype not in SUPPORTED_DTYPES:
-        raise ConvTranspose2dArgumentError(
-            f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
-        )
-    check_tensors(input, weight, bias, args)
-    mode = resolve_precision(input.dtype, precision)
-    y, _ = _forward_cuda(input, weight, bias, args, mode, out, force_path=choice.path, force_config=choice.config,
-                         force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded,
-                         packs=packs)
-    return y

@@ -20,7 +20,8 @@ The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU 
 A batch of requests in clients' CUDA shared memory (``codec.CudaJob``; the batcher keeps them in batches of their
 own, on their GPU's worker) takes the device path instead (``Worker._device_batch``): the inputs are read where
 they are, in the regions the engine mapped (``service.engine.cuda_shm``), and the outputs written into theirs, on
-the worker's stream, which is waited for before the batch is answered; a request whose region went fails alone.
+the worker's stream, which is waited for before the batch is answered, all in one extension call that releases the
+GIL once (``conv_transpose2d_placed``); a request whose region went fails alone.
 Requests in system regions the engine mapped and page-locked take the same path on any GPU: their bytes go between
 region and GPU by the copy engines, with no host copy.
 
@@ -80,11 +81,13 @@ from service.codec import (
 from service.engine.cuda_shm import CudaRegions
 from service.engine.ops import (
     HostPart,
+    Place,
     WeightPacks,
-    conv_transpose2d_device,
     conv_transpose2d_direct,
     conv_transpose2d_gathered,
+    conv_transpose2d_placed,
     conv_transpose2d_staged,
+    host_place,
 )
 from service.engine.registry import Layer
 from service.errors import InternalError, RegionError, ServiceError
@@ -116,8 +119,6 @@ _T = TypeVar("_T")
 # of megabyte requests in page-locked slots, which uploads each input from its slot, downloads each output into its
 # slot and returns once they are there.
 DirectFn = Callable[[list[SlotTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], None]
-# Device addresses the kernels read and write in place: a region's tensor elsewhere is copied once (bytes).
-DEVICE_ALIGN = 16
 # Input bytes a request from which a batch whose slots are page-locked is copied straight between slots and GPU
 # (one copy a request each way, ``Worker._direct_batch``) rather than through staging memory (one copy a batch each
 # way after a host copy of every byte): below it the per-copy cost of many small requests outweighs the host copies.
@@ -180,14 +181,6 @@ def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """``kernel_forward`` from pinned host memory into pinned host ``out`` on the current stream, waiting for it."""
     conv_transpose2d_staged(x, weight, bias, layer.args, layer.kernel_precision, out,
                             serving_choice(tuple(x.shape), weight, bias, layer, packs), packs)
-
-
-def kernel_forward_device(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
-                          out: torch.Tensor | None, packs: WeightPacks | None = None) -> torch.Tensor:
-    """``kernel_forward`` of a CUDA input on the current stream, into ``out`` (a contiguous CUDA tensor) when given,
-    without waiting for the stream."""
-    return conv_transpose2d_device(x, weight, bias, layer.args, layer.kernel_precision, out,
-                                   serving_choice(tuple(x.shape), weight, bias, layer, packs), packs)
 
 
 def relative_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
@@ -542,69 +535,81 @@ class Worker:
 
     def _device_batch(self, layer: Layer, jobs: list[CudaJob], generation: int,
                       future: Future[list[AnyTensor]]) -> list[_Output]:
-        """A batch of requests with tensors in CUDA shared memory, on this worker's GPU and stream: each input read
-        where it is (in its region, no copy; host bytes are uploaded), the batch computed, each output written where
-        it goes (its region; else back to the host), then the stream waited for, so that the answer finds the
-        output in place. A lone request whose output region is aligned is computed straight into it; otherwise the
-        batch's output is computed once and each request's rows copied into its region (one device copy). Regions
-        are leased for the batch (``CudaRegions.lease``): one unregistered meanwhile is unmapped after it. A request
-        whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer). The GPU
-        writes the clients' regions, so the batch is one that a replacement leaves to this thread (``_writes``): a
-        client told its request failed could otherwise find a late write in a region it uses again."""
+        """A batch of requests with tensors in shared memory the engine maps, on this worker's GPU and stream: each
+        input read where it is (its CUDA region, or a system region's page-locked bytes, which the copy engines
+        read; host bytes are uploaded), the batch computed, each output written where it goes (its region; else
+        into page-locked host memory), and the stream waited for, in one extension call that releases the GIL once
+        (``conv_transpose2d_placed``: a lone request in its GPU's memory is read, and its output written, in place).
+        Regions are held for the batch (``CudaRegions.place``): one unregistered meanwhile is unmapped after it. A
+        request whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer).
+        The GPU writes the clients' regions, so the batch is one that a replacement leaves to this thread
+        (``_writes``): a client told its request failed could otherwise find a late write in a region it uses again.
+        A CPU worker (in tests) computes the batch from tensors over the same bytes (``_tensor_batch``)."""
         regions = self._cuda
         if regions is None:
             raise InternalError(f"worker {self.name} has no CUDA shared memory")
-        weight, bias, packs = self._weights[layer.name]
         answers: list[_Output | None] = [job.out for job in jobs]  # None: a host output, set once computed
-        runs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (request, input, output region's bytes)
         leased: list[str] = []
         with self._writes(generation, future), contextlib.ExitStack() as stack:
             if self.is_cuda:
                 stack.enter_context(torch.cuda.device(self.device))
                 stack.enter_context(torch.cuda.stream(self._stream))
-            stack.enter_context(torch.inference_mode())
             try:
-                for i, job in enumerate(jobs):
-                    try:
-                        x = self._device_input(regions, job, leased)
-                        out = self._device_output(regions, layer, job, leased)
-                    except ServiceError as exc:
-                        answers[i] = exc
-                        continue
-                    runs.append((i, x, out))
-                if runs:
-                    self._device_forward(layer, runs, answers, weight, bias, packs)
+                if self.is_cuda:
+                    self._placed_batch(regions, layer, jobs, answers, leased)  # returns with the stream done
+                else:
+                    self._tensor_batch(regions, layer, jobs, answers, leased)
+            except BaseException:
+                if self._stream is not None:  # copies queued before a failure read and write the regions too
+                    self._stream.synchronize()
+                raise
             finally:
-                try:
-                    if self._stream is not None:  # the regions read and written, also after a failure
-                        self._stream.synchronize()
-                finally:
-                    for token in leased:
-                        regions.release(token)
+                for token in leased:
+                    regions.release(token)
         return [InternalError("no output") if a is None else a for a in answers]
 
-    def _gpu(self, job: CudaJob) -> int:
-        """The GPU whose regions this worker reads (a CPU worker, in tests, reads any)."""
-        return self.device.index if self.is_cuda and self.device.index is not None else job.device
+    def _placed_batch(self, regions: CudaRegions, layer: Layer, jobs: list[CudaJob], answers: list[_Output | None],
+                      leased: list[str]) -> None:
+        """``_device_batch`` on a GPU: each request's input and output as a place (``ops.Place``), then one call."""
+        weight, bias, packs = self._weights[layer.name]
+        parts: list[Place] = []
+        outs: list[Place] = []
+        held: list[object] = []  # host memory the call reads or writes, alive until it returns
+        n = 0
+        for i, job in enumerate(jobs):
+            try:
+                if job.dtype != weight.dtype:
+                    raise InternalError(f"a {job.dtype} request in a batch of a {weight.dtype} layer")
+                part = self._input_place(regions, job, leased, held)
+                out = self._output_place(regions, layer, job, leased)
+            except ServiceError as exc:
+                answers[i] = exc
+                continue
+            if out is None:  # the output goes to the host
+                host = torch.empty(self._out_shape(layer, job), dtype=weight.dtype, pin_memory=True)
+                answers[i] = host
+                out = host.data_ptr(), host.nbytes
+            parts.append(part)
+            outs.append(out)
+            n += int(job.shape[0])
+        if parts:
+            shape = (n, *(int(d) for d in jobs[0].shape[1:]))
+            conv_transpose2d_placed(parts, outs, shape, weight, bias, layer.args, layer.kernel_precision,
+                                    serving_choice(shape, weight, bias, layer, packs), packs)
 
-    def _device_input(self, regions: CudaRegions, job: CudaJob, leased: list[str]) -> torch.Tensor:
-        """The job's input on this worker's device: a view of its region (a copy of its bytes when it is not
-        ``DEVICE_ALIGN``-aligned), its system region's page-locked bytes uploaded by the copy engine (the CPU never
-        touches them), or its host bytes uploaded."""
+    def _input_place(self, regions: CudaRegions, job: CudaJob, leased: list[str], held: list[object]) -> Place:
+        """Where the job's input is: in its region (held), or host bytes (kept in ``held``)."""
         x = job.x
-        if not isinstance(x, DeviceTensor):
-            return as_tensor(x).to(self.device)
-        raw = regions.lease(x.token, x.offset, x.nbytes, self._gpu(job))
-        leased.append(x.token)
-        if raw.device != self.device:
-            return raw.to(self.device, non_blocking=True).view(x.dtype).view(x.shape)
-        if raw.data_ptr() % DEVICE_ALIGN:
-            raw = raw.clone()
-        return raw.view(x.dtype).view(x.shape)
+        if isinstance(x, DeviceTensor):
+            place = regions.place(x.token, x.offset, x.nbytes, self._gpu(job))
+            leased.append(x.token)
+            return place
+        data: memoryview | torch.Tensor = x.data if isinstance(x, RawTensor) else x.contiguous()
+        held.append(data)
+        return host_place(data)
 
-    def _device_output(self, regions: CudaRegions, layer: Layer, job: CudaJob,
-                       leased: list[str]) -> torch.Tensor | None:
-        """The bytes of the job's output region (exactly the output's), or None: the output goes to the host.
+    def _output_place(self, regions: CudaRegions, layer: Layer, job: CudaJob, leased: list[str]) -> Place | None:
+        """Where the job's output goes in its region (held), or None: to the host.
 
         Raises:
             RegionError: the region does not hold this output.
@@ -612,42 +617,63 @@ class Worker:
         out = job.out
         if out is None:
             return None
+        place = regions.place(out.token, out.offset, self._output_bytes(layer, job), self._gpu(job))
+        leased.append(out.token)
+        return place
+
+    @staticmethod
+    def _output_bytes(layer: Layer, job: CudaJob) -> int:
+        """The bytes of the job's output, which its output region holds exactly.
+
+        Raises:
+            RegionError: it does not.
+        """
         n, _, h, w = job.shape
         need = layer.output_bytes(n, h, w)
-        if out.nbytes != need:
-            raise RegionError(f"the output region holds {out.nbytes} bytes for an output of {need}")
-        raw = regions.lease(out.token, out.offset, need, self._gpu(job))
-        leased.append(out.token)
-        return raw
+        assert job.out is not None
+        if job.out.nbytes != need:
+            raise RegionError(f"the output region holds {job.out.nbytes} bytes for an output of {need}")
+        return need
 
-    def _device_forward(self, layer: Layer, runs: list[tuple[int, torch.Tensor, torch.Tensor | None]],
-                        answers: list[_Output | None], weight: torch.Tensor, bias: torch.Tensor | None,
-                        packs: WeightPacks | None) -> None:
-        """Compute ``runs`` (request, input, output bytes) together; set each request's answer."""
-        x = runs[0][1] if len(runs) == 1 else torch.cat([r[1] for r in runs])
-        out_shape = self._out_shape(layer, x)
-        first = runs[0][2]
-        if len(runs) == 1 and first is not None and first.device == x.device \
-                and first.data_ptr() % DEVICE_ALIGN == 0:
-            self._forward_device(layer, x, weight, bias, first.view(x.dtype).view(out_shape), packs)
-            return  # the answer is the output's region, set already
-        y = self._forward_device(layer, x, weight, bias, None, packs)
+    def _gpu(self, job: CudaJob) -> int:
+        """The GPU whose regions this worker reads (a CPU worker, in tests, reads any)."""
+        return self.device.index if self.is_cuda and self.device.index is not None else job.device
+
+    def _tensor_batch(self, regions: CudaRegions, layer: Layer, jobs: list[CudaJob], answers: list[_Output | None],
+                      leased: list[str]) -> None:
+        """``_device_batch`` on the CPU worker (tests): tensors over the regions' bytes (``CudaRegions.lease``),
+        the batch computed by the worker's step, each request's rows copied into its region."""
+        weight, bias, _ = self._weights[layer.name]
+        runs: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # (request, input, output region's bytes)
+        for i, job in enumerate(jobs):
+            try:
+                x = job.x
+                if isinstance(x, DeviceTensor):
+                    raw = regions.lease(x.token, x.offset, x.nbytes, self._gpu(job))
+                    leased.append(x.token)
+                    xt = raw.view(x.dtype).view(x.shape)
+                else:
+                    xt = as_tensor(x)
+                out = None
+                if job.out is not None:
+                    out = regions.lease(job.out.token, job.out.offset, self._output_bytes(layer, job), self._gpu(job))
+                    leased.append(job.out.token)
+            except ServiceError as exc:
+                answers[i] = exc
+                continue
+            runs.append((i, xt, out))
+        if not runs:
+            return
+        with torch.inference_mode():
+            y = self._forward(torch.cat([r[1] for r in runs]), weight, bias, layer)
         start = 0
         for i, xi, out in runs:
-            rows = y[start:start + xi.shape[0]].contiguous()
+            rows = y[start:start + xi.shape[0]]
             start += xi.shape[0]
             if out is None:
-                answers[i] = rows.cpu()
-            else:  # a region on this GPU, or a system region's page-locked bytes (the copy engine writes them)
-                out.copy_(rows.reshape(-1).view(torch.uint8), non_blocking=True)
-
-    def _forward_device(self, layer: Layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        out: torch.Tensor | None, packs: WeightPacks | None) -> torch.Tensor:
-        """The layer on ``x`` on this worker's device, into ``out`` when given (a CPU worker, in tests, copies)."""
-        if self.is_cuda:
-            return kernel_forward_device(x, weight, bias, layer, out, packs)
-        y = self._forward(x, weight, bias, layer)
-        return y if out is None else out.copy_(y)
+                answers[i] = rows.clone()
+            else:
+                out.copy_(rows.contiguous().reshape(-1).view(torch.uint8))
 
     def _stage(self, layer: Layer, inputs: list[AnyTensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch copied into pinned memory ``[N, C_in, H, W]``, and a pinned output for it."""

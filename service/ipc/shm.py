@@ -88,7 +88,7 @@ class Arena:
             os.close(self.fd)
             raise
         self.view = memoryview(self._map)  # format "B"
-        self._address = _address(self.view)
+        self._address = address_of(self.view)
         self._free: list[tuple[int, int]] = [(0, size)]  # disjoint [start, end) ranges, sorted, never adjacent
         self._used: dict[int, int] = {}  # start -> end of each slot handed out
 
@@ -134,7 +134,7 @@ class Arena:
 
     def offset_of(self, view: memoryview) -> int | None:
         """Where the bytes of ``view`` (C-contiguous) lie in the arena, or None when they are not all inside it."""
-        offset = _address(view) - self._address
+        offset = address_of(view) - self._address
         return offset if offset >= 0 and offset + view.nbytes <= self.size else None
 
     def lend(self, start: int, offset: int, nbytes: int) -> memoryview:
@@ -149,7 +149,7 @@ class Arena:
             os.close(self.fd)
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
     """The address of the first byte of ``view``."""
     return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 

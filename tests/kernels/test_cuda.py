@@ -22,7 +22,13 @@ from torch import nn
 import kernels
 from kernels._ops import _forward_cuda
 from kernels.functional import normalize_args, output_size
-from service.engine.ops import HostPin, conv_transpose2d_direct, conv_transpose2d_gathered, conv_transpose2d_staged
+from service.engine.ops import (
+    HostPin,
+    conv_transpose2d_direct,
+    conv_transpose2d_gathered,
+    conv_transpose2d_placed,
+    conv_transpose2d_staged,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -852,6 +858,68 @@ def test_direct_parts_into_places(family: str, mode: str, pinned: bool) -> None:
     del parts, part, outs, arena, pin, y
     gc.collect()
     memory.close()  # possible only once every view is gone (and with them the page lock)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("family", ["stride2", "groups4_strided", "wide_odd", "depthwise", "odd_channels"])
+@pytest.mark.parametrize("where", ["device", "one_in_place", "one_unaligned", "device_to_host"])
+def test_placed_parts_into_places(family: str, mode: str, where: str) -> None:
+    """The serving worker's call for requests in CUDA shared memory (``conv_transpose2d_placed``): each request's
+    input read from its place in GPU memory and its output rows written into its own place there (or, with
+    ``device_to_host``, into page-locked host memory); a lone request in GPU memory is read and written in place
+    when aligned (``one_in_place``), copied when not (``one_unaligned``: 4 bytes off). The poisoned memory around
+    the places stays as it was, and every byte of the outputs is written."""
+    dtype, precision, tol = MODES[mode]
+    counts = [1] if where.startswith("one") else [2, 1, 2]
+    x, wt, b, args, ref = _host_problem(family, mode, n=sum(counts))
+    size = x.element_size()
+    in_sizes = [c * x[0].numel() * size for c in counts]
+    out_sizes = [c * ref[0].numel() * size for c in counts]  # ref is float64
+    shift = 4 if where == "one_unaligned" else 0
+    poison = 0xAB
+    device_in = torch.full((sum(in_sizes) + 64 * len(counts) + 64,), poison, dtype=torch.uint8, device="cuda")
+    out_device = where != "device_to_host"
+    out_memory = torch.full((sum(out_sizes) + 64 * len(counts) + 64,), poison, dtype=torch.uint8,
+                            device="cuda" if out_device else "cpu", pin_memory=not out_device)
+    parts, outs, at_in, at_out, rows = [], [], shift, shift, 0
+    for c, n_in, n_out in zip(counts, in_sizes, out_sizes, strict=True):
+        device_in[at_in:at_in + n_in] = x[rows:rows + c].contiguous().view(-1).view(torch.uint8).cuda()
+        parts.append((device_in.data_ptr() + at_in, n_in))
+        outs.append((out_memory.data_ptr() + at_out, n_out))
+        at_in += n_in + 64  # gaps between the places, as between clients' tensors
+        at_out += n_out + 64
+        rows += c
+    before = device_in.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        path = conv_transpose2d_placed(parts, outs, x.shape, wt, b, args, precision)
+    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled")
+    memory = out_memory.cpu()  # complete when the call returned: no synchronisation before this copy's own
+    y = torch.cat([memory[a - out_memory.data_ptr():a - out_memory.data_ptr() + n].view(dtype) for a, n in outs])
+    assert rel_err(y.view(ref.shape).cuda(), ref) <= tol
+    placed = torch.zeros(memory.numel(), dtype=torch.bool)
+    for a, n in outs:
+        placed[a - out_memory.data_ptr():a - out_memory.data_ptr() + n] = True
+    assert bool((memory[~placed] == poison).all())  # nothing written outside the places
+    assert torch.equal(device_in, before)  # the inputs only read
+
+
+def test_placed_rejects_places_that_do_not_make_the_input_or_output() -> None:
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(3, 8, 5, 5, device="cuda")
+    w = torch.randn(8, 4, 4, 4, device="cuda")
+    y = torch.empty(3, 4, 10, 10, device="cuda")
+    x_place, y_place = (x.data_ptr(), x.nbytes), (y.data_ptr(), y.nbytes)
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="CUDA weights"):
+        conv_transpose2d_placed([x_place], [y_place], x.shape, w.cpu(), None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="input places hold"):
+        conv_transpose2d_placed([(x.data_ptr(), x.nbytes - 4)], [y_place], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="output places hold"):
+        conv_transpose2d_placed([x_place], [y_place, (y.data_ptr(), 4)], x.shape, w, None, args, "fp32")
+    with pytest.raises(kernels.ConvTranspose2dArgumentError, match="not an address and bytes"):
+        conv_transpose2d_placed([x_place, (0, 0)], [y_place], x.shape, w, None, args, "fp32")
+    conv_transpose2d_placed([x_place], [y_place], x.shape, w, None, args, "fp32")
+    assert rel_err(y, reference(x, w, None, stride=2, padding=1)) <= 1e-5
 
 
 def test_host_pin_locks_pages_while_a_view_lives() -> None:

@@ -421,14 +421,20 @@ def test_a_region_unregistered_while_a_batch_uses_it_is_unmapped_after_the_batch
             await regions.open(token, handle, 0, 200)
         view = regions.lease(token, 10, 4, 0)
         assert bytes(view.numpy()) == bytes(range(10, 14))
-        with pytest.raises(RegionError, match="reach past the end of a CUDA shared-memory region of 200 bytes"):
-            regions.lease(token, 190, 11, 0)
-        with pytest.raises(RegionError, match="lies on GPU 0, not 1"):
-            regions.lease(token, 0, 4, 1)
+        address, nbytes = regions.place(token, 20, 6, 0)  # the GPU path's lease: where the bytes are
+        assert (ctypes.string_at(address, nbytes), nbytes) == (bytes(range(20, 26)), 6)
+        for lease in (regions.lease, regions.place):
+            with pytest.raises(RegionError, match="reach past the end of a CUDA shared-memory region of 200 bytes"):
+                lease(token, 190, 11, 0)
+            with pytest.raises(RegionError, match="lies on GPU 0, not 1"):
+                lease(token, 0, 4, 1)
         await regions.close([token])
-        assert memory.closes == 0  # the batch still reads it
-        with pytest.raises(UnknownRegionError, match="unregistered before the request ran"):
-            regions.lease(token, 0, 4, 0)
+        assert memory.closes == 0  # two batches still read it
+        for lease in (regions.lease, regions.place):
+            with pytest.raises(UnknownRegionError, match="unregistered before the request ran"):
+                lease(token, 0, 4, 0)
+        regions.release(token)
+        assert memory.closes == 0  # one still does
         regions.release(token)
         assert (memory.closes, regions.regions, regions.mappings) == (1, 0, 0)
         await regions.close([token, "unknown"])  # nothing left: nothing happens

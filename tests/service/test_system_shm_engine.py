@@ -7,6 +7,7 @@ reads and writes the mapping through the same device path; the GPU runs the real
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import threading
 import uuid
@@ -75,11 +76,17 @@ def test_the_engine_maps_a_system_region_and_leases_exactly_its_bytes(objects: O
         assert bytes(t.numpy()) == bytes(shm.buf[offset + 8:offset + 24])
         t[:] = 7  # the engine's copies land in the client's object
         assert bytes(shm.buf[offset + 8:offset + 24]) == b"\x07" * 16
-        with pytest.raises(RegionError, match="reach past the end"):
-            regions.lease(token, 500, 16, 0)
+        address, nbytes = regions.place(token, 32, 8, 0)  # the GPU path's lease: where the bytes are
+        assert (ctypes.string_at(address, nbytes), nbytes) == (bytes(shm.buf[offset + 32:offset + 40]), 8)
+        for lease in (regions.lease, regions.place):
+            with pytest.raises(RegionError, match="reach past the end"):
+                lease(token, 500, 16, 0)
         await regions.close([token])  # leased: unmapped once released, and no new lease meanwhile
-        with pytest.raises(UnknownRegionError, match="unregistered"):
-            regions.lease(token, 0, 4, 0)
+        for lease in (regions.lease, regions.place):
+            with pytest.raises(UnknownRegionError, match="unregistered"):
+                lease(token, 0, 4, 0)
+        regions.release(token)
+        assert regions.regions == 1  # the second lease holds it still
         regions.release(token)
         assert regions.regions == 0
 
