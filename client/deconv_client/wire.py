@@ -144,7 +144,8 @@ def _npy_canonical_header(text: str) -> dict[str, object] | None:
     return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
 
 
-def _npy_header_dict(buf: memoryview) -> tuple[dict[str, object], int]:
+def _npy_header_span(buf: memoryview) -> tuple[int, int]:
+    # (where the header text starts, its length), the magic, version and length checked.
     if len(buf) < 10 or bytes(buf[:6]) != NPY_MAGIC:
         raise WireError("body is not a .npy file (bad magic: missing the \\x93NUMPY magic)")
     major = buf[6]
@@ -160,8 +161,12 @@ def _npy_header_dict(buf: memoryview) -> tuple[dict[str, object], int]:
         raise WireError(f".npy header of {hlen} bytes is over the {MAX_HEADER_BYTES}-byte limit")
     if start + hlen > len(buf):
         raise WireError(".npy header is truncated")
+    return start, hlen
+
+
+def _npy_header_dict(buf: memoryview, start: int, hlen: int) -> dict[str, object]:
     try:
-        text = bytes(buf[start : start + hlen]).decode("utf-8" if major == 3 else "latin1")
+        text = bytes(buf[start : start + hlen]).decode("utf-8" if buf[6] == 3 else "latin1")
         header = _npy_canonical_header(text)
         if header is None:
             with _LITERAL_EVAL_LOCK:
@@ -170,7 +175,34 @@ def _npy_header_dict(buf: memoryview) -> tuple[dict[str, object], int]:
         raise WireError("unreadable .npy header: not a valid dict literal") from None
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         raise WireError(".npy header must be a dict with exactly 'descr', 'fortran_order' and 'shape'")
-    return header, start + hlen
+    return header
+
+
+def _npy_header(buf: memoryview, start: int, hlen: int) -> tuple[str, bool, tuple[int, ...], int, int]:
+    # (descr, fortran_order, shape, itemsize, data bytes) of a header that is one of the accepted ones.
+    header = _npy_header_dict(buf, start, hlen)
+    descr = header["descr"]
+    if not isinstance(descr, str):
+        raise WireError("structured .npy arrays are not supported; send one plain array", "dtype")
+    if descr.endswith("O"):
+        raise WireError(".npy object arrays are refused (object arrays are never unpickled); send a plain array",
+                        "dtype")
+    order, code = descr[:1], descr[1:]
+    itemsize = _NPY_ITEMSIZE.get(code)
+    if itemsize is None or order not in ("<", ">", "=", "|") or (order == "|" and code not in _SINGLE_BYTE):
+        raise WireError(f".npy dtype {descr!r} is not allowed: send bool, integer, float or complex data (object "
+                        "arrays are never unpickled)", "dtype")
+    fortran = header["fortran_order"]
+    if not isinstance(fortran, bool):
+        raise WireError(".npy header's fortran_order must be True or False")
+    shape = _shape(header["shape"], tuple, ".npy")
+    return descr, fortran, shape, itemsize, check_size(shape, itemsize, ".npy")
+
+
+# Headers read lately (their bytes, magic to padding) -> what they say: a server reads the same few headers on
+# every request (~5 us each in _npy_header). Bounded: emptied when full.
+_NPY_HEADERS: dict[bytes, tuple[str, bool, tuple[int, ...], int, int]] = {}
+_NPY_HEADERS_MAX = 256
 
 
 def read_npy(
@@ -188,23 +220,18 @@ def read_npy(
             size that does not match the header.
     """
     buf = memoryview(body).cast("B")
-    header, data_start = _npy_header_dict(buf)
-    descr = header["descr"]
-    if not isinstance(descr, str):
-        raise WireError("structured .npy arrays are not supported; send one plain array", "dtype")
-    if descr.endswith("O"):
-        raise WireError(".npy object arrays are refused (object arrays are never unpickled); send a plain array",
-                        "dtype")
-    order, code = descr[:1], descr[1:]
-    itemsize = _NPY_ITEMSIZE.get(code)
-    if itemsize is None or order not in ("<", ">", "=", "|") or (order == "|" and code not in _SINGLE_BYTE):
-        raise WireError(f".npy dtype {descr!r} is not allowed: send bool, integer, float or complex data (object "
-                        "arrays are never unpickled)", "dtype")
-    fortran = header["fortran_order"]
-    if not isinstance(fortran, bool):
-        raise WireError(".npy header's fortran_order must be True or False")
-    shape = _shape(header["shape"], tuple, ".npy")
-    need = check_size(shape, itemsize, ".npy", max_bytes)
+    start, hlen = _npy_header_span(buf)
+    data_start = start + hlen
+    key = bytes(buf[:data_start])
+    known = _NPY_HEADERS.get(key)
+    if known is None:
+        known = _npy_header(buf, start, hlen)
+        if len(_NPY_HEADERS) >= _NPY_HEADERS_MAX:
+            _NPY_HEADERS.clear()
+        _NPY_HEADERS[key] = known
+    descr, fortran, shape, itemsize, need = known
+    if max_bytes is not None and need > max_bytes:
+        check_size(shape, itemsize, ".npy", max_bytes)  # raises
     have = len(buf) - data_start
     if have != need:
         raise WireError(f".npy data is {have} bytes, the header ({descr} {list(shape)}) says {need}")
@@ -213,6 +240,20 @@ def read_npy(
 
 def npy_header(descr: str, shape: Sequence[int]) -> bytes:
     """The header of a C-order ``.npy`` file (version 1.0, or 2.0 for a huge one), padded as numpy pads it."""
+    key = (descr, tuple(shape))
+    header = _NPY_WRITTEN.get(key)
+    if header is None:
+        if len(_NPY_WRITTEN) >= _NPY_HEADERS_MAX:
+            _NPY_WRITTEN.clear()
+        header = _NPY_WRITTEN[key] = _npy_header_text(descr, shape)
+    return header
+
+
+# Headers written lately: (descr, shape) -> the header (bounded as _NPY_HEADERS).
+_NPY_WRITTEN: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def _npy_header_text(descr: str, shape: Sequence[int]) -> bytes:
     text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {tuple(shape)!r}, }}".encode("latin1")
     if len(text) < 1 << 15:  # version 1.0: a 2-byte header length
         pad = -(11 + len(text)) % NPY_ALIGN  # magic, version, length, the header, '\n'

@@ -70,11 +70,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     if settings is None:
         settings = engine.settings if engine is not None else Settings()
     logging.getLogger("deconv").setLevel(settings.log_level.upper())
+    engine = engine if engine is not None else LocalEngine(settings)
     app = App(fast_routes=routes.INFERENCE_ROUTES, title="deconv", version=VERSION, description=DESCRIPTION,
-              lifespan=lifespan)
-    app.state.engine = engine = engine if engine is not None else LocalEngine(settings)
-    app.state.budget = Budget(inflight_limit(settings), engine.metrics)  # bytes of requests in flight
-    app.state.bodies = BodyPool(settings.body_pool_bytes)  # reused buffers for multi-megabyte request bodies
+              lifespan=lifespan, engine=engine,
+              budget=Budget(inflight_limit(settings), engine.metrics),  # bytes of requests in flight
+              bodies=BodyPool(settings.body_pool_bytes))  # reused buffers for multi-megabyte request bodies
     app.state.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
     app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir,
                                     settings.cuda_shm_max_regions)

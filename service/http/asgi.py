@@ -16,6 +16,7 @@ path per URL.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -57,6 +58,9 @@ BODY_TIMED_OUT = "deconv.body_timed_out"
 # Set in a request's scope by the connection (service.http.server.HTTPProtocol): ``await scope[BODY_INTO](scope,
 # view)`` fills ``view`` with the next bytes of the body straight from the connection, and returns how many it wrote.
 BODY_INTO = "deconv.body_into"
+# Set in a request's scope by the connection (service.http.server.HTTPProtocol): ``scope[ON_DISCONNECT](callback)``
+# calls ``callback`` on the event loop when the client goes, and returns what stops that.
+ON_DISCONNECT = "deconv.on_disconnect"
 CLOSE = (b"connection", b"close")
 
 
@@ -85,20 +89,31 @@ class Call:
             self.budget.give(self.held)
             self.held = 0
 
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` on the event loop when the client goes (once its body is read); returns what stops
+        that. The connection says so itself where it can (``ON_DISCONNECT``); elsewhere a task waits for the ASGI
+        disconnect, the next message after the body."""
+        watch = self.scope.get(ON_DISCONNECT)
+        if watch is not None:
+            return watch(callback)  # type: ignore[no-any-return]
+        gone = asyncio.get_running_loop().create_task(disconnected(self.receive))
+        gone.add_done_callback(lambda task: None if task.cancelled() else callback())
+        return gone.cancel
+
     @property
     def engine(self) -> Engine:
         """The app's ``Engine``."""
-        return self.scope["app"].state.engine  # type: ignore[no-any-return]
+        return self.scope["app"].engine  # type: ignore[no-any-return]
 
     @property
     def bodies(self) -> BodyPool:
         """The app's reused buffers for request bodies."""
-        return self.scope["app"].state.bodies  # type: ignore[no-any-return]
+        return self.scope["app"].bodies  # type: ignore[no-any-return]
 
     @property
     def budget(self) -> Budget:
         """The app's bound on bytes in flight."""
-        return self.scope["app"].state.budget  # type: ignore[no-any-return]
+        return self.scope["app"].budget  # type: ignore[no-any-return]
 
     @property
     def path(self) -> str:
@@ -433,16 +448,23 @@ class OtherMethods(BaseRoute):
 
 
 class App(FastAPI):
-    """The service's FastAPI app, answering ``POST`` on the paths of ``fast_routes`` by itself."""
+    """The service's FastAPI app, answering ``POST`` on the paths of ``fast_routes`` by itself. What every request
+    uses (its ``Engine``, the bound on bytes in flight, the reused body buffers) is both a plain attribute, read on
+    the inference path (Starlette's ``app.state`` costs a lookup through ``__getattr__`` each time), and in
+    ``app.state``, where FastAPI's handlers find it."""
 
-    def __init__(self, *, fast_routes: FastRoutes, **kwargs: Any) -> None:
+    def __init__(self, *, fast_routes: FastRoutes, engine: Engine, budget: Budget, bodies: BodyPool,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes = fast_routes
         self.router.routes.append(OtherMethods(fast_routes))
+        self.engine = self.state.engine = engine
+        self.budget = self.state.budget = budget
+        self.bodies = self.state.bodies = bodies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            if self.state.engine.readiness.state == "draining":  # every answer from now on closes its connection
+            if self.engine.readiness.state == "draining":  # every answer from now on closes its connection
                 send = closing(send)
             if scope["method"] == "POST":
                 found = self.fast_routes.match(route_path(scope))

@@ -41,13 +41,11 @@ from service.errors import (
     UnknownLayerError,
     UnsupportedMediaTypeError,
 )
-from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, disconnected, read_body
+from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, read_body
 from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from starlette.types import Receive
-
     from service.engine.interface import Engine
 
 router = APIRouter()
@@ -192,6 +190,9 @@ class DeadlineHeader(BaseModel):
                     "the earlier of this and parameters.timeout counts).")
 
 
+# KServe JSON replies, compact: one encoder (``json.dumps`` with arguments makes a new one each call).
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
 _ERROR_TYPES = {
     400: "malformed_body",
     401: "unauthorized (API key configured)",
@@ -323,7 +324,7 @@ def validate_input(layer: Layer, x: AnyTensor) -> tuple[AnyTensor, bool]:
 
 
 async def run_inference(
-    engine: Engine, layer: Layer, batcher: LayerQueue, x4: AnyTensor, receive: Receive, received: float,
+    engine: Engine, layer: Layer, batcher: LayerQueue, x4: AnyTensor, call: Call, received: float,
     deadline_ms: float | None,
 ) -> Result:
     """Queue ``x4`` and wait for its result, its deadline, the request timeout, or the client leaving.
@@ -346,8 +347,14 @@ async def run_inference(
             wake.set_result(None)
 
     item.future.add_done_callback(wake_up)
-    gone = loop.create_task(disconnected(receive))
-    gone.add_done_callback(wake_up)
+    gone = False
+
+    def client_gone() -> None:
+        nonlocal gone
+        gone = True
+        wake_up()
+
+    unwatch = call.on_disconnect(client_gone)
     try:
         while True:
             limit = timeout_at if item.started or deadline is None else min(timeout_at, deadline)
@@ -361,7 +368,7 @@ async def run_inference(
                 if item.future.cancelled():
                     raise NotReadyError("the request was cancelled by the server")
                 return item.future.result()
-            if gone.done():
+            if gone:
                 batcher.drop(item, "disconnected")
                 raise ClientGoneError("client disconnected")
             now = time.monotonic()
@@ -372,7 +379,7 @@ async def run_inference(
             if deadline is not None and now >= deadline and batcher.drop(item, "deadline"):
                 raise DeadlineExceededError.before_execution(deadline_ms)
     finally:
-        gone.cancel()
+        unwatch()
         if item.state == "queued":  # this task was cancelled: nobody waits for the result any more
             batcher.drop(item, "cancelled")
         if item.future.done() and not item.future.cancelled():
@@ -411,7 +418,7 @@ async def deconv_call(call: Call) -> Reply:
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
         call.hold(output_bytes(spec, x4))
-        result = await run_inference(engine, spec, batcher, x4, call.receive, received, x_deadline_ms)
+        result = await run_inference(engine, spec, batcher, x4, call, received, x_deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         reply = Reply(codec.encode_parts(y, out_media), out_media, _batch_headers(result))
         status = 200
@@ -795,7 +802,7 @@ async def _json_answer(response: dict[str, Any], out: dict[str, Any], y: AnyTens
     for them (binary outputs carry them exactly).
     """
     out["data"] = []
-    head, _, tail = json.dumps(response, separators=(",", ":")).partition('"data":[]')
+    head, _, tail = _COMPACT.encode(response).partition('"data":[]')
     flat = codec.as_tensor(y).reshape(-1)
     parts = [head.encode(), b'"data":[']
     for start in range(0, flat.numel(), JSON_VALUES_PER_STEP):
@@ -803,7 +810,7 @@ async def _json_answer(response: dict[str, Any], out: dict[str, Any], y: AnyTens
             parts.append(b",")
             await asyncio.sleep(0)
         values = flat[start:start + JSON_VALUES_PER_STEP].double().tolist()
-        parts.append(json.dumps(values, separators=(",", ":"))[1:-1].encode())
+        parts.append(_COMPACT.encode(values)[1:-1].encode())
     parts += [b"]", tail.encode()]
     return b"".join(parts)
 
@@ -855,7 +862,7 @@ async def v2_infer_call(call: Call) -> Reply:
         if isinstance(x4, DeviceTensor) or out_device is not None:
             x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
-        result = await run_inference(engine, layer, batcher, x4, call.receive, received,
+        result = await run_inference(engine, layer, batcher, x4, call, received,
                                      min(timeouts) if timeouts else None)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
@@ -873,11 +880,11 @@ async def v2_infer_call(call: Call) -> Reply:
             out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": written}
             if out_ref.offset:
                 out["parameters"]["shared_memory_offset"] = out_ref.offset
-            reply = Reply(json.dumps(response, separators=(",", ":")).encode(), "application/json", headers)
+            reply = Reply(_COMPACT.encode(response).encode(), "application/json", headers)
         elif binary_out:
             data = codec.bytes_of(y)
             out["parameters"] = {"binary_data_size": len(data)}
-            head = json.dumps(response, separators=(",", ":")).encode()
+            head = _COMPACT.encode(response).encode()
             headers["Inference-Header-Content-Length"] = str(len(head))
             reply = Reply((head, data), "application/octet-stream", headers)
         else:

@@ -5,10 +5,11 @@ server on a ``RemoteEngine`` (``service.http.frontend``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
@@ -21,7 +22,7 @@ from service.config import Settings
 from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
 from service.http.app import create_app
-from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, error_reply
+from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
 from service.ipc.process import SERVING
 
 if TYPE_CHECKING:
@@ -156,11 +157,27 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._sink: memoryview | None = None
         self._sunk = 0
         self._sink_done: asyncio.Future[int] | None = None
+        # What to call when the client goes (on_disconnect); None once it has.
+        self._on_gone: set[Callable[[], None]] | None = set()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         super().connection_lost(exc)
         self._end_sink()
+        on_gone, self._on_gone = self._on_gone, None
+        for callback in on_gone or ():
+            callback()
+
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once the connection is lost (soon, when it is already), for any request of this
+        connection (in the scope as ``ON_DISCONNECT``: a request waiting for its result needs no task of its own to
+        learn that its client went); returns what stops that."""
+        on_gone = self._on_gone
+        if on_gone is None:
+            handle = self.loop.call_soon(callback)
+            return handle.cancel
+        on_gone.add(callback)
+        return functools.partial(on_gone.discard, callback)
 
     async def read_into(self, scope: Scope, view: memoryview) -> int:
         """Fill ``view`` (writable bytes) with the next bytes of the body of ``scope``'s request: first those the
@@ -248,6 +265,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._heads += 1
         self._in_body = True
         self.scope[BODY_INTO] = self.read_into  # type: ignore[literal-required]
+        self.scope[ON_DISCONNECT] = self.on_disconnect  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -425,7 +443,8 @@ def serve(settings: Settings, engine: Engine, connections: socket.socket | None 
     app = create_app(settings, engine, regions_dir)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
-        access_log=settings.access_log, http=protocol,
+        # uvicorn formats each access line's arguments before the logger's level is asked: above info, no line.
+        access_log=settings.access_log and settings.log_level in ("info", "debug"), http=protocol,
         # Requests in flight get up to the request timeout to finish after SIGTERM.
         timeout_graceful_shutdown=int(settings.request_timeout_s) + 5,
     )

@@ -91,6 +91,7 @@ class Arena:
         self._address = address_of(self.view)
         self._free: list[tuple[int, int]] = [(0, size)]  # disjoint [start, end) ranges, sorted, never adjacent
         self._used: dict[int, int] = {}  # start -> end of each slot handed out
+        self._lent = 0  # slots lent (``lend``) and not given back yet
 
     @property
     def used_bytes(self) -> int:
@@ -133,7 +134,11 @@ class Arena:
             free.insert(i, (start, end))
 
     def offset_of(self, view: memoryview) -> int | None:
-        """Where the bytes of ``view`` (C-contiguous) lie in the arena, or None when they are not all inside it."""
+        """Where the bytes of ``view`` (C-contiguous) lie in memory lent from the arena (``lend``), or None when
+        they are not all inside the arena; None at once while nothing is lent (no address taken: the common case of
+        requests whose bodies are not lent costs nothing here)."""
+        if not self._lent:
+            return None
         offset = address_of(view) - self._address
         return offset if offset >= 0 and offset + view.nbytes <= self.size else None
 
@@ -141,7 +146,12 @@ class Arena:
         """A writable view of the ``nbytes`` bytes at ``offset``, inside the slot at ``start`` (from ``alloc``),
         that holds the slot: it is given back (``free``) once that view and every view, array or tensor made from
         it are gone (``lend`` below), and never before. The slot must not be given back otherwise."""
-        return lend(self.view[offset:offset + nbytes], functools.partial(self.free, start))
+        self._lent += 1
+        return lend(self.view[offset:offset + nbytes], functools.partial(self._give_back, start))
+
+    def _give_back(self, start: int) -> None:
+        self._lent -= 1
+        self.free(start)
 
     def close(self) -> None:
         """Close the file descriptor (the engine holds its own copy); the mapping stays while views of it live."""

@@ -151,6 +151,25 @@ def test_npy_huge_shape_is_refused_before_allocation():
         codec.decode_npy(claim, max_bytes=65536)
 
 
+def test_npy_headers_read_before_are_remembered_and_every_body_still_checked():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    body = npy_bytes(x)
+    wire._NPY_HEADERS.clear()
+    assert wire.read_npy(body)[:4] == ("<f4", False, (2, 3), 4)
+    assert len(wire._NPY_HEADERS) == 1
+    again = wire.read_npy(bytearray(body))  # the same header, now remembered
+    assert again[:4] == ("<f4", False, (2, 3), 4)
+    assert bytes(again[4]) == x.tobytes()
+    with pytest.raises(wire.WireError, match="over the limit of 16 bytes"):
+        wire.read_npy(body, max_bytes=16)  # a remembered header is held to each call's limit
+    with pytest.raises(wire.WireError, match="data is 20 bytes"):
+        wire.read_npy(body[:-4])
+    for n in range(1, wire._NPY_HEADERS_MAX + 10):  # bounded
+        wire.read_npy(npy_bytes(np.zeros(n, dtype=np.float32)))
+        assert len(wire._NPY_HEADERS) <= wire._NPY_HEADERS_MAX
+    assert wire.npy_header("<f4", [2, 3]) == wire.npy_header("<f4", (2, 3)) == body[:len(body) - 24]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_safetensors_roundtrip(dtype):
     t = torch.randn(2, 3, 4, 5).to(dtype)

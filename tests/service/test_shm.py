@@ -5,6 +5,7 @@ tests (test_server.py, test_multiprocess.py) run requests through it end to end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import socket
 import struct
@@ -90,6 +91,25 @@ def test_random_slots_never_overlap_and_all_merge_back() -> None:
 def test_arena_size_must_be_a_positive_multiple_of_the_alignment(size: int) -> None:
     with pytest.raises(ValueError, match="multiple"):
         shm.Arena(size)
+
+
+def test_offset_of_finds_the_bytes_of_memory_lent_from_the_arena_only() -> None:
+    async def main() -> None:
+        arena = shm.Arena(4 * shm.ALIGN)
+        start = arena.alloc(256)
+        assert start is not None
+        assert arena.offset_of(arena.view[start + 4:start + 8]) is None  # in the arena, but nothing is lent
+        lent = arena.lend(start, start + 16, 64)
+        assert arena.offset_of(lent[8:12]) == start + 24
+        assert arena.offset_of(arena.view[start:start + 4]) == start  # while a slot is lent, found by address
+        assert arena.offset_of(memoryview(bytearray(16))) is None  # memory elsewhere
+        assert arena.offset_of(arena.view[arena.size - 8:]) == arena.size - 8
+        del lent
+        gc.collect()
+        assert arena.slots == 0  # the lent slot given back with its last view
+        assert arena.offset_of(arena.view[start:start + 4]) is None
+
+    run(main())
 
 
 # --- the HELLO ------------------------------------------------------------------------------------------------
