@@ -268,9 +268,13 @@ def conv_transpose2d_direct(
     for i, out in enumerate(outs):
         if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
             raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
-    places = [host_place(p) for p in parts], [host_place(o) for o in outs]
-    return conv_transpose2d_placed([p for p in places[0] if p[1]], [o for o in places[1] if o[1]], dims, weight, bias,
-                                   args, precision, choice, packs)
+    return conv_transpose2d_placed([host_place(p) for p in parts if _nbytes(p)],
+                                   [host_place(o) for o in outs if o.nbytes], dims, weight, bias, args, precision,
+                                   choice, packs)
+
+
+def _nbytes(part: HostPart) -> int:
+    return part.numel() * part.element_size() if isinstance(part, torch.Tensor) else memoryview(part).nbytes
 
 
 def host_place(part: HostPart) -> Place:
