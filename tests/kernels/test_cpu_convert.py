@@ -21,6 +21,15 @@ def _snapshot(model: nn.Module) -> dict:
     }
 
 
+def _assert_same_outputs(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """The converted model computes what the original did. On the CPU both run PyTorch's own convolutions, whose
+    results are not bitwise reproducible from one call to the next over a whole test session (seen once in the full
+    suite: ~1e-5 relative in the nested model's output; one or two threads, input alignment and a loaded CPU did not
+    reproduce it alone), so outputs compare to a tolerance far below what a wrong conversion changes (a wrong
+    stride, padding, weight or bias moves them by ~1e-1 and more)."""
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5, msg=name or None)
+
+
 def _assert_converted(model: nn.Module, before: dict) -> None:
     params = dict(model.named_parameters())
     assert params.keys() == before["params"].keys()
@@ -62,7 +71,7 @@ def test_kernelbench_model(args, kwargs, x_shape):
     _assert_converted(model, before)
     assert type(model.conv_transpose2d) is kernels.ConvTranspose2d
     assert model.conv_transpose2d.precision is None
-    assert torch.equal(model(x), y_before)
+    _assert_same_outputs(model(x), y_before)
 
 
 def test_kernelbench_model_one_liner_matches_a_fresh_model():
@@ -72,7 +81,7 @@ def test_kernelbench_model_one_liner_matches_a_fresh_model():
     torch.manual_seed(1)
     converted = kernels.convert(Model(8, 4, 3, 2, 1, 1))
     x = torch.randn(2, 8, 7, 7)
-    assert torch.equal(converted(x), reference(x))
+    _assert_same_outputs(converted(x), reference(x))
 
 
 def test_nested_model():
@@ -95,7 +104,7 @@ def test_nested_model():
     assert not model.body[3].training
     y_after = model(x)
     assert y_after.shape == (2, 4, 20, 24)
-    assert torch.equal(y_after, y_before)
+    _assert_same_outputs(y_after, y_before)
 
 
 def test_nested_model_gradients_unchanged():
@@ -108,7 +117,7 @@ def test_nested_model_gradients_unchanged():
     ref(x).square().sum().backward()
     model(x).square().sum().backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad), name
+        _assert_same_outputs(p.grad, q.grad, name)
 
 
 def test_model_that_is_a_conv_transpose2d():
@@ -123,7 +132,7 @@ def test_model_that_is_a_conv_transpose2d():
     assert layer.weight is weight
     assert layer.bias is bias
     assert layer.precision == "fp32"
-    assert torch.equal(layer(x), y_before)
+    _assert_same_outputs(layer(x), y_before)
 
 
 def test_subclass_at_the_top_is_left_alone():
@@ -173,7 +182,7 @@ def test_idempotent():
     assert {name for name, m in model.named_modules() if type(m) is kernels.ConvTranspose2d} == {
         "body.0", "body.3", "heads.rgb"
     }
-    assert torch.equal(model(x), y_before)
+    _assert_same_outputs(model(x), y_before)
 
 
 def test_invalid_precision_raises_and_changes_nothing():
@@ -207,15 +216,15 @@ def test_state_dict_loads_into_an_unconverted_model():
     plain = Decoder()
     plain.load_state_dict(model.state_dict(), strict=True)
     x = torch.randn(1, 8, 3, 3)
-    assert torch.equal(plain(x), model(x))
+    _assert_same_outputs(plain(x), model(x))
 
 
 def test_layer_built_with_numpy_integers_still_runs_after_convert():
-    # Hyper-parameters read with numpy (np.int64) are fine for nn.ConvTranspose2d, which stores them as
-    # they are. KNOWN BUG: after convert() the forward raises ConvTranspose2dArgumentError ("stride must be
-    # an int or a pair of ints") because kernels/functional.py _pair accepts only Python ints.
+    # Hyper-parameters read with numpy (np.int64) are fine for nn.ConvTranspose2d, which stores them as they are;
+    # after convert() the forward reads them the same way (kernels/_ops.py _pair takes any integer by
+    # operator.index).
     layer = nn.ConvTranspose2d(4, 6, 3, stride=np.int64(2), padding=np.int64(1), groups=np.int64(2))
     x = torch.randn(1, 4, 5, 5)
     y_before = layer(x)
     kernels.convert(layer)
-    assert torch.equal(layer(x), y_before)
+    _assert_same_outputs(layer(x), y_before)
