@@ -6,6 +6,7 @@
 // interpreter with SIGSEGV instead of raising, while strings streamed fine (bench/NOTES.md v9).
 #include <ATen/Parallel.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -576,8 +577,10 @@ bool in_place(const Part& place, int device) {
 // memory (host_register), or other host memory (at the speed of the driver's own staging). The parts are copied
 // one after the other into the batch's input on the weight's GPU, or read in place when there is one part in that
 // GPU's memory; the output is copied in pieces into the places (each request's rows into its own), or written in
-// place when there is one place in that GPU's memory. With the GIL released once, on the current stream, which is
-// waited for. The caller keeps the memory alive and unchanged until this returns. Returns the kernel path as forward.
+// place when there is one place in that GPU's memory. With the GIL released once, on the current stream, up to this
+// call's own work: an event recorded behind it is waited for, not the whole stream, so that callers on other threads
+// may queue their batches on the same stream meanwhile (each waits for its own). The caller keeps the memory alive
+// and unchanged until this returns. Returns the kernel path as forward.
 int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  // [N, C_in, H_in, W_in] in order
                        const std::vector<std::pair<int64_t, int64_t>>& outs,   // [N, C_out, H_out, W_out] in order
                        const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
@@ -597,7 +600,8 @@ int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  /
   const py::gil_scoped_release no_gil;
   const c10::cuda::CUDAGuard guard(weight.device());
   const int device = weight.device().index();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  const at::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(device);
+  const cudaStream_t stream = current.stream();
   torch::Tensor x;
   if (in.size() == 1 && in_place(in[0], device)) {
     x = at::from_blob(const_cast<void*>(in[0].data), x_shape, weight.options());
@@ -622,7 +626,9 @@ int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  /
       from += place.bytes;
     }
   }
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  at::cuda::CUDAEvent done;  // this batch's end on the stream, which later batches may share
+  done.record(current);
+  done.synchronize();
   return path;
 }
 
@@ -686,7 +692,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_placed", &forward_placed,
         "ConvTranspose2d forward of an input read from places ((address, bytes) pairs, in order) into places, "
         "wherever the GPU reaches them (its own memory, page-locked or other host memory), on the current stream, "
-        "waiting for the result, with the GIL released once. Returns the kernel path as forward does.",
+        "waiting for its own work on it (not for work queued later by other threads), with the GIL released once. "
+        "Returns the kernel path as forward does.",
         py::arg("parts"), py::arg("outs"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,

@@ -16,11 +16,12 @@ requests arriving during a batch ride in the next one instead of waiting behind 
 of a device (``Executor.parallelism``: every worker, ``DECONV_WORKERS_PER_DEVICE`` a device), since waiting could
 not make it larger: then one batch's transfers and host work overlap another's kernel on the same GPU, while small
 requests keep their batches whole. Batches in a GPU's CUDA shared memory have no transfers to overlap and stay one a
-GPU, unless the lane's batches are long (``LONG_GPU_BATCH_S``): then a full one goes to the GPU's other worker, whose
-host work overlaps the running kernels. The oldest request of a lane with room goes first, so that a free GPU does
-not wait behind requests for a busy one. The finished batch's results go out after the next batch has started. A
-layer whose batches hold one sample (``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers'
-queues, which keeps a worker busy between batches.
+GPU, unless the lane's batches are long (``LONG_GPU_BATCH_S``): then a full one goes to the GPU's other worker and
+queues on the GPU's stream behind the running one, so that the worker threads' host work falls within the kernels.
+The oldest request of a lane with room goes first, so that a free GPU does not wait behind requests for a busy one.
+The finished batch's results go out after the next batch has started. A layer whose batches hold one sample
+(``max_batch_size`` 1) has nothing to gain from waiting: it fills the workers' queues, which keeps a worker busy
+between batches.
 
 Admission is decided at the door: ``submit`` raises ``OverloadedError`` (429) at once when the queue holds
 ``max_queue_size`` requests and ``NotReadyError`` (503) while draining; nothing waits for room. Each request owns

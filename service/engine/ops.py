@@ -208,7 +208,8 @@ def conv_transpose2d_placed(
     output ``[N, C_out, H_out, W_out]`` the places' bytes. In one extension call that releases the GIL once, on the
     current stream: the parts are copied into the batch's input on ``weight``'s GPU (one part in that GPU's memory,
     16-byte aligned, is read in place), the kernels run, the output is copied in pieces into the places (one place in
-    that GPU's memory, aligned, is written in place), and the stream is waited for. The caller keeps the memory alive
+    that GPU's memory, aligned, is written in place), and this work is waited for (an event behind it, not the whole
+    stream, which other threads may share: each waits for its own batch). The caller keeps the memory alive
     and unchanged until this returns; pageable host memory goes at the speed of the driver's own staging. ``choice``
     and ``packs`` as for ``conv_transpose2d_staged``. Returns the kernel family that ran.
 

@@ -19,11 +19,12 @@ The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU 
 
 A batch of requests in clients' CUDA shared memory (``codec.CudaJob``; the batcher keeps them in batches of their
 own, on their GPU's worker) takes the device path instead (``Worker._device_batch``): the inputs are read where
-they are, in the regions the engine mapped (``service.engine.cuda_shm``), and the outputs written into theirs, on
-the worker's stream, which is waited for before the batch is answered, all in one extension call that releases the
-GIL once (``conv_transpose2d_placed``); a request whose region went fails alone.
-Requests in system regions the engine mapped and page-locked take the same path on any GPU: their bytes go between
-region and GPU by the copy engines, with no host copy.
+they are, in the regions the engine mapped (``service.engine.cuda_shm``), and the outputs written into theirs, in
+one extension call that releases the GIL once and returns when the batch's own work is done
+(``conv_transpose2d_placed``); a request whose region went fails alone. Such batches run on one stream a GPU,
+shared by its workers (``Worker._stream_for``), so that a second batch queues behind the running one.
+Requests in system regions the engine mapped and page-locked take the same path on any GPU, on the worker's own
+stream: their bytes go between region and GPU by the copy engines, with no host copy.
 
 ``WorkerPool`` hands each batch to the least busy worker (fewest samples in flight) that has room for another
 batch (a *reservation*: ``acquire``, given back when the batch is done). Nothing here imports FastAPI. A *slot*,
@@ -223,6 +224,9 @@ class Worker:
         self._gathered = gathered or kernel_forward_gathered  # the GPU worker's step
         self._direct = direct or kernel_forward_direct  # ... for megabyte requests in page-locked slots
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
+        # The stream of batches in this GPU's CUDA shared memory, one for all its workers (WorkerPool.load; else
+        # this worker's own): a batch queued there while another runs starts the moment that one ends.
+        self.gpu_stream: torch.cuda.Stream | None = None
         # layer -> (weight, bias, packed copies of the weight on a GPU worker)
         self._weights: dict[str, tuple[torch.Tensor, torch.Tensor | None, WeightPacks | None]] = {}
         self.inflight_batches = 0
@@ -535,11 +539,12 @@ class Worker:
 
     def _device_batch(self, layer: Layer, jobs: list[CudaJob], generation: int,
                       future: Future[list[AnyTensor]]) -> list[_Output]:
-        """A batch of requests with tensors in shared memory the engine maps, on this worker's GPU and stream: each
-        input read where it is (its CUDA region, or a system region's page-locked bytes, which the copy engines
-        read; host bytes are uploaded), the batch computed, each output written where it goes (its region; else
-        into page-locked host memory), and the stream waited for, in one extension call that releases the GIL once
-        (``conv_transpose2d_placed``: a lone request in its GPU's memory is read, and its output written, in place).
+        """A batch of requests with tensors in shared memory the engine maps, on this worker's GPU (its stream:
+        ``_stream_for``): each input read where it is (its CUDA region, or a system region's page-locked bytes, which
+        the copy engines read; host bytes are uploaded), the batch computed, each output written where it goes (its
+        region; else into page-locked host memory), and that work waited for, in one extension call that releases
+        the GIL once (``conv_transpose2d_placed``: a lone request in its GPU's memory is read, and its output
+        written, in place).
         Regions are held for the batch (``CudaRegions.place``): one unregistered meanwhile is unmapped after it. A
         request whose region went, or whose output does not fit, fails alone (its ``RegionError`` is its answer).
         The GPU writes the clients' regions, so the batch is one that a replacement leaves to this thread
@@ -550,23 +555,36 @@ class Worker:
             raise InternalError(f"worker {self.name} has no CUDA shared memory")
         answers: list[_Output | None] = [job.out for job in jobs]  # None: a host output, set once computed
         leased: list[str] = []
+        stream = self._stream_for(jobs)
         with self._writes(generation, future), contextlib.ExitStack() as stack:
             if self.is_cuda:
                 stack.enter_context(torch.cuda.device(self.device))
-                stack.enter_context(torch.cuda.stream(self._stream))
+                stack.enter_context(torch.cuda.stream(stream))
             try:
                 if self.is_cuda:
-                    self._placed_batch(regions, layer, jobs, answers, leased)  # returns with the stream done
+                    self._placed_batch(regions, layer, jobs, answers, leased)  # returns with its work done
                 else:
                     self._tensor_batch(regions, layer, jobs, answers, leased)
             except BaseException:
-                if self._stream is not None:  # copies queued before a failure read and write the regions too
-                    self._stream.synchronize()
+                if stream is not None:  # copies queued before a failure read and write the regions too
+                    stream.synchronize()
                 raise
             finally:
                 for token in leased:
                     regions.release(token)
         return [InternalError("no output") if a is None else a for a in answers]
+
+    def _stream_for(self, jobs: list[CudaJob]) -> torch.cuda.Stream | None:
+        """The stream of a batch of requests in shared memory. In a GPU's CUDA shared memory (``CudaJob.device``
+        >= 0), the GPU's (``gpu_stream``): such a batch has no transfers to overlap, and a second one (the batcher
+        sends it only when the lane's batches are long) queues behind the running one, so that the GPU goes from
+        one batch to the next while each worker thread does its host work between its own batches. On two streams
+        the batches' small device-to-device copies, which run on the GPU's cores, waited behind the other stream's
+        kernel, so both batches ended together and the GPU idled while both threads got their next ones
+        (bench/NOTES.md). In system regions, this worker's own: its copies over PCIe overlap the other's kernels."""
+        if jobs[0].device >= 0 and self.gpu_stream is not None:
+            return self.gpu_stream
+        return self._stream
 
     def _placed_batch(self, regions: CudaRegions, layer: Layer, jobs: list[CudaJob], answers: list[_Output | None],
                       leased: list[str]) -> None:
@@ -744,7 +762,14 @@ class WorkerPool:
         return len({w.device for w in self.workers})
 
     def load(self, layer: Layer) -> None:
-        """Put the layer's weights on every worker."""
+        """Put the layer's weights on every worker (blocking: call it off the loop). The first call gives the workers
+        of each GPU one stream for the batches in its CUDA shared memory (``Worker.gpu_stream``)."""
+        streams: dict[torch.device, torch.cuda.Stream] = {}
+        for w in self.workers:
+            if w.is_cuda and w.gpu_stream is None:
+                if w.device not in streams:
+                    streams[w.device] = torch.cuda.Stream(w.device)
+                w.gpu_stream = streams[w.device]
         for w in self.workers:
             w.load(layer)
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from service.codec import CudaJob, DeviceTensor
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, load_repository
 from service.engine.worker import Worker, WorkerPool, kernel_forward, select_devices
@@ -141,6 +142,47 @@ def test_pool_fills_the_least_busy_device_before_a_second_worker_of_a_busy_one()
         assert (await pool.acquire(0)).name == "cuda:0/1"  # a batch in GPU 0's CUDA shared memory
 
     run(main(), 10)
+
+
+def test_pool_gives_the_workers_of_each_gpu_one_stream_for_its_cuda_shared_memory(monkeypatch):
+    """``WorkerPool.load``: one stream a GPU, shared by that GPU's workers, made once (stand-in workers and streams:
+    no GPU here)."""
+    made: list[torch.device] = []
+
+    class Stream:
+        def __init__(self, device: torch.device) -> None:
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    loaded: list[str] = []
+    workers = [SimpleNamespace(name=f"cuda:{d}/{i}", device=torch.device("cuda", d), is_cuda=True, gpu_stream=None,
+                               load=lambda layer, n=f"cuda:{d}/{i}": loaded.append(n)) for d in (0, 1) for i in (0, 1)]
+    cpu = SimpleNamespace(name="cpu", device=torch.device("cpu"), is_cuda=False, gpu_stream=None,
+                          load=lambda layer: loaded.append("cpu"))
+    pool = WorkerPool([*workers, cpu])  # type: ignore[list-item]
+    pool.load(object())  # type: ignore[arg-type]
+    pool.load(object())  # type: ignore[arg-type]
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert workers[0].gpu_stream is workers[1].gpu_stream is not None
+    assert workers[2].gpu_stream is workers[3].gpu_stream is not None
+    assert workers[0].gpu_stream is not workers[2].gpu_stream
+    assert cpu.gpu_stream is None
+    assert loaded == ["cuda:0/0", "cuda:0/1", "cuda:1/0", "cuda:1/1", "cpu"] * 2
+
+
+def test_a_batch_in_cuda_shared_memory_runs_on_the_gpu_stream_one_in_system_regions_on_the_workers_own():
+    worker = Worker(torch.device("cpu"))
+    own, shared = object(), object()
+    worker._stream, worker.gpu_stream = own, shared  # type: ignore[assignment]
+
+    def job(device: int) -> CudaJob:
+        return CudaJob(DeviceTensor("region", device, 0, torch.float32, (1, 2, 4, 4)), None)
+
+    assert worker._stream_for([job(0), job(0)]) is shared
+    assert worker._stream_for([job(-1)]) is own
+    worker.gpu_stream = None  # a worker outside a pool: its own stream for everything
+    assert worker._stream_for([job(0)]) is own
+    worker.shutdown()
 
 
 def test_pool_runs_batches_off_the_event_loop(layers):
