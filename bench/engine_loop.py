@@ -35,6 +35,7 @@ from service.codec import AnyTensor, RawTensor, SlotTensor  # noqa: E402
 from service.engine.batcher import Batcher  # noqa: E402
 from service.engine.process import EngineConnection  # noqa: E402
 from service.engine.registry import BatchLimits, Layer, load_repository  # noqa: E402
+from service.ipc import frames  # noqa: E402
 from service.metrics import Metrics  # noqa: E402
 
 
@@ -95,19 +96,21 @@ async def measure(burst: int, rounds: int, repeat: int, profile: bool) -> list[f
     batcher = Batcher(layer, InstantExecutor(), metrics, observe_queue_time=False)  # as in the engine process
     batcher.start()
     names = reg.names()
-    service = SimpleNamespace(metrics=metrics, batchers={"demo": batcher}, check_ready=lambda: None)
-    engine = SimpleNamespace(service=service, layers=names, connections=set(), state_frame=lambda: [b""])
+    # The parts of an EngineServer and its LocalEngine that a connection uses.
+    engine = SimpleNamespace(metrics=metrics, batchers={"demo": batcher},
+                             readiness=SimpleNamespace(check_ready=lambda: None))
+    server = SimpleNamespace(engine=engine, layers=names, connections=set(), calls=set(), state_frame=lambda: [b""])
     x = torch.zeros(1, layer.config.in_channels, 16, 16)
     in_bytes = x.numel() * 4
     slot = in_bytes + layer.output_bytes(1, 16, 16)
     arena = memoryview(bytearray(burst * slot))
-    conn = EngineConnection(engine, arena)  # type: ignore[arg-type]  # the parts of an Engine it uses
+    conn = EngineConnection(server, arena)  # type: ignore[arg-type]
     transport = CountingTransport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     index = names.index("demo")
     request_id = 0
 
-    def frames() -> bytes:
+    def burst_bytes() -> bytes:
         nonlocal request_id
         data = bytearray()
         for i in range(burst):
@@ -117,7 +120,7 @@ async def measure(burst: int, rounds: int, repeat: int, profile: bool) -> list[f
                 data += part
         return bytes(data)
 
-    data = frames()  # the same ids every round: each round's requests are answered before the next
+    data = burst_bytes()  # the same ids every round: each round's requests are answered before the next
 
     async def one_round() -> None:
         conn.data_received(data)
