@@ -4,9 +4,7 @@ request is counted once, as a status or as the exception that failed it, and the
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -14,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from .conftest import bench_module
+
 BODY = b"y" * 40000  # larger than one read, so that responses arrive in pieces
 
 Behaviour = Callable[[int, asyncio.StreamWriter], Awaitable[bool]]  # request number, writer -> keep the connection
@@ -22,13 +21,7 @@ Behaviour = Callable[[int, asyncio.StreamWriter], Awaitable[bool]]  # request nu
 
 @pytest.fixture(scope="module")
 def load_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_service_load", ROOT / "bench" / "service_load.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("service_load")
 
 
 async def answer(writer: asyncio.StreamWriter, extra: bytes = b"", status: bytes = b"200 OK") -> None:
