@@ -172,7 +172,7 @@ def install_from_env() -> Recorder | None:
     recorder = Recorder(out, int(os.environ.get("DECONV_TIMELINE_TRIGGER", "250")),
                         float(os.environ.get("DECONV_TIMELINE_SECONDS", "1")))
     install(recorder, worker, batcher)
-    log.warning("timeline: recording into %s (pid %d)", out, os.getpid())
+    log.warning("timeline: installed in pid %d; it records into %s once it runs batches", os.getpid(), out)
     return recorder
 
 
