@@ -269,13 +269,9 @@ def conv_transpose2d_direct(
     for i, out in enumerate(outs):
         if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
             raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
-    return conv_transpose2d_placed([host_place(p) for p in parts if _nbytes(p)],
-                                   [host_place(o) for o in outs if o.nbytes], dims, weight, bias, args, precision,
-                                   choice, packs)
-
-
-def _nbytes(part: HostPart) -> int:
-    return part.numel() * part.element_size() if isinstance(part, torch.Tensor) else memoryview(part).nbytes
+    return conv_transpose2d_placed([place for place in map(host_place, parts) if place[1]],  # empty ones left out
+                                   [place for place in map(host_place, outs) if place[1]], dims, weight, bias, args,
+                                   precision, choice, packs)
 
 
 def host_place(part: HostPart) -> Place:
