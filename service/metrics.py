@@ -98,8 +98,8 @@ class Metrics:
         self.worker_batches = Counter(
             "deconv_worker_batches", "Batches executed, by worker.", ["worker"], registry=r)
         self.worker_direct_batches = Counter(
-            "deconv_worker_direct_batches", "Batches a GPU worker uploaded from and downloaded into page-locked shared "
-            "memory directly, with no staging copy (multi-process server, megabyte requests), by worker.", ["worker"],
+            "deconv_worker_direct_batches", "Batches a GPU worker took from and put into page-locked shared "
+            "memory in one call (multi-process server: requests in their slots), by worker.", ["worker"],
             registry=r)
         self.worker_busy = Gauge(
             "deconv_worker_busy", "1 while the worker executes a batch.", ["worker"], registry=r,

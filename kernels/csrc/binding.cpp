@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <string>
@@ -434,10 +435,12 @@ class HeldBuffers {
   ~HeldBuffers() {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
-  // The object's memory as one C-contiguous block; throws the Python error when it has none.
-  const Py_buffer& get(PyObject* obj) {
+  // The object's memory as one C-contiguous block (`writable`: memory to write into); throws the Python error when
+  // it has none.
+  const Py_buffer& get(PyObject* obj, bool writable = false) {
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
+      throw py::error_already_set();
     views_.push_back(view);
     return views_.back();
   }
@@ -452,27 +455,42 @@ struct Part {
   size_t bytes;
 };
 
-// Copies the parts one after the other into dst: in pieces of 1 MiB across torch's intra-op threads when there are
-// megabytes of them (one thread's copies set a megabyte batch's pace: bench/NOTES.md), else on this thread.
-void gather_parts(const std::vector<Part>& parts, char* dst) {
+// A host copy: `bytes` from `src` to `dst`.
+struct Piece {
+  char* dst;
+  const char* src;
+  size_t bytes;
+};
+
+// Makes the host copies: in pieces of at most 1 MiB across torch's intra-op threads when they add up to a megabyte
+// or more (one thread's copies set a megabyte batch's pace, and a tiny batch's outputs come to 1.5 MB:
+// bench/NOTES.md), else on this thread.
+void copy_pieces(const std::vector<Piece>& copies) {
   constexpr size_t kPiece = size_t(1) << 20;
-  struct Piece {
-    char* dst;
-    const char* src;
-    size_t bytes;
-  };
   std::vector<Piece> pieces;
+  pieces.reserve(copies.size());
   size_t total = 0;
-  for (const Part& part : parts) {
-    for (size_t off = 0; off < part.bytes; off += kPiece)
-      pieces.push_back(
-          {dst + total + off, static_cast<const char*>(part.data) + off, std::min(kPiece, part.bytes - off)});
-    total += part.bytes;
+  for (const Piece& c : copies) {
+    for (size_t off = 0; off < c.bytes; off += kPiece)
+      pieces.push_back({c.dst + off, c.src + off, std::min(kPiece, c.bytes - off)});
+    total += c.bytes;
   }
   const int64_t n = static_cast<int64_t>(pieces.size());
-  at::parallel_for(0, n, total >= 4 * kPiece ? 1 : std::max<int64_t>(n, 1), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, total >= kPiece ? 1 : std::max<int64_t>(n, 1), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].bytes);
   });
+}
+
+// Copies the parts one after the other into dst (copy_pieces).
+void gather_parts(const std::vector<Part>& parts, char* dst) {
+  std::vector<Piece> copies;
+  copies.reserve(parts.size());
+  size_t at = 0;
+  for (const Part& part : parts) {
+    copies.push_back({dst + at, static_cast<const char*>(part.data), part.bytes});
+    at += part.bytes;
+  }
+  copy_pieces(copies);
 }
 
 // A host batch's input as a meta tensor of x_shape, after the checks of the weights and packs it goes with (`name`:
@@ -487,15 +505,15 @@ torch::Tensor host_batch_input(const char* name, const std::vector<int64_t>& x_s
 
 // The memory of a batch's host parts (CPU tensors or buffers, checked by Python first), in order; `buffers` and
 // `tensors` keep them referenced. Throws unless they hold exactly `nbytes`.
-std::vector<Part> host_parts(const py::list& parts, const torch::Tensor& weight, size_t nbytes, HeldBuffers& buffers,
-                             std::vector<torch::Tensor>& tensors) {
+std::vector<Part> host_parts(const char* name, const py::list& parts, const torch::Tensor& weight, size_t nbytes,
+                             HeldBuffers& buffers, std::vector<torch::Tensor>& tensors) {
   std::vector<Part> host;
   size_t total = 0;
   for (const py::handle obj : parts) {
     if (THPVariable_Check(obj.ptr())) {
       const torch::Tensor& t = THPVariable_Unpack(obj.ptr());
       TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == weight.scalar_type(),
-                  "conv_transpose2d_gathered: tensor parts must be contiguous CPU tensors of the weight's dtype.");
+                  name, ": tensor parts must be contiguous CPU tensors of the weight's dtype.");
       tensors.push_back(t);
       host.push_back({t.data_ptr(), t.nbytes()});
     } else {
@@ -504,8 +522,7 @@ std::vector<Part> host_parts(const py::list& parts, const torch::Tensor& weight,
     }
     total += host.back().bytes;
   }
-  TORCH_CHECK(total == nbytes, "conv_transpose2d_gathered: the parts hold ", num(total), " bytes, the input ",
-              num(nbytes), ".");
+  TORCH_CHECK(total == nbytes, name, ": the parts hold ", num(total), " bytes, the input ", num(nbytes), ".");
   return host;
 }
 
@@ -527,7 +544,8 @@ torch::Tensor forward_gathered(const py::list& parts,  // CPU tensors or buffers
       check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
   std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
   HeldBuffers buffers(parts.size());
-  const std::vector<Part> host = host_parts(parts, weight, x_meta.nbytes(), buffers, tensors);
+  const std::vector<Part> host =
+      host_parts("conv_transpose2d_gathered", parts, weight, x_meta.nbytes(), buffers, tensors);
   torch::Tensor y_host;
   {
     const py::gil_scoped_release no_gil;
@@ -559,6 +577,13 @@ std::vector<Part> placed_parts(const std::vector<std::pair<int64_t, int64_t>>& p
   return parts;
 }
 
+// Host places smaller than this are staged: copied on the host into (or out of) one page-locked buffer, which one
+// copy a run of consecutive staged places moves to (or from) the GPU, instead of one copy each. A copy costs the
+// driver ~3 us whatever its size, more than the host copy of a small place (a tiny request's 16 KiB: ~2 us); larger
+// places go by the copy engines straight from and into their memory (page-locked: DMA at PCIe speed, with no host
+// copy; pageable: the driver's own staging).
+constexpr size_t kStageBelow = size_t(256) << 10;
+
 // Whether a place is memory of GPU `device` aligned for the kernels' vector accesses, which they then read or write
 // in place.
 bool in_place(const Part& place, int device) {
@@ -572,15 +597,150 @@ bool in_place(const Part& place, int device) {
   return attr.type == cudaMemoryTypeDevice && attr.device == device;
 }
 
-// A batch read from `parts` and written into `places`, (address, bytes) each in order, wherever the GPU reaches
-// them: device memory of the weight's GPU (such as a client's CUDA shared memory mapped here), page-locked host
-// memory (host_register), or other host memory (at the speed of the driver's own staging). The parts are copied
-// one after the other into the batch's input on the weight's GPU, or read in place when there is one part in that
-// GPU's memory; the output is copied in pieces into the places (each request's rows into its own), or written in
-// place when there is one place in that GPU's memory. With the GIL released once, on the current stream, up to this
-// call's own work: an event recorded behind it is waited for, not the whole stream, so that callers on other threads
-// may queue their batches on the same stream meanwhile (each waits for its own). The caller keeps the memory alive
-// and unchanged until this returns. Returns the kernel path as forward.
+// How a batch's tensor on the GPU (contiguous) and its places exchange their bytes, in order: the staged places
+// through `stage`, a page-locked buffer holding them one after the other, the others each by a copy of its own.
+struct Exchange {
+  std::vector<bool> staged;
+  torch::Tensor stage;  // page-locked; empty when no place is staged
+  char* stage_at = nullptr;
+};
+
+// `host`: the places are host memory (the caller knows), and those below kStageBelow are staged. Otherwise each is
+// copied by the driver wherever it is: asking the driver where each place is (cudaPointerGetAttributes) costs ~2 us
+// a place on an H100, as much as the copy it would save.
+Exchange plan_exchange(const std::vector<Part>& places, bool host) {
+  Exchange ex;
+  ex.staged.reserve(places.size());
+  size_t staged = 0;
+  for (const Part& place : places) {
+    ex.staged.push_back(host && place.bytes < kStageBelow);
+    if (ex.staged.back()) staged += place.bytes;
+  }
+  if (staged > 0) {
+    ex.stage = at::empty({static_cast<int64_t>(staged)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    ex.stage_at = static_cast<char*>(ex.stage.data_ptr());
+  }
+  return ex;
+}
+
+// The device copies between `tensor` (the batch's on the GPU) and its places, on `stream`: one a run of consecutive
+// staged places (to or from the stage), one for each other place. `upload`: places -> tensor, else tensor -> places.
+void queue_copies(const std::vector<Part>& places, const Exchange& ex, char* tensor, bool upload,
+                  cudaStream_t stream) {
+  size_t at = 0, staged_at = 0;
+  size_t run_at = 0, run_stage = 0, run_bytes = 0;  // the run of staged places being gathered
+  const auto flush = [&] {
+    if (run_bytes == 0) return;
+    char* on_gpu = tensor + run_at;
+    char* on_host = ex.stage_at + run_stage;
+    C10_CUDA_CHECK(upload ? cudaMemcpyAsync(on_gpu, on_host, run_bytes, cudaMemcpyHostToDevice, stream)
+                          : cudaMemcpyAsync(on_host, on_gpu, run_bytes, cudaMemcpyDeviceToHost, stream));
+    run_bytes = 0;
+  };
+  for (size_t i = 0; i < places.size(); ++i) {
+    const Part& place = places[i];
+    if (ex.staged[i]) {
+      if (run_bytes == 0) {
+        run_at = at;
+        run_stage = staged_at;
+      }
+      run_bytes += place.bytes;
+      staged_at += place.bytes;
+    } else {
+      flush();
+      void* mine = const_cast<void*>(place.data);
+      C10_CUDA_CHECK(upload ? cudaMemcpyAsync(tensor + at, mine, place.bytes, cudaMemcpyDefault, stream)
+                            : cudaMemcpyAsync(mine, tensor + at, place.bytes, cudaMemcpyDefault, stream));
+    }
+    at += place.bytes;
+  }
+  flush();
+}
+
+// The host copies between the staged places and the stage: `upload`, places -> stage, else stage -> places.
+std::vector<Piece> stage_copies(const std::vector<Part>& places, const Exchange& ex, bool upload) {
+  std::vector<Piece> copies;
+  size_t staged_at = 0;
+  for (size_t i = 0; i < places.size(); ++i) {
+    if (!ex.staged[i]) continue;
+    char* mine = static_cast<char*>(const_cast<void*>(places[i].data));
+    char* stage = ex.stage_at + staged_at;
+    copies.push_back(upload ? Piece{stage, mine, places[i].bytes} : Piece{mine, stage, places[i].bytes});
+    staged_at += places[i].bytes;
+  }
+  return copies;
+}
+
+// Waits for a stream when an exception passes, before the page-locked stages that copies queued on it use go back
+// to PyTorch's host allocator, which could otherwise lend them to another thread while a copy still runs. Declare
+// it after the stages, so that it runs before they go.
+class WaitOnUnwind {
+ public:
+  explicit WaitOnUnwind(cudaStream_t stream) : stream_(stream), exceptions_(std::uncaught_exceptions()) {}
+  WaitOnUnwind(const WaitOnUnwind&) = delete;
+  WaitOnUnwind& operator=(const WaitOnUnwind&) = delete;
+  ~WaitOnUnwind() {
+    if (std::uncaught_exceptions() > exceptions_ && cudaStreamSynchronize(stream_) != cudaSuccess) cudaGetLastError();
+  }
+
+ private:
+  cudaStream_t stream_;
+  int exceptions_;
+};
+
+// A batch read from the places `in` and written into the places `out`, each in order, wherever the GPU reaches them:
+// device memory of the weight's GPU (such as a client's CUDA shared memory mapped here), page-locked host memory
+// (host_register), or other host memory. The input is gathered on the weight's GPU, or read in place when it is one
+// place in that GPU's memory; the output is spread over the places (each request's rows into its own), or written
+// in place when it is one place in that GPU's memory. `host`: every place is host memory, and the small ones are
+// staged (kStageBelow), so that a batch of tiny requests moves in one upload and one download. Called with the GIL
+// released, on the current stream, up to this call's own work: an event recorded behind it is waited for, not the
+// whole stream, so that callers on other threads may queue their batches on the same stream meanwhile (each waits
+// for its own); then the staged outputs are copied into their places. The caller keeps the memory alive and
+// unchanged until this returns. Returns the kernel path.
+int64_t run_placed(const std::vector<Part>& in, const std::vector<Part>& out, bool host,
+                   const std::vector<int64_t>& x_shape, const std::vector<int64_t>& y_shape, const torch::Tensor& weight,
+                   const c10::optional<torch::Tensor>& bias, const Problem& pr, const std::vector<int64_t>& stride,
+                   const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+                   const std::string& precision, const Forced& forced, WeightPacks* packs) {
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const int device = weight.device().index();
+  const at::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(device);
+  const cudaStream_t stream = current.stream();
+  const Exchange in_ex = plan_exchange(in, host);
+  const Exchange out_ex = plan_exchange(out, host);
+  const WaitOnUnwind wait_on_unwind(stream);
+  torch::Tensor x;
+  if (!host && in.size() == 1 && in_place(in[0], device)) {
+    x = at::from_blob(const_cast<void*>(in[0].data), x_shape, weight.options());
+  } else {
+    x = at::empty(x_shape, weight.options());
+    copy_pieces(stage_copies(in, in_ex, /*upload=*/true));
+    queue_copies(in, in_ex, static_cast<char*>(x.data_ptr()), /*upload=*/true, stream);
+  }
+  c10::optional<torch::Tensor> y_out;
+  if (!host && out.size() == 1 && in_place(out[0], device))
+    y_out = at::from_blob(const_cast<void*>(out[0].data), y_shape, weight.options());
+  const auto [y_any, path] =
+      launch(x, weight, bias, y_out, pr, stride, padding, dilation, groups, precision, forced, packs);
+  if (!y_out.has_value()) {
+    const torch::Tensor y = y_any.contiguous();
+    queue_copies(out, out_ex, static_cast<char*>(y.data_ptr()), /*upload=*/false, stream);
+  }
+  at::cuda::CUDAEvent done;  // this batch's end on the stream, which later batches may share
+  done.record(current);
+  done.synchronize();
+  copy_pieces(stage_copies(out, out_ex, /*upload=*/false));
+  return path;
+}
+
+// The bytes of a batch's output of `itemsize`-byte elements, after check_problem.
+size_t output_bytes(const Problem& pr, int64_t itemsize) {
+  return static_cast<size_t>(pr.N * pr.C_out * pr.H_out * pr.W_out * itemsize);
+}
+
+// A batch read from and written into places given as (address, bytes) pairs, wherever they are (run_placed): each
+// copied by itself.
 int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  // [N, C_in, H_in, W_in] in order
                        const std::vector<std::pair<int64_t, int64_t>>& outs,   // [N, C_out, H_out, W_out] in order
                        const std::vector<int64_t>& x_shape, const torch::Tensor& weight,
@@ -593,43 +753,48 @@ int64_t forward_placed(const std::vector<std::pair<int64_t, int64_t>>& parts,  /
   const torch::Tensor x_meta = host_batch_input("conv_transpose2d_placed", x_shape, weight, packs);
   const Problem pr =
       check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
-  const std::vector<Part> in = placed_parts(parts, x_meta.nbytes(), "input");
   const std::vector<int64_t> y_shape{pr.N, pr.C_out, pr.H_out, pr.W_out};
-  const size_t y_bytes = static_cast<size_t>(pr.N * pr.C_out * pr.H_out * pr.W_out) * x_meta.element_size();
-  const std::vector<Part> out = placed_parts(outs, y_bytes, "output");
+  const std::vector<Part> in = placed_parts(parts, x_meta.nbytes(), "input");
+  const std::vector<Part> out = placed_parts(outs, output_bytes(pr, x_meta.element_size()), "output");
   const py::gil_scoped_release no_gil;
-  const c10::cuda::CUDAGuard guard(weight.device());
-  const int device = weight.device().index();
-  const at::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(device);
-  const cudaStream_t stream = current.stream();
-  torch::Tensor x;
-  if (in.size() == 1 && in_place(in[0], device)) {
-    x = at::from_blob(const_cast<void*>(in[0].data), x_shape, weight.options());
-  } else {
-    x = at::empty(x_shape, weight.options());
-    char* to = static_cast<char*>(x.data_ptr());
-    for (const Part& part : in) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(to, part.data, part.bytes, cudaMemcpyDefault, stream));
-      to += part.bytes;
-    }
+  return run_placed(in, out, /*host=*/false, x_shape, y_shape, weight, bias, pr, stride, padding, dilation, groups,
+                    precision, forced, packs);
+}
+
+// A batch read from host parts (CPU tensors or buffers) and written into writable host buffers, in order
+// (run_placed; a serving batch's requests in their slots): with the GIL held only to find their memory.
+int64_t forward_direct(const py::list& parts, const py::list& outs, const std::vector<int64_t>& x_shape,
+                       const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                       std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> output_padding,
+                       std::vector<int64_t> dilation, int64_t groups, const std::string& precision,
+                       int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
+                       int64_t force_round, WeightPacks* packs) {
+  const Forced forced = check_forced(force_path, force_config, force_split, force_staged, force_round);
+  const torch::Tensor x_meta = host_batch_input("conv_transpose2d_direct", x_shape, weight, packs);
+  const Problem pr =
+      check_problem(x_meta, weight, bias, stride, padding, output_padding, dilation, groups, precision);
+  const std::vector<int64_t> y_shape{pr.N, pr.C_out, pr.H_out, pr.W_out};
+  std::vector<torch::Tensor> tensors;  // tensor parts, referenced until the copies are done
+  HeldBuffers buffers(parts.size() + outs.size());
+  std::vector<Part> in = host_parts("conv_transpose2d_direct", parts, weight, x_meta.nbytes(), buffers, tensors);
+  std::vector<Part> out;
+  out.reserve(outs.size());
+  size_t total = 0;
+  for (const py::handle obj : outs) {
+    const Py_buffer& view = buffers.get(obj.ptr(), /*writable=*/true);
+    out.push_back({view.buf, static_cast<size_t>(view.len)});
+    total += out.back().bytes;
   }
-  c10::optional<torch::Tensor> y_out;
-  if (out.size() == 1 && in_place(out[0], device))
-    y_out = at::from_blob(const_cast<void*>(out[0].data), y_shape, weight.options());
-  const auto [y_any, path] =
-      launch(x, weight, bias, y_out, pr, stride, padding, dilation, groups, precision, forced, packs);
-  if (!y_out.has_value()) {
-    const torch::Tensor y = y_any.contiguous();
-    const char* from = static_cast<const char*>(y.data_ptr());
-    for (const Part& place : out) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(const_cast<void*>(place.data), from, place.bytes, cudaMemcpyDefault, stream));
-      from += place.bytes;
-    }
-  }
-  at::cuda::CUDAEvent done;  // this batch's end on the stream, which later batches may share
-  done.record(current);
-  done.synchronize();
-  return path;
+  const size_t y_bytes = output_bytes(pr, x_meta.element_size());
+  TORCH_CHECK(total == y_bytes, "conv_transpose2d_direct: the output places hold ", num(total), " bytes, the output ",
+              num(y_bytes), ".");
+  // Empty parts and places have nothing to copy (and no address the driver need know).
+  const auto empty = [](const Part& p) { return p.bytes == 0; };
+  in.erase(std::remove_if(in.begin(), in.end(), empty), in.end());
+  out.erase(std::remove_if(out.begin(), out.end(), empty), out.end());
+  const py::gil_scoped_release no_gil;
+  return run_placed(in, out, /*host=*/true, x_shape, y_shape, weight, bias, pr, stride, padding, dilation, groups,
+                    precision, forced, packs);
 }
 
 // Page-locks a host buffer's memory for every GPU (cudaHostRegisterPortable), so that copies to and from it are
@@ -698,6 +863,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
         py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
+  m.def("forward_direct", &forward_direct,
+        "ConvTranspose2d forward of an input given as host parts (CPU tensors or buffers, in order) into writable "
+        "host buffers (in order), as forward_placed, with the GIL held only to find their memory; parts and buffers "
+        "below stage_below_bytes go through one page-locked buffer each way. Returns the kernel path as forward does.",
+        py::arg("parts"), py::arg("outs"), py::arg("x_shape"), py::arg("weight"), py::arg("bias"), py::arg("stride"),
+        py::arg("padding"), py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
+        py::arg("force_path") = -1, py::arg("force_config") = -1, py::arg("force_split") = -1,
+        py::arg("force_staged") = -1, py::arg("force_round") = -1, py::arg("packs") = nullptr);
   m.def("host_register", &host_register,
         "Page-lock a writable buffer's memory for every GPU (cudaHostRegister); returns its address.",
         py::arg("buffer"));
@@ -716,4 +889,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("num_gemm_configs") = deconv::kNumGemmConfigs;
   // Configurations of the tiled narrow kernel (force_path 5): [0, num_narrow_tiled_configs), columns a thread - 1.
   m.attr("num_narrow_tiled_configs") = deconv::kNumNarrowTiledConfigs;
+  // Host places below this many bytes are staged by forward_direct (one copy a run of them).
+  m.attr("stage_below_bytes") = kStageBelow;
 }

@@ -252,26 +252,36 @@ def conv_transpose2d_direct(
     choice: KernelChoice = DEFAULT,
     packs: WeightPacks | None = None,
 ) -> str:
-    """``conv_transpose2d_gathered`` with nothing staged: for host memory the GPU reaches directly (``HostPin``).
-
-    Each part is uploaded from where it is, and the output ``[N, C_out, H_out, W_out]`` is downloaded in pieces
-    into ``outs`` (writable C-contiguous buffers, in order, whose sizes add up to the output's: a serving batch's
-    requests, each its rows into its own place), in one extension call that releases the GIL once and returns once
-    the output is there (``conv_transpose2d_placed``). Pageable memory works too, at the speed of the driver's own
-    staging. Returns the kernel family that ran.
+    """``conv_transpose2d_placed`` of host memory: an input given as host parts (as ``conv_transpose2d_gathered``)
+    and the output ``[N, C_out, H_out, W_out]`` spread over ``outs`` (writable C-contiguous buffers, in order, whose
+    sizes add up to the output's: a serving batch's requests in their slots, each its rows into its own place), in one
+    extension call that releases the GIL once and returns once the output is there. Parts and places of 256 KiB or
+    more (the extension's ``stage_below_bytes``) go straight between their memory and the GPU, by DMA where it is
+    page-locked (``HostPin``); smaller ones are staged, copied on the host into (or out of) one page-locked buffer
+    that one copy a run of them moves, since a copy costs the driver microseconds whatever its size. Returns the
+    kernel family that ran.
 
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes, devices, parts that do not add up to
             ``shape``, or places that do not add up to the output.
     """
     dims = _check_dims(shape, weight, "conv_transpose2d_direct")
+    check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
     _check_parts(parts, dims, weight.dtype)
+    total = 0
     for i, out in enumerate(outs):
         if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
             raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
-    return conv_transpose2d_placed([place for place in map(host_place, parts) if place[1]],  # empty ones left out
-                                   [place for place in map(host_place, outs) if place[1]], dims, weight, bias, args,
-                                   precision, choice, packs)
+        total += out.nbytes
+    h_out, w_out = _out_hw(dims, weight, args)
+    want = dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
+    if total != want:
+        raise ConvTranspose2dArgumentError(f"the output places hold {total} bytes; the output is {want}")
+    mode = resolve_precision(weight.dtype, precision)
+    path = _load_extension().forward_direct(
+        list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
+        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+    return KERNEL_PATHS[path]
 
 
 def host_place(part: HostPart) -> Place:

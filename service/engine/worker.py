@@ -1,18 +1,19 @@
 """Workers: one per device, each executing batches on a dedicated thread, off the event loop.
 
-A GPU worker runs a batch in one extension call that releases the GIL once (``conv_transpose2d_gathered``): copy
-the requests' inputs, where they arrived, into pinned staging memory, upload on the worker's CUDA stream, run the
-kernels, download into a pinned output and wait for the stream; then split the output back per request. A batch of
-megabyte requests whose slots are page-locked (the engine process locks each HTTP process's arena) skips the
-staging: each input is uploaded from its slot and each output downloaded into its slot (``conv_transpose2d_direct``,
-``Worker._direct_batch``), with no host copy. The
-worker thread shares the GIL with the event loop, which holds it most of the time under load, so every operation
-that releases and re-takes it (each torch call does) costs the batch a wait. Out of memory (one path,
-``Worker._forward_span``): the batch is staged whole and split in halves, each half retried
-(``conv_transpose2d_staged``) and halved again, down to one sample. Any failure fails only the requests of that
-batch; the worker keeps serving. A worker thread that dies (an exception leaves its loop) or stalls (one batch
-past ``worker_timeout_s``) is replaced by a fresh thread, and every batch the old one held fails with
-``InternalError``, so that no request waits on a thread that will never answer.
+A GPU worker runs a batch in one extension call that releases the GIL once. A batch of requests in page-locked
+slots (the engine process locks each HTTP process's arena) goes between its slots and the GPU
+(``conv_transpose2d_direct``, ``Worker._direct_batch``): megabyte inputs are uploaded from their slots and their
+outputs downloaded into them with no host copy, tiny ones go through one page-locked staging buffer each way (one
+upload and one download a batch), and the outputs are in their slots when the call returns, so the thread's work
+after it is only the answers. Any other batch (``conv_transpose2d_gathered``): copy the requests' inputs, where they
+arrived, into pinned staging memory, upload on the worker's CUDA stream, run the kernels, download into a pinned
+output and wait for the stream; then split the output back per request. The worker thread shares the GIL with
+the event loop, which holds it most of the time under load, so every operation that releases and re-takes it (each
+torch call does) costs the batch a wait. Out of memory (one path, ``Worker._forward_span``): the batch is staged
+whole and split in halves, each half retried (``conv_transpose2d_staged``) and halved again, down to one sample.
+Any failure fails only the requests of that batch; the worker keeps serving. A worker thread that dies (an
+exception leaves its loop) or stalls (one batch past ``worker_timeout_s``) is replaced by a fresh thread, and every
+batch the old one held fails with ``InternalError``, so that no request waits on a thread that will never answer.
 
 The CPU worker (no GPU visible, or ``devices="cpu"``) runs the same path on CPU tensors, which
 ``kernels.conv_transpose2d`` sends to PyTorch's reference implementation.
@@ -117,13 +118,9 @@ _Job = tuple["Future[list[AnyTensor]]", Layer, list[AnyTensor]]
 _Output = AnyTensor | DeviceTensor | ServiceError
 _T = TypeVar("_T")
 # (requests' inputs in their slots, CUDA weight, bias, layer, the weight's packs): the GPU worker's step for a batch
-# of megabyte requests in page-locked slots, which uploads each input from its slot, downloads each output into its
-# slot and returns once they are there.
+# of requests in page-locked slots, which takes each input from its slot, puts each output into its slot and
+# returns once they are there.
 DirectFn = Callable[[list[SlotTensor], torch.Tensor, torch.Tensor | None, Layer, WeightPacks | None], None]
-# Input bytes a request from which a batch whose slots are page-locked is copied straight between slots and GPU
-# (one copy a request each way, ``Worker._direct_batch``) rather than through staging memory (one copy a batch each
-# way after a host copy of every byte): below it the per-copy cost of many small requests outweighs the host copies.
-DIRECT_MIN_BYTES = 256 << 10
 
 
 def kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer) -> torch.Tensor:
@@ -169,12 +166,16 @@ def kernel_forward_direct(inputs: list[SlotTensor], weight: torch.Tensor, bias: 
                           packs: WeightPacks | None = None) -> None:
     """``kernel_forward`` of the requests' inputs in page-locked slots, each output into its slot (``x.out``), on
     the current stream, waiting for it."""
+    parts: list[HostPart] = []
+    outs: list[memoryview] = []
     n = 0
-    for x in inputs:
+    for x in inputs:  # one pass: a batch's cost per request is what batching does not amortize
+        parts.append(x.data)
+        outs.append(x.out)
         n += int(x.shape[0])
     shape = (n, *(int(d) for d in inputs[0].shape[1:]))
-    conv_transpose2d_direct([x.data for x in inputs], [x.out for x in inputs], shape, weight, bias, layer.args,
-                            layer.kernel_precision, serving_choice(shape, weight, bias, layer, packs), packs)
+    conv_transpose2d_direct(parts, outs, shape, weight, bias, layer.args, layer.kernel_precision,
+                            serving_choice(shape, weight, bias, layer, packs), packs)
 
 
 def kernel_forward_staged(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Layer,
@@ -222,7 +223,7 @@ class Worker:
         self.faults = faults if faults else None
         self._forward = forward or kernel_forward  # the CPU worker's step
         self._gathered = gathered or kernel_forward_gathered  # the GPU worker's step
-        self._direct = direct or kernel_forward_direct  # ... for megabyte requests in page-locked slots
+        self._direct = direct or kernel_forward_direct  # ... for requests in page-locked slots
         self._stream: torch.cuda.Stream | None = None  # created in load(), off the event loop
         # The stream of batches in this GPU's CUDA shared memory, one for all its workers (WorkerPool.load; else
         # this worker's own): a batch queued there while another runs starts the moment that one ends.
@@ -291,8 +292,9 @@ class Worker:
     def _outputs(self, layer: Layer, inputs: list[AnyTensor], generation: int,
                  future: Future[list[AnyTensor]]) -> list[_Output]:
         """The batch's answers, one per request: a batch of requests in CUDA shared memory (``codec.CudaJob``;
-        the batcher never mixes them with others) on the device path, megabyte requests in page-locked slots
-        straight between slots and GPU, every other batch through staging memory."""
+        the batcher never mixes them with others) on the device path, requests in page-locked slots between slots
+        and GPU with their outputs put into the slots in the call, every other batch through staging memory and
+        split here."""
         if isinstance(inputs[0], CudaJob):
             jobs: list[CudaJob] = inputs  # type: ignore[assignment]
             return self._guarded(layer, inputs, lambda: self._device_batch(layer, jobs, generation, future))
@@ -318,21 +320,15 @@ class Worker:
                 self._writing = None
 
     def _direct_slots(self, inputs: list[AnyTensor]) -> bool:
-        """Whether a batch goes straight between its slots and the GPU: on a GPU, every request in a page-locked
-        slot (``SlotTensor.pinned``), ``DIRECT_MIN_BYTES`` of input a request on average."""
-        if not self.is_cuda:
-            return False
-        total = 0
-        for x in inputs:
-            if type(x) is not SlotTensor or not x.pinned:
-                return False
-            total += x.data.nbytes
-        return total >= DIRECT_MIN_BYTES * len(inputs)
+        """Whether a batch goes between its slots and the GPU with its outputs written into them in the call: on a
+        GPU, every request in a page-locked slot (``SlotTensor.pinned``)."""
+        return self.is_cuda and all(type(x) is SlotTensor and x.pinned for x in inputs)
 
     def _direct_batch(self, layer: Layer, inputs: list[SlotTensor], generation: int,
                       future: Future[list[AnyTensor]]) -> list[AnyTensor]:
-        """The batch uploaded from its slots and each output downloaded into its slot (``kernel_forward_direct``):
-        no host copy, and each answer is a view of its slot.
+        """The batch taken from its slots and each output put into its slot in one call (``kernel_forward_direct``:
+        megabyte ones by DMA with no host copy, tiny ones staged, one upload and one download a batch); each answer is
+        a view of its slot.
 
         The GPU writes the slots while the call runs, so the rule that only the current thread writes into slots
         (``_deliver``) holds another way: the call starts only if this thread is still the current one, and a

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels._ops import _forward_cuda
+from kernels._ops import _forward_cuda, _load_extension
 from kernels.functional import normalize_args, output_size
 from service.engine.ops import (
     HostPin,
@@ -238,8 +238,6 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
 
 def test_every_tile_configuration_is_forced_above() -> None:
     """The forced-path tests cover every configuration the extension has (a new tile is not left out)."""
-    from kernels._ops import _load_extension
-
     assert int(_load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
     assert int(_load_extension().num_narrow_tiled_configs) == 2
 
@@ -902,6 +900,55 @@ def test_placed_parts_into_places(family: str, mode: str, where: str) -> None:
         placed[a - out_memory.data_ptr():a - out_memory.data_ptr() + n] = True
     assert bool((memory[~placed] == poison).all())  # nothing written outside the places
     assert torch.equal(device_in, before)  # the inputs only read
+
+
+def test_direct_stages_small_host_places_and_copies_the_rest_straight() -> None:
+    """One batch whose input and output are split, at byte offsets that are not sample bounds, over host places of
+    every kind: page-locked and pageable below the staging size (staged: consecutive ones moved by one copy), and at
+    and above it (copied straight). Every byte lands in its place, the poison around each place stays, and the input
+    places are only read."""
+    stage = _load_extension().stage_below_bytes
+    assert stage == 256 << 10
+    args = normalize_args(2, 1, 0, 1, 1)
+    x = torch.randn(3, 64, 32, 32)  # 768 KiB
+    wt = torch.randn(64, 16, 4, 4, device="cuda")
+    b = torch.randn(16, device="cuda")
+    ref = reference(x.cuda(), wt, b, stride=2, padding=1)  # [3, 16, 64, 64]: 768 KiB in fp32
+    kib = 1 << 10
+    # (bytes, page-locked); the last one takes what is left
+    in_layout = [(16 * kib, True), (4 * kib, False), (stage, True), (20 * kib, False), (stage - 4, True),
+                 (None, False)]
+    out_layout = [(stage, True), (8 * kib, True), (8 * kib, False), (100 * kib, False), (200 * kib, True),
+                  (None, False)]
+    poison, margin = 0xAB, 64
+
+    def places(layout: list[tuple[int | None, bool]], total: int) -> list[tuple[torch.Tensor, memoryview]]:
+        made, left = [], total
+        for size, pinned in layout:
+            n = left if size is None else size
+            left -= n
+            memory = torch.full((n + 2 * margin,), poison, dtype=torch.uint8, pin_memory=pinned)
+            made.append((memory, memoryview(memory.numpy())[margin:margin + n]))
+        assert left == 0
+        return made
+
+    x_bytes = memoryview(x.view(-1).view(torch.uint8).numpy())
+    ins, at = places(in_layout, x_bytes.nbytes), 0
+    for _, place in ins:
+        place[:] = x_bytes[at:at + place.nbytes]
+        at += place.nbytes
+    outs = places(out_layout, ref.numel() * 4)
+    before = [memory.clone() for memory, _ in ins]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        conv_transpose2d_direct([p for _, p in ins], [p for _, p in outs], x.shape, wt, b, args, "fp32")
+    y = torch.cat([torch.frombuffer(p, dtype=torch.uint8) for _, p in outs]).view(torch.float32).view(ref.shape)
+    assert rel_err(y.cuda(), ref) <= 1e-5  # complete when the call returned: no synchronisation here
+    for memory, place in outs:  # nothing written outside the places
+        assert bool((memory[:margin] == poison).all())
+        assert bool((memory[margin + place.nbytes:] == poison).all())
+    for (memory, _), was in zip(ins, before, strict=True):
+        assert torch.equal(memory, was)  # the inputs only read
 
 
 def test_placed_rejects_places_that_do_not_make_the_input_or_output() -> None:
