@@ -219,15 +219,19 @@ def conv_transpose2d_placed(
     """
     dims = _check_dims(shape, weight, "conv_transpose2d_placed")
     check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
-    h_out, w_out = _out_hw(dims, weight, args)
-    itemsize = weight.dtype.itemsize
-    _check_places(parts, math.prod(dims) * itemsize, "input")
-    _check_places(outs, dims[0] * weight.shape[1] * args.groups * h_out * w_out * itemsize, "output")
+    _check_places(parts, math.prod(dims) * weight.dtype.itemsize, "input")
+    _check_places(outs, _output_bytes(dims, weight, args), "output")
     mode = resolve_precision(weight.dtype, precision)
     path = _load_extension().forward_placed(
         list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
         list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
     return KERNEL_PATHS[path]
+
+
+def _output_bytes(dims: tuple[int, ...], weight: torch.Tensor, args: ConvArgs) -> int:
+    """The bytes of the output of an input of ``dims`` (checked)."""
+    h_out, w_out = _out_hw(dims, weight, args)
+    return dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
 
 
 def _check_places(places: Sequence[Place], want: int, tensor: str) -> None:
@@ -273,8 +277,7 @@ def conv_transpose2d_direct(
         if not isinstance(out, memoryview) or out.readonly or not out.c_contiguous:
             raise ConvTranspose2dArgumentError(f"out {i}: an output place must be a writable C-contiguous memoryview")
         total += out.nbytes
-    h_out, w_out = _out_hw(dims, weight, args)
-    want = dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
+    want = _output_bytes(dims, weight, args)
     if total != want:
         raise ConvTranspose2dArgumentError(f"the output places hold {total} bytes; the output is {want}")
     mode = resolve_precision(weight.dtype, precision)
