@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
+from kernels._ops import _forward_cuda  # noqa: E402
 from kernels.functional import (  # noqa: E402
     ConvArgs,
-    _forward_cuda,
     normalize_args,
     output_size,
     resolve_precision,

@@ -54,7 +54,9 @@ class ConvArgs:
 
 def _as_int(value: object) -> int | None:
     """``value`` as an int if it is an integer (Python, numpy, 0-d tensor), else None. Bools are not integers."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, tuple, list)):
+        # Sequences are never integers: said without operator.index's TypeError, which torch.compile's tracer
+        # (torch 2.11) does not hand back to this function's except clause.
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]
@@ -101,6 +103,8 @@ def normalize_args(
     Valid sets made only of Python ints and tuples of them (a module passes the same ones on every call) are
     cached: a lookup costs ~0.5 us where parsing costs ~6 us. Invalid sets raise every time.
     """
+    if torch.compiler.is_compiling():  # traced once per graph: nothing to cache (and no cache for the tracer)
+        return _normalize_args(stride, padding, output_padding, groups, dilation)
     if all(_plain(v) for v in (stride, padding, output_padding, groups, dilation)):
         return _normalize_plain(stride, padding, output_padding, groups, dilation)
     return _normalize_args(stride, padding, output_padding, groups, dilation)
@@ -241,6 +245,13 @@ def _load_extension() -> Any:
     from kernels.build import load
 
     return load(verbose=os.environ.get("DECONV_BUILD_VERBOSE", "") == "1")
+
+
+def loaded_extension() -> Any:
+    """The extension if this process has loaded it, else None (never builds it)."""
+    from kernels.build import loaded
+
+    return loaded()
 
 
 def _forward_cuda(

@@ -130,6 +130,11 @@ def build_key(archs: list[tuple[int, int, str]]) -> str:
     return h.hexdigest()[:16]
 
 
+def loaded() -> ModuleType | None:
+    """The kernels extension if this process has loaded it already, else None (never builds)."""
+    return _module
+
+
 def load(verbose: bool = False) -> ModuleType:
     """Build (first time) or load (cache hit) the kernels extension; thread-safe, once per process."""
     global _module

@@ -1,11 +1,16 @@
 """``conv_transpose2d``: the CUDA kernels behind PyTorch's exact semantics, with autograd.
 
-Layers, bottom up: the extension's raw forward (``_forward_cuda``) -> ``_ConvTranspose2dFunction``
-(autograd) -> ``conv_transpose2d`` (argument checks, precision, dtype/device routing).
+Layers, bottom up: the extension (``kernels._ops``) -> ``kernels.op`` (the CUDA call, and the registered operator
+``deconv::conv_transpose2d`` with its autograd) -> ``conv_transpose2d`` (argument checks, precision, dtype/device
+routing).
 
-CPU tensors take the PyTorch reference (``torch.nn.functional.conv_transpose2d``), so every call works on a
-machine without a GPU. CUDA tensors run our forward kernels; the backward pass uses PyTorch's own
-``aten.convolution_backward`` (cuDNN on GPUs) for the input, weight and bias gradients.
+A call goes one of three ways. A repeat of a call already made (same shapes, strides, dtypes, arguments; no
+autograd, autocast or tracing) is one extension call that launches from the problem's remembered plan
+(``fast_forward`` in kernels/csrc/binding.cpp). A call that needs gradients, or that torch.compile, torch.export or a
+dispatch mode traces, goes through the registered operator, so that the tracer sees it and autograd uses its
+backward. Every other CUDA call runs ``kernels.op.run_cuda`` directly (and is remembered); CPU tensors take
+PyTorch's reference (``torch.nn.functional.conv_transpose2d``), so every call works on a machine without a GPU.
+The backward pass uses PyTorch's own ``aten.convolution_backward`` (cuDNN on GPUs).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kernels._ops import (
     FORCE_PATHS,
@@ -24,15 +30,14 @@ from kernels._ops import (
     ConvArgs,
     ConvTranspose2dArgumentError,
     IntPair,
-    _forward_cuda,
-    _out_hw,
     check_shapes,
     check_tensors,
+    loaded_extension,
     normalize_args,
     output_size,
     resolve_precision,
 )
-from kernels.tuning import DEFAULT, TUNER, KernelChoice
+from kernels.op import run_cuda, suggests_channels_last
 
 __all__ = [
     "FORCE_PATHS", "KERNEL_PATHS", "MAX_SPLIT", "PRECISIONS", "SUPPORTED_DTYPES", "ConvArgs",
@@ -40,58 +45,16 @@ __all__ = [
     "normalize_args", "output_size", "resolve_precision", "suggests_channels_last",
 ]
 
-
-def suggests_channels_last(t: torch.Tensor) -> bool:
-    """Whether PyTorch takes ``t`` as channels-last when it picks a convolution's output layout (c10's
-    is_channels_last_strides_2d on the actual strides, so that an [N, C, 1, 1] tensor made channels-last counts,
-    though it is NCHW-contiguous as well)."""
-    if t.dim() != 4 or not t.is_contiguous(memory_format=torch.channels_last):
-        return False
-    sizes, strides = t.shape, t.stride()
-    smallest = 0
-    for d in (1, 3, 2, 0):
-        if sizes[d] == 0 or strides[d] < smallest or (d == 0 and smallest == strides[1]):
-            return False
-        smallest = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
-    return True
+# The extension's fast_forward once the extension is loaded (the first CUDA call loads it), else None.
+_fast_forward: Any = None
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _channels_last(x: torch.Tensor) -> bool:
-    """Whether ``x`` is laid out channels-last (and not also NCHW-contiguous), as PyTorch decides the output's."""
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-
-
-def _rows_aligned(x: torch.Tensor, channels_last: bool) -> bool:
-    """Whether the kernels will see ``x`` at a 16-byte aligned address: ``x`` itself when it is contiguous in its
-    layout (a channels-last one is read as it is by the gemm kernel), else a fresh, aligned copy."""
-    return not (x.is_contiguous() or channels_last) or x.data_ptr() % 16 == 0
-
-
-class _ConvTranspose2dFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs, precision: str,
-        choice: KernelChoice = DEFAULT,
-    ) -> torch.Tensor:
-        y, _ = _forward_cuda(x, weight, bias, args, precision, force_path=choice.path, force_config=choice.config,
-                             force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded)
-        ctx.save_for_backward(x, weight)
-        ctx.args = args
-        ctx.has_bias = bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, weight = ctx.saved_tensors
-        a: ConvArgs = ctx.args
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-        # PyTorch's own backward of a transposed convolution (cuDNN on GPUs): exactly the gradients that
-        # F.conv_transpose2d would produce.
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad_y, x, weight, [weight.shape[1] * a.groups] if ctx.has_bias else None,
-            list(a.stride), list(a.padding), list(a.dilation), True, list(a.output_padding), a.groups, mask,
-        )
-        return gx, gw, gb, None, None, None
+def _traced(*tensors: torch.Tensor | None) -> bool:
+    """Whether the call is being traced outside torch.compile (a dispatch mode such as torch.export's or
+    FakeTensorMode, or tensor subclasses): then the registered operator must be what runs, so that it is seen."""
+    return _get_current_dispatch_mode() is not None or any(
+        t is not None and type(t) not in _PLAIN_TENSORS for t in tensors)
 
 
 def conv_transpose2d(
@@ -136,6 +99,10 @@ def conv_transpose2d(
     Raises:
         ConvTranspose2dArgumentError: invalid shapes, arguments, dtypes or devices.
     """
+    if _fast_forward is not None and not torch.compiler.is_compiling():
+        y = _fast_forward(input, weight, bias, stride, padding, output_padding, groups, dilation, precision)
+        if y is not None:
+            return y  # type: ignore[no-any-return]
     args = normalize_args(stride, padding, output_padding, groups, dilation)
     if isinstance(input, torch.Tensor) and torch.is_autocast_enabled(input.device.type):
         # Autocast casts a convolution's float operands to its lower-precision dtype before anything else, as
@@ -152,31 +119,29 @@ def conv_transpose2d(
         raise ConvTranspose2dArgumentError(
             f"unsupported dtype {input.dtype}; use float32, float16, bfloat16 or float64"
         )
-    if not input.is_cuda:
-        resolve_precision(input.dtype, precision)  # validate the argument on every device
-        return F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding,
-                                  args.groups, args.dilation)
-
-    mode = resolve_precision(input.dtype, precision)
-
+    resolve_precision(input.dtype, precision)  # validate the argument on every device
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
-    if x.shape[0] == 0:
-        h_out, w_out = _out_hw(x.shape, weight, args)
-        y = x.new_empty((0, weight.shape[1] * args.groups, h_out, w_out))
+    if torch.compiler.is_compiling() or _traced(x, weight, bias) or (x.is_cuda and _needs_grad(x, weight, bias)):
+        y = torch.ops.deconv.conv_transpose2d.default(
+            x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding), args.groups,
+            list(args.dilation), precision)
+    elif not x.is_cuda:
+        return F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding, args.groups,
+                                  args.dilation)
     else:
-        choice = DEFAULT
-        if TUNER.enabled:  # measured kernel choice (kernels.tuning), tuned on the first call of this problem
-            cl = _channels_last(x)
-            choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x, cl), channels_last=cl)
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                        or (bias is not None and bias.requires_grad)):
-            y = _ConvTranspose2dFunction.apply(x, weight, bias, args, mode, choice)
-        else:  # nothing to differentiate: the autograd Function's ~4 us per call buys nothing
-            y, _ = _forward_cuda(x, weight, bias, args, mode, force_path=choice.path, force_config=choice.config,
-                                 force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded)
-    # PyTorch's layout on CUDA: channels-last when the input or the weight is (a no-op for a channels-last input,
-    # whose output the extension wrote channels-last already).
-    if suggests_channels_last(x) or suggests_channels_last(weight):
-        y = y.contiguous(memory_format=torch.channels_last)
+        y = run_cuda(x, weight, bias, args, precision, remember=not unbatched)
+        _enable_fast_path()
     return y.squeeze(0) if unbatched else y
+
+
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
+def _enable_fast_path() -> None:
+    global _fast_forward
+    if _fast_forward is None:
+        ext = loaded_extension()
+        _fast_forward = None if ext is None else ext.fast_forward

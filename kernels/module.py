@@ -17,6 +17,10 @@ class ConvTranspose2d(nn.ConvTranspose2d):
 
     The one addition is the keyword-only ``precision`` (``None``, ``"tf32"`` or ``"fp32"``) for float32 inputs;
     ``None`` follows ``torch.backends.cudnn.allow_tf32``. CPU inputs run PyTorch's reference implementation.
+
+    On CUDA the weights' packed copies are made on the first call and kept until the weight changes in a way PyTorch
+    tracks (in-place operations, optimizer steps, ``load_state_dict``, ``.to()``); after writes through
+    ``weight.data``, call ``kernels.refresh_weights(module)``.
     """
 
     precision: str | None = None  # class default, so that modules converted in place have it too

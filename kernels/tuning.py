@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels._ops import _forward_cuda, _load_extension, _out_hw
+from kernels._ops import FORCE_PATHS, _forward_cuda, _load_extension, _out_hw, loaded_extension
 
 log = logging.getLogger("deconv.tuning")
 
@@ -92,6 +92,12 @@ class KernelChoice:
         if self.rounded is not None:
             name = f"{name}/{'rounded' if self.rounded else 'kernel-rounded'}"
         return name
+
+    def forced(self) -> tuple[int, int, int, int, int]:
+        """The extension's (force_path, force_config, force_split, force_staged, force_round) for this choice."""
+        return (FORCE_PATHS[self.path], -1 if self.config is None else self.config,
+                -1 if self.split is None else self.split, -1 if self.staged is None else int(self.staged),
+                -1 if self.rounded is None else int(self.rounded))
 
 
 DEFAULT = KernelChoice()
@@ -238,12 +244,23 @@ class Tuner:
     """The process's cache of measured choices (``TUNER``); thread-safe, one tuning at a time per device."""
 
     def __init__(self, enabled: bool = False, max_entries: int = MAX_ENTRIES) -> None:
-        self.enabled = enabled
+        self._enabled = enabled
         self.max_entries = max_entries
         # Read without the lock (one dict lookup, atomic in CPython: a call's whole cost when tuned); written with it.
         self._cache: dict[Hashable, KernelChoice] = {}
         self._lock = threading.Lock()  # guards writes to _cache, and _device_locks
         self._device_locks: dict[int, threading.Lock] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls use measured choice. Changing it makes the extension forget the calls it remembered (their
+        kernel choice was the other way's)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = bool(value)
+        _forget_calls()
 
     @staticmethod
     def key(shape: Sequence[int], weight: torch.Tensor, has_bias: bool, args: Any, precision: str,
@@ -266,9 +283,10 @@ class Tuner:
                 del self._cache[next(iter(self._cache))]
 
     def clear(self) -> None:
-        """Forget every choice."""
+        """Forget every choice (and the extension the calls it remembered with them)."""
         with self._lock:
             self._cache.clear()
+        _forget_calls()
 
     def __len__(self) -> int:
         with self._lock:
@@ -294,6 +312,8 @@ class Tuner:
         choice = self.lookup(key)
         if choice is not None:
             return choice
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            return DEFAULT  # no measuring inside a CUDA graph capture: tune the problem before capturing it
         with self._device_lock(weight.device.index or 0):
             choice = self.lookup(key)  # another thread may have tuned it meanwhile
             if choice is None:
@@ -403,6 +423,13 @@ class Tuner:
                  _describe(shape, weight, args, precision), choice.label, ms, default_ms, len(result.trials),
                  result.seconds)
         return result
+
+
+def _forget_calls() -> None:
+    """Make the extension, if loaded, forget the calls it remembered (kernels/csrc/binding.cpp's call cache)."""
+    ext = loaded_extension()
+    if ext is not None:
+        ext.clear_call_cache()
 
 
 def _describe(shape: Sequence[int], weight: torch.Tensor, args: Any, precision: str) -> str:

@@ -5,8 +5,10 @@
 // a TORCH_CHECK message that streamed an integer (c10::str -> std::ostream << int64_t, compiled here) ended the
 // interpreter with SIGSEGV instead of raising, while strings streamed fine (bench/NOTES.md v9).
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -17,6 +19,8 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <typeinfo>
+#include <unordered_map>
 #include <vector>
 
 #include "conv_transpose2d.h"
@@ -147,26 +151,33 @@ Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_spli
               "conv_transpose2d: force_split must be -1 (choose) or 1 to 16, got ", num(force_split), ".");
   TORCH_CHECK(force_staged >= -1 && force_staged <= 1,
               "conv_transpose2d: force_staged must be -1 (choose), 0 or 1, got ", num(force_staged), ".");
-  TORCH_CHECK(force_round >= -1 && force_round <= 1,
-              "conv_transpose2d: force_round must be -1 (choose), 0 or 1, got ", num(force_round), ".");
+  TORCH_CHECK(force_round >= -1 && force_round <= 2,
+              "conv_transpose2d: force_round must be -1 (choose), 0, 1 or 2, got ", num(force_round), ".");
   return Forced{force_path, force_config, force_split, force_staged, force_round};
 }
 
-// Packed copies of one weight tensor for the tensor-core kernels, one per packed layout (conv_transpose2d_packing),
-// made on first use and kept: for weights that do not change while it lives (a served layer's). A call that
-// passes it skips the packing kernel it would otherwise run every time. Thread-safe; a new packing is waited for
-// once on the stream that made it, so that any stream may read it afterwards.
+// Packed copies of one weight tensor for the tensor-core and gemm kernels, one per packed layout
+// (conv_transpose2d_packing), made on first use and kept: for weights that do not change while it lives (a served
+// layer's, or the prepared weights below, which are re-made when the weight changes). A call that passes it skips
+// the packing kernel it would otherwise run every time. It holds no reference to the weight tensor, only what
+// identifies it (its memory, sizes, strides and dtype). Thread-safe; a new packing is waited for once on the stream
+// that made it, so that any stream may read it afterwards (so never made during a CUDA graph capture).
 class WeightPacks {
  public:
-  explicit WeightPacks(const torch::Tensor& weight) : weight_(weight) {
-    TORCH_CHECK(weight.is_cuda() && weight.dim() == 4 && weight.is_contiguous(),
-                "WeightPacks: weight must be a contiguous 4-D CUDA tensor.");
+  explicit WeightPacks(const torch::Tensor& weight)
+      : data_(weight.data_ptr()),
+        sizes_(weight.sizes().vec()),
+        strides_(weight.strides().vec()),
+        options_(weight.options()) {
+    TORCH_CHECK(weight.is_cuda() && weight.dim() == 4 &&
+                    (weight.is_contiguous() || weight.is_contiguous(at::MemoryFormat::ChannelsLast)),
+                "WeightPacks: weight must be a 4-D CUDA tensor, contiguous or channels-last.");
   }
 
   // The packed weights for the kernel planned for `p` (p.w must be this weight's memory), packing them on `stream`
   // the first time; nullptr when that kernel reads the weights as they are.
   const void* get(const deconv::ConvTranspose2dParams& p, const deconv::KernelPlan& plan, cudaStream_t stream) {
-    TORCH_CHECK(p.w == weight_.data_ptr(), "WeightPacks: the call's weight is not the tensor these packs hold.");
+    TORCH_CHECK(p.w == data_, "WeightPacks: the call's weight is not the tensor these packs hold.");
     const deconv::WeightPacking layout = deconv::conv_transpose2d_packing(p, plan);
     if (layout.bytes == 0) return nullptr;
     const std::array<int64_t, 6> key{layout.kind,   layout.groups, layout.ciw_pad,
@@ -174,7 +185,7 @@ class WeightPacks {
     const std::lock_guard<std::mutex> lock(mu_);
     auto it = packs_.find(key);
     if (it == packs_.end()) {
-      torch::Tensor t = torch::empty({static_cast<int64_t>(layout.bytes)}, weight_.options().dtype(at::kByte));
+      torch::Tensor t = torch::empty({static_cast<int64_t>(layout.bytes)}, options_.dtype(at::kByte));
       cudaError_t err = deconv::conv_transpose2d_pack(p, plan, t.data_ptr(), stream);
       if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
       TORCH_CHECK(err == cudaSuccess, "WeightPacks: packing the weights failed: ", cudaGetErrorString(err));
@@ -183,7 +194,12 @@ class WeightPacks {
     return it->second.data_ptr();
   }
 
-  const torch::Tensor& weight() const { return weight_; }
+  // Whether these packs were made for `weight` as it is laid out now.
+  bool holds(const torch::Tensor& weight) const {
+    return weight.data_ptr() == data_ && weight.sizes() == at::IntArrayRef(sizes_) &&
+           weight.strides() == at::IntArrayRef(strides_) && weight.scalar_type() == options_.dtype().toScalarType() &&
+           weight.device() == options_.device();
+  }
 
   int64_t size() {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -191,17 +207,97 @@ class WeightPacks {
   }
 
  private:
-  const torch::Tensor weight_;
+  const void* const data_;
+  const std::vector<int64_t> sizes_, strides_;
+  const at::TensorOptions options_;
   std::mutex mu_;
   std::map<std::array<int64_t, 6>, torch::Tensor> packs_;
 };
 
 void check_packs(const WeightPacks* packs, const torch::Tensor& weight) {
   if (packs == nullptr) return;
-  const torch::Tensor& w = packs->weight();
-  TORCH_CHECK(w.data_ptr() == weight.data_ptr() && w.sizes() == weight.sizes() &&
-                  w.scalar_type() == weight.scalar_type() && weight.is_contiguous(),
-              "conv_transpose2d: packs were made for another weight tensor.");
+  TORCH_CHECK(packs->holds(weight), "conv_transpose2d: packs were made for another weight tensor.");
+}
+
+// Whether the current stream of x's device is capturing a CUDA graph: no stream synchronisation then (a new packing
+// waits for its stream), and no packed copy made outside the graph, which a later replay would read as it was.
+bool capturing(const torch::Tensor& x) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;  // cannot tell: take the path that is safe in a capture
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Weights prepared once per weight version: each CUDA weight tensor's packed copies (WeightPacks), made on the first
+// call that runs it and kept while the tensor lives and does not change. A change is seen through what PyTorch
+// tracks: the tensor's version counter (every in-place operation on it or its views: optimizer steps, copy_,
+// load_state_dict), its memory and its strides (.data assignment, .to(), module._apply). Writes PyTorch cannot see
+// (through .data, DLPack or raw pointers) need forget() (kernels.refresh_weights). Entries hold the tensor weakly
+// (its TensorImpl stays allocated, so its address names no other tensor while the entry lives); entries of tensors
+// that are gone are dropped as the registry grows. Inference tensors track no version: they are never prepared.
+class PreparedWeights {
+ public:
+  // The packs for `weight` as it is now, made anew when it changed; nullptr where preparing is not safe.
+  std::shared_ptr<WeightPacks> get(const torch::Tensor& weight) {
+    if (!weight.is_cuda() || weight.is_inference() || weight.dim() != 4 ||
+        !(weight.is_contiguous() || weight.is_contiguous(at::MemoryFormat::ChannelsLast)))
+      return nullptr;
+    c10::TensorImpl* impl = weight.unsafeGetTensorImpl();
+    const uint32_t version = impl->version_counter().current_version();
+    const std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(impl);
+    if (it != entries_.end() && !it->second.owner.expired() && it->second.version == version &&
+        it->second.packs->holds(weight))
+      return it->second.packs;
+    Entry e{c10::weak_intrusive_ptr<c10::TensorImpl>(weight.getIntrusivePtr()), version,
+            std::make_shared<WeightPacks>(weight)};
+    if (it != entries_.end()) {
+      it->second = std::move(e);
+    } else {
+      if (entries_.size() >= prune_at_) prune();
+      it = entries_.emplace(impl, std::move(e)).first;
+    }
+    return it->second.packs;
+  }
+
+  // Drops the packs of `weight`, or of every tensor when it is undefined. Returns how many were dropped.
+  int64_t forget(const torch::Tensor& weight) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!weight.defined()) {
+      const int64_t n = static_cast<int64_t>(entries_.size());
+      entries_.clear();
+      return n;
+    }
+    return static_cast<int64_t>(entries_.erase(weight.unsafeGetTensorImpl()));
+  }
+
+  int64_t size() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(entries_.size());
+  }
+
+ private:
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> owner;
+    uint32_t version;
+    std::shared_ptr<WeightPacks> packs;
+  };
+  void prune() {
+    for (auto it = entries_.begin(); it != entries_.end();)
+      it = it->second.owner.expired() ? entries_.erase(it) : std::next(it);
+    prune_at_ = 2 * entries_.size() + 64;
+  }
+  std::mutex mu_;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
+  size_t prune_at_ = 64;
+};
+
+PreparedWeights& prepared_weights() {
+  static PreparedWeights* registry = new PreparedWeights();  // never destroyed: no teardown order at exit
+  return *registry;
 }
 
 // Whether x is laid out channels-last (and not also NCHW-contiguous): PyTorch then returns a channels-last output.
@@ -231,6 +327,23 @@ torch::Tensor in_layout(const torch::Tensor& t, bool to_channels_last, cudaStrea
   return d;
 }
 
+// How a checked problem runs, decided from what the call's tensors look like (sizes, strides, dtype, where x and the
+// weight start modulo 256 bytes: every alignment the kernel choice asks about) and its arguments, before any memory
+// is touched: made once per problem and kept by the call cache below, so that a repeated call only allocates and
+// launches. x may have any layout: the gemm kernel reads it channels-last, the others NCHW, each converted if needed.
+struct CallPlan {
+  Problem pr{};
+  deconv::ConvTranspose2dParams p{};  // every field but the pointers (x, w, bias, y, workspace, packed_weights: null)
+  deconv::KernelPlan plan{};
+  int64_t pitch = 0;       // > 0: x goes to the gemm kernel as channels-last rows padded to this many channels
+  bool x_as_is = false;    // the kernels read x in place (else a copy in their layout)
+  bool round_x = false;    // the copy of x rounds fp32 to TF32 (an NCHW x's layout change, or a pass of its own)
+  bool w_as_is = false;    // the kernels read the weight in place (else an NCHW copy)
+  bool y_cl = false;       // y is returned channels-last (x is, and no `out` was given)
+  bool staged = false;     // the kernel writes y in the other layout into scratch, converted after
+  bool torch_cl = false;   // PyTorch's layout rule makes y channels-last (x or the weight suggests it)
+};
+
 // x [N, C, H, W] (any layout) as a channels-last [N, H, W, pitch] tensor whose channels past C are zeros, on the
 // current stream.
 torch::Tensor padded_rows(const torch::Tensor& x, int64_t pitch) {
@@ -239,21 +352,13 @@ torch::Tensor padded_rows(const torch::Tensor& x, int64_t pitch) {
   return d;
 }
 
-// Runs a checked problem on x's CUDA device, on its current stream, into `out` when given (a contiguous NCHW tensor)
-// or a new tensor: channels-last when x is and the gemm kernel runs (otherwise NCHW; the Python layer converts).
-// x may have any layout: the gemm kernel reads it channels-last, the others NCHW, each converted here if needed.
-// Returns (y, kernel path).
-std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::Tensor& weight,
-                                          const c10::optional<torch::Tensor>& bias,
-                                          const c10::optional<torch::Tensor>& out, const Problem& pr,
-                                          const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
-                                          const std::vector<int64_t>& dilation, int64_t groups,
-                                          const std::string& precision, const Forced& forced, WeightPacks* packs) {
-  torch::Tensor bc;
-  if (bias.has_value()) bc = bias->contiguous();
-  deconv::ConvTranspose2dParams p{};
-  const bool w_cl = channels_last(weight);  // laid out below, once the family is known
-  p.bias = bias.has_value() ? bc.data_ptr() : nullptr;
+CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                   bool has_out, const Problem& pr, const std::vector<int64_t>& stride,
+                   const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+                   const std::string& precision, const Forced& forced) {
+  CallPlan c;
+  c.pr = pr;
+  deconv::ConvTranspose2dParams& p = c.p;
   p.N = pr.N;
   p.C_in = pr.C_in;
   p.H_in = pr.H_in;
@@ -276,14 +381,15 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
   p.force_config = static_cast<int>(forced.config);
   p.force_split = static_cast<int>(forced.split);
   const bool x_cl = channels_last(x);
-  // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new copy.
+  const bool w_cl = channels_last(weight);
+  // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new
+  // (aligned) copy; it reads only the pointers' alignment.
   p.x_channels_last = true;
   p.x = x_cl ? x.data_ptr() : nullptr;
   bool gemm = deconv::conv_transpose2d_plan(p).path == deconv::KernelPath::kGemm;
   // With one group, input channels that do not fill whole 16-byte vectors (a DCGAN generator's 100 latent channels
   // in 16 bits) are padded for the gemm path where it would then run: a zero-padded channels-last copy of x, as an
   // NCHW x gets a channels-last one.
-  int64_t pitch = 0;
   const int64_t vec = 16 / static_cast<int64_t>(x.element_size());
   if (!gemm && groups == 1 && pr.C_in % vec != 0) {
     deconv::ConvTranspose2dParams q = p;
@@ -291,72 +397,217 @@ std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::T
     q.x_pitch = (pr.C_in + vec - 1) / vec * vec;
     if (deconv::conv_transpose2d_plan(q).path == deconv::KernelPath::kGemm) {
       gemm = true;
-      pitch = q.x_pitch;
+      c.pitch = q.x_pitch;
     }
   }
   // The caller gets y in x's layout (NCHW into `out`). The gemm kernel writes either layout; the others write NCHW,
   // staged in scratch and converted for a channels-last y (not for one output channel: both layouts are then the
   // same memory). The gemm kernel may stage an NCHW y channels-last too.
-  const bool y_cl = x_cl && !out.has_value();
-  const bool staged = gemm ? !y_cl && forced.staged == 1 : y_cl && pr.C_out > 1;
+  c.y_cl = x_cl && !has_out;
+  c.staged = gemm ? !c.y_cl && forced.staged == 1 : c.y_cl && pr.C_out > 1;
   p.x_channels_last = gemm;
-  p.y_channels_last = gemm && (y_cl || staged);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  p.y_channels_last = gemm && (c.y_cl || c.staged);
   // The gemm kernel takes channels-last weights (reading 16-bit ones as they are, packing the others from that
-  // layout); every other family reads NCHW weights, converted here when they are not.
+  // layout); every other family reads NCHW weights, converted when they are not.
   p.w_channels_last = gemm && w_cl;
-  const torch::Tensor wc = p.w_channels_last ? weight : in_layout(weight, false, stream);
-  p.w = wc.data_ptr();
-  // An fp32 x bound for the gemm kernel's TF32 products may come rounded to TF32 (Forced::round): an NCHW one by
-  // the layout change it needs, a channels-last one by a pass of its own. The kernel then skips rounding every A
-  // stage in shared memory.
-  const bool tf32_gemm = gemm && pitch == 0 && p.dtype == deconv::DType::kFloat32 &&
-                         p.precision == deconv::Precision::kTF32;
+  c.w_as_is = p.w_channels_last || weight.is_contiguous();
+  // An fp32 x bound for the gemm kernel's TF32 products may come rounded to TF32 (Forced::round): an NCHW one by the
+  // layout change it needs, a channels-last one by a pass of its own. The kernel then skips rounding every A stage
+  // in shared memory. Forced::round 2 has the kernel take x's fp32 values as they are, and the tensor cores read
+  // their TF32 part (the low mantissa bits dropped: rounding toward zero; measured less accurate than cuDNN's
+  // TF32, bench/NOTES.md: for experiments only).
+  const bool tf32_gemm =
+      gemm && c.pitch == 0 && p.dtype == deconv::DType::kFloat32 && p.precision == deconv::Precision::kTF32;
   const bool moves = !x.is_contiguous(at::MemoryFormat::ChannelsLast);  // x needs a layout change
-  const bool round_x = tf32_gemm && (moves ? x.is_contiguous() && forced.round != 0
-                                           : forced.round == 1 && x.numel() > 0);
+  c.round_x = tf32_gemm && (moves ? x.is_contiguous() && (forced.round == -1 || forced.round == 1)
+                                  : forced.round == 1 && x.numel() > 0);
+  c.x_as_is = !c.round_x && c.pitch == 0 && x.is_contiguous(gemm ? at::MemoryFormat::ChannelsLast
+                                                                  : at::MemoryFormat::Contiguous);
+  p.x = c.x_as_is ? x.data_ptr() : nullptr;
+  p.w = c.w_as_is ? weight.data_ptr() : nullptr;
+  p.x_tf32_rounded = c.round_x || (tf32_gemm && forced.round == 2);
+  p.x_pitch = c.pitch;
+  c.plan = deconv::conv_transpose2d_plan(p);  // the final plan, with x's and the weight's alignment
+  c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
+               weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  p.x = p.w = nullptr;
+  return c;
+}
+
+// Runs a planned problem on x's CUDA device, on its current stream, into `out` when given (a contiguous NCHW tensor)
+// or a new tensor: channels-last when x is and the gemm kernel runs (otherwise NCHW; callers that want PyTorch's
+// layout apply CallPlan::torch_cl). Returns (y, kernel path).
+std::tuple<torch::Tensor, int64_t> run_call(const CallPlan& c, const torch::Tensor& x, const torch::Tensor& weight,
+                                            const c10::optional<torch::Tensor>& bias,
+                                            const c10::optional<torch::Tensor>& out, WeightPacks* packs) {
+  deconv::ConvTranspose2dParams p = c.p;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  torch::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    p.bias = bc.data_ptr();
+  }
+  const torch::Tensor wc = c.w_as_is ? weight : in_layout(weight, false, stream);
+  p.w = wc.data_ptr();
   torch::Tensor xk;
-  if (round_x) {
+  if (c.round_x) {
     xk = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
-    if (moves) {
+    if (!x.is_contiguous(at::MemoryFormat::ChannelsLast)) {
       convert(x, xk, true, stream, true);
     } else {
       const cudaError_t err = deconv::round_to_tf32(x.data_ptr(), xk.data_ptr(), x.numel(), stream);
       TORCH_CHECK(err == cudaSuccess, "conv_transpose2d: rounding the input to TF32 failed: ",
                   cudaGetErrorString(err));
     }
+  } else if (c.pitch > 0) {
+    xk = padded_rows(x, c.pitch);
   } else {
-    xk = pitch > 0 ? padded_rows(x, pitch) : in_layout(x, gemm, stream);
+    xk = c.x_as_is ? x : in_layout(x, p.x_channels_last, stream);
   }
   p.x = xk.data_ptr();
-  p.x_tf32_rounded = round_x;
-  p.x_pitch = pitch;
   const auto layout = [&](bool cl) {
     return x.options().memory_format(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
   };
-  const torch::Tensor y = out.has_value() ? *out : torch::empty({pr.N, pr.C_out, pr.H_out, pr.W_out}, layout(y_cl));
-  if (pr.N == 0) return {y, 0};
-  const torch::Tensor yk = staged ? torch::empty(y.sizes(), layout(p.y_channels_last)) : y;
+  const torch::Tensor y =
+      out.has_value() ? *out : torch::empty({c.pr.N, c.pr.C_out, c.pr.H_out, c.pr.W_out}, layout(c.y_cl));
+  if (c.pr.N == 0) return {y, 0};
+  const torch::Tensor yk = c.staged ? torch::empty(y.sizes(), layout(p.y_channels_last)) : y;
   p.y = yk.data_ptr();
-  // The final plan, with x in place (its alignment counts).
-  const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(p);
-  if (packs != nullptr) p.packed_weights = packs->get(p, plan, stream);
+  if (packs != nullptr && packs->holds(wc)) p.packed_weights = packs->get(p, c.plan, stream);
   // Scratch (packed weights, split-K partials) from PyTorch's caching allocator, on the current stream: freed when
   // this returns, reusable by the allocator only after the kernels queued on this stream have run.
-  const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p, plan);
+  const size_t ws_bytes = deconv::conv_transpose2d_workspace_bytes(p, c.plan);
   torch::Tensor workspace;
   if (ws_bytes > 0) {
     workspace = torch::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
   }
-  const cudaError_t err = deconv::conv_transpose2d_forward(p, plan, stream);
+  const cudaError_t err = deconv::conv_transpose2d_forward(p, c.plan, stream);
   TORCH_CHECK(err == cudaSuccess, "conv_transpose2d kernel launch failed: ", cudaGetErrorString(err));
-  if (staged) convert(yk, y, y_cl, stream);
-  return {y, static_cast<int64_t>(plan.path)};
+  if (c.staged) convert(yk, y, c.y_cl, stream);
+  return {y, static_cast<int64_t>(c.plan.path)};
+}
+
+// plan_call, then run_call.
+std::tuple<torch::Tensor, int64_t> launch(const torch::Tensor& x, const torch::Tensor& weight,
+                                          const c10::optional<torch::Tensor>& bias,
+                                          const c10::optional<torch::Tensor>& out, const Problem& pr,
+                                          const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                                          const std::vector<int64_t>& dilation, int64_t groups,
+                                          const std::string& precision, const Forced& forced, WeightPacks* packs) {
+  const CallPlan c =
+      plan_call(x, weight, bias, out.has_value(), pr, stride, padding, dilation, groups, precision, forced);
+  return run_call(c, x, weight, bias, out, packs);
+}
+
+// The call cache: the CallPlan of every problem a library call ran (forward with remember), so that a repeat of it
+// (fast_forward) goes from Python to the launch in one call, skipping the argument checks, the layout decisions and
+// the kernel choice. A problem is what the plan depends on: x's and the weight's sizes, strides, dtype, device and
+// start address modulo 256 bytes, the bias's size, stride and alignment, the arguments and the multiply precision.
+// The kernel choice is the caller's at remember time: kernels/tuning.py clears the cache when measured choice is
+// turned on or off or forgets its choices. Bounded: past kMaxEntries problems it starts again empty.
+struct CallKey {
+  std::array<int64_t, 36> v{};
+  bool operator==(const CallKey& o) const { return v == o.v; }
+};
+
+struct CallKeyHash {
+  size_t operator()(const CallKey& k) const {
+    uint64_t h = 1469598103934665603ULL;  // FNV-1a over the 64-bit words
+    for (const int64_t e : k.v) {
+      h ^= static_cast<uint64_t>(e);
+      h *= 1099511628211ULL;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+// The precision code of a key: 1 for TF32 products of float32 tensors, 0 otherwise.
+int64_t precision_code(at::ScalarType dtype, bool tf32) { return dtype == at::kFloat && tf32 ? 1 : 0; }
+
+CallKey call_key(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor* b, const int64_t* stride,
+                 const int64_t* padding, const int64_t* output_padding, const int64_t* dilation, int64_t groups,
+                 int64_t precision) {
+  CallKey k;
+  size_t i = 0;
+  const auto put = [&](int64_t e) { k.v[i++] = e; };
+  const auto tensor = [&](const torch::Tensor& t) {
+    for (int64_t d = 0; d < 4; ++d) put(t.size(d));
+    for (int64_t d = 0; d < 4; ++d) put(t.stride(d));
+    put(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 256));
+  };
+  tensor(x);
+  tensor(w);
+  put(static_cast<int64_t>(x.scalar_type()));
+  put(x.device().index());
+  if (b != nullptr) {
+    put(1);
+    put(b->dim() == 1 ? b->size(0) : -1);
+    put(b->dim() == 1 ? b->stride(0) : -1);
+    put(static_cast<int64_t>(reinterpret_cast<uintptr_t>(b->data_ptr()) % 256));
+  } else {
+    for (int j = 0; j < 4; ++j) put(0);
+  }
+  for (int j = 0; j < 2; ++j) put(stride[j]);
+  for (int j = 0; j < 2; ++j) put(padding[j]);
+  for (int j = 0; j < 2; ++j) put(output_padding[j]);
+  for (int j = 0; j < 2; ++j) put(dilation[j]);
+  put(groups);
+  put(precision);
+  return k;
+}
+
+class CallCache {
+ public:
+  static constexpr size_t kMaxEntries = 4096;
+
+  bool find(const CallKey& k, CallPlan* plan) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const auto it = plans_.find(k);
+    if (it == plans_.end()) return false;
+    *plan = it->second;
+    return true;
+  }
+
+  void store(const CallKey& k, const CallPlan& plan) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (plans_.size() >= kMaxEntries) plans_.clear();
+    plans_[k] = plan;
+  }
+
+  int64_t clear() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const int64_t n = static_cast<int64_t>(plans_.size());
+    plans_.clear();
+    return n;
+  }
+
+  int64_t size() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(plans_.size());
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<CallKey, CallPlan, CallKeyHash> plans_;
+};
+
+CallCache& call_cache() {
+  static CallCache* cache = new CallCache();  // never destroyed: no teardown order at exit
+  return *cache;
+}
+
+// The packs a library call uses: the caller's, else (asked for with `prepare`, and never while the stream captures
+// a CUDA graph, whose replays must read the weights as they are then) the weight's prepared ones.
+std::shared_ptr<WeightPacks> call_packs(const torch::Tensor& x, const torch::Tensor& weight, bool prepare) {
+  if (!prepare || capturing(x)) return nullptr;
+  return prepared_weights().get(weight);
 }
 
 // Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
-// narrow).
+// narrow). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights). `torch_layout`: y in
+// PyTorch's layout (channels-last when x or the weight suggests it) rather than x's. `remember`: keep the call's
+// plan in the call cache, for fast_forward (a library call without `out`, whose choice follows kernels.tuning).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
                                            const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None
@@ -365,7 +616,8 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                                            int64_t groups, const std::string& precision,
                                            const c10::optional<torch::Tensor>& out,  // out: [N, C_out, H_out, W_out]
                                            int64_t force_path, int64_t force_config, int64_t force_split,
-                                           int64_t force_staged, int64_t force_round, WeightPacks* packs) {
+                                           int64_t force_staged, int64_t force_round, WeightPacks* packs,
+                                           bool prepare, bool torch_layout, bool remember) {
   TORCH_CHECK(x.is_cuda(), "conv_transpose2d: input must be a CUDA tensor.");
   TORCH_CHECK(weight.device() == x.device(), "conv_transpose2d: weight is on ", weight.device().str(),
               " but input is on ", x.device().str(), ".");
@@ -379,7 +631,109 @@ std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [
                 "conv_transpose2d: out must be a contiguous ", shape_text(pr),
                 " tensor of the input's dtype and device.");
   }
-  return launch(x, weight, bias, out, pr, stride, padding, dilation, groups, precision, forced, packs);
+  const CallPlan c =
+      plan_call(x, weight, bias, out.has_value(), pr, stride, padding, dilation, groups, precision, forced);
+  const std::shared_ptr<WeightPacks> prepared = packs == nullptr ? call_packs(x, weight, prepare) : nullptr;
+  auto [y, path] = run_call(c, x, weight, bias, out, packs != nullptr ? packs : prepared.get());
+  if (remember && !out.has_value() && pr.N > 0) {
+    const torch::Tensor* b = bias.has_value() ? &*bias : nullptr;
+    call_cache().store(call_key(x, weight, b, stride.data(), padding.data(), output_padding.data(), dilation.data(),
+                                groups, precision_code(x.scalar_type(), precision == "tf32")),
+                       c);
+  }
+  if (torch_layout && c.torch_cl && !out.has_value()) y = y.contiguous(at::MemoryFormat::ChannelsLast);
+  return {y, path};
+}
+
+// torch.nn.Parameter, whose instances count as plain tensors for fast_forward (set when the module loads).
+PyTypeObject* parameter_type = nullptr;
+
+// A tensor object fast_forward takes: a torch.Tensor or torch.nn.Parameter, not a subclass (fake, functional or
+// other tensors with Python behaviour), over a plain TensorImpl (not a functorch wrapper), without the lazy
+// negation or conjugation bits.
+bool plain_tensor(PyObject* obj) {
+  if (!(THPVariable_CheckExact(obj) || (parameter_type != nullptr && Py_TYPE(obj) == parameter_type))) return false;
+  const torch::Tensor& t = THPVariable_Unpack(obj);
+  return typeid(*t.unsafeGetTensorImpl()) == typeid(c10::TensorImpl) && !t.is_neg() && !t.is_conj();
+}
+
+// An int, or a tuple of two ints (exactly those types, as a module passes them), as a (height, width) pair.
+bool read_pair(PyObject* obj, int64_t* pair) {
+  if (PyLong_CheckExact(obj)) {
+    const long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    pair[0] = pair[1] = v;
+    return true;
+  }
+  if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return false;
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(obj, i);
+    if (!PyLong_CheckExact(item)) return false;
+    const long long v = PyLong_AsLongLong(item);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    pair[i] = v;
+  }
+  return true;
+}
+
+// A repeat of a library call (kernels.conv_transpose2d's arguments, as given): runs it from its cached plan and
+// returns y in PyTorch's layout, or returns None when the call is not one the cache can take -- not remembered yet,
+// on the CPU, unbatched or empty, needing autograd or autocast, under a dispatch mode, with tensor subclasses or
+// arguments of other types than int and tuple -- so that the caller takes its full path, which checks everything.
+py::object fast_forward(py::handle x_obj, py::handle w_obj, py::handle b_obj, py::handle stride_obj,
+                        py::handle padding_obj, py::handle output_padding_obj, py::handle groups_obj,
+                        py::handle dilation_obj, py::handle precision_obj) {
+  const bool has_bias = !b_obj.is_none();
+  if (!plain_tensor(x_obj.ptr()) || !plain_tensor(w_obj.ptr()) || (has_bias && !plain_tensor(b_obj.ptr())))
+    return py::none();
+  const torch::Tensor& x = THPVariable_Unpack(x_obj.ptr());
+  const torch::Tensor& w = THPVariable_Unpack(w_obj.ptr());
+  const torch::Tensor* b = has_bias ? &THPVariable_Unpack(b_obj.ptr()) : nullptr;
+  if (!x.is_cuda() || x.dim() != 4 || w.dim() != 4 || x.size(0) == 0 || w.device() != x.device() ||
+      w.scalar_type() != x.scalar_type() || (b != nullptr && (b->device() != x.device() ||
+                                                               b->scalar_type() != x.scalar_type())))
+    return py::none();
+  if (at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b != nullptr && b->requires_grad())))
+    return py::none();
+  if (at::autocast::is_autocast_enabled(at::kCUDA) || c10::impl::TorchDispatchModeTLS::stack_len() > 0)
+    return py::none();
+  int64_t stride[2], padding[2], output_padding[2], dilation[2];
+  if (!read_pair(stride_obj.ptr(), stride) || !read_pair(padding_obj.ptr(), padding) ||
+      !read_pair(output_padding_obj.ptr(), output_padding) || !read_pair(dilation_obj.ptr(), dilation) ||
+      !PyLong_CheckExact(groups_obj.ptr()))
+    return py::none();
+  const long long groups = PyLong_AsLongLong(groups_obj.ptr());
+  if (groups == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return py::none();
+  }
+  bool tf32 = false;
+  if (precision_obj.is_none()) {
+    tf32 = at::globalContext().allowTF32CuDNN();
+  } else if (PyUnicode_CheckExact(precision_obj.ptr())) {
+    const std::string text = py::cast<std::string>(precision_obj);
+    if (text != "tf32" && text != "fp32") return py::none();
+    tf32 = text == "tf32";
+  } else {
+    return py::none();
+  }
+  CallPlan c;
+  if (!call_cache().find(call_key(x, w, b, stride, padding, output_padding, dilation, groups,
+                                  precision_code(x.scalar_type(), tf32)),
+                         &c))
+    return py::none();
+  const c10::cuda::CUDAGuard guard(x.device());
+  const std::shared_ptr<WeightPacks> packs = call_packs(x, w, /*prepare=*/true);
+  const c10::optional<torch::Tensor> bias = b != nullptr ? c10::optional<torch::Tensor>(*b) : c10::nullopt;
+  torch::Tensor y = std::get<0>(run_call(c, x, w, bias, c10::nullopt, packs.get()));
+  if (c.torch_cl) y = y.contiguous(at::MemoryFormat::ChannelsLast);
+  return py::cast(y);
 }
 
 // Host x_host -> weight's device -> kernels -> host y_host on the current stream, then waits for the stream. Called
@@ -826,6 +1180,7 @@ bool host_unregister(int64_t address) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deconv CUDA kernels: ConvTranspose2d forward.";
+  parameter_type = reinterpret_cast<PyTypeObject*>(py::module_::import("torch.nn").attr("Parameter").ptr());
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
         "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel. "
@@ -839,7 +1194,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("output_padding"), py::arg("dilation"), py::arg("groups"), py::arg("precision"),
         py::arg("out") = py::none(), py::arg("force_path") = -1, py::arg("force_config") = -1,
         py::arg("force_split") = -1, py::arg("force_staged") = -1, py::arg("force_round") = -1,
-        py::arg("packs") = nullptr);
+        py::arg("packs") = nullptr, py::arg("prepare") = false, py::arg("torch_layout") = false,
+        py::arg("remember") = false);
+  m.def("fast_forward", &fast_forward,
+        "A repeat of a remembered library call (forward with remember): y in PyTorch's layout, or None when the call "
+        "cannot be taken this way (then make the full call).",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("stride"), py::arg("padding"),
+        py::arg("output_padding"), py::arg("groups"), py::arg("dilation"), py::arg("precision"));
+  m.def("clear_call_cache", [] { return call_cache().clear(); },
+        "Forget every remembered call (kernels.tuning does when the kernel choice changes); returns how many.");
+  m.def("call_cache_size", [] { return call_cache().size(); }, "Problems in the call cache.");
+  m.def("forget_prepared", [](const c10::optional<torch::Tensor>& weight) {
+          return prepared_weights().forget(weight.has_value() ? *weight : torch::Tensor());
+        },
+        "Drop the prepared (packed) copies of a weight tensor, or of every tensor with None; returns how many.",
+        py::arg("weight") = py::none());
+  m.def("prepared_count", [] { return prepared_weights().size(); }, "Weight tensors with prepared packs.");
   m.def("forward_staged", &forward_staged,
         "ConvTranspose2d forward from host memory to host memory on the current stream, waiting for the result, "
         "with the GIL released throughout. Returns the kernel path as forward does.",

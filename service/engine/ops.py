@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from kernels._ops import (
-    FORCE_PATHS,
     KERNEL_PATHS,
     SUPPORTED_DTYPES,
     ConvArgs,
@@ -61,15 +60,6 @@ class WeightPacks:
         return len(self._ext)
 
 
-def _forced(choice: KernelChoice) -> tuple[int, int, int, int, int]:
-    """The extension's (force_path, force_config, force_split, force_staged, force_round) for a kernel choice."""
-    if choice is DEFAULT:
-        return -1, -1, -1, -1, -1
-    return (FORCE_PATHS[choice.path], -1 if choice.config is None else choice.config,
-            -1 if choice.split is None else choice.split, -1 if choice.staged is None else int(choice.staged),
-            -1 if choice.rounded is None else int(choice.rounded))
-
-
 def conv_transpose2d_staged(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -108,7 +98,7 @@ def conv_transpose2d_staged(
     mode = resolve_precision(input.dtype, precision)
     path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
                                             list(args.output_padding), list(args.dilation), args.groups, mode, out,
-                                            *_forced(choice), _ext_packs(packs, weight))
+                                            *choice.forced(), _ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 
@@ -146,7 +136,7 @@ def conv_transpose2d_gathered(
     mode = resolve_precision(weight.dtype, precision)
     return _load_extension().forward_gathered(  # type: ignore[no-any-return]
         list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-        list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+        list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
 
 
 def _check_dims(shape: Sequence[int], weight: torch.Tensor, name: str) -> tuple[int, ...]:
@@ -224,7 +214,7 @@ def conv_transpose2d_placed(
     mode = resolve_precision(weight.dtype, precision)
     path = _load_extension().forward_placed(
         list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
-        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 
@@ -283,7 +273,7 @@ def conv_transpose2d_direct(
     mode = resolve_precision(weight.dtype, precision)
     path = _load_extension().forward_direct(
         list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
-        list(args.output_padding), list(args.dilation), args.groups, mode, *_forced(choice), _ext_packs(packs, weight))
+        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 

@@ -1,7 +1,8 @@
 """The CPU path: ``kernels.conv_transpose2d`` on CPU is PyTorch's operator, bit for bit, values and gradients.
 
-Also the CUDA path's autograd.Function, run on CPU with the raw kernel call replaced by PyTorch's forward, so
-that its backward (``aten.convolution_backward`` with our argument plumbing) is checked on every CI run.
+Also the registered operator ``deconv::conv_transpose2d`` (kernels/op.py) on CPU, where its forward is PyTorch's,
+so that its backward (``aten.convolution_backward`` with our argument plumbing), its fake implementation and its
+registration are checked on every CI run.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-import kernels.functional as kf
-from kernels.functional import _ConvTranspose2dFunction, normalize_args
+from kernels.functional import normalize_args
 from tests.kernels.models import Config, random_config, torch_output_hw
 
 PROBLEMS = {
@@ -155,33 +155,24 @@ def test_module_backward_equals_nn():
     assert torch.equal(ours.bias.grad, ref.bias.grad)
 
 
-# The CUDA path's autograd.Function, on CPU: its forward is the raw kernel call, replaced here by PyTorch's.
+# The registered operator on CPU: its forward is PyTorch's, its backward ours (kernels/op.py).
 
 
-@pytest.fixture
-def fake_kernel(monkeypatch):
-    calls = []
-
-    def forward(x, weight, bias, args, precision, *rest, **kwargs):
-        calls.append((tuple(x.shape), args, precision))
-        y = F.conv_transpose2d(x, weight, bias, args.stride, args.padding, args.output_padding, args.groups,
-                               args.dilation)
-        return y, "simt"
-
-    monkeypatch.setattr(kf, "_forward_cuda", forward)
-    return calls
+def _op(x, w, b, args, precision=None):
+    return torch.ops.deconv.conv_transpose2d.default(x, w, b, list(args.stride), list(args.padding),
+                                                      list(args.output_padding), args.groups, list(args.dilation),
+                                                      precision)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_function_backward_equals_pytorch(fake_kernel, with_bias):
+def test_operator_backward_equals_pytorch(with_bias):
     x, w, b, kwargs = _gradcheck_problem()
     b = b if with_bias else None
     args = normalize_args(**kwargs)
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
     leaves_ref = [t.detach().clone().requires_grad_() for t in (x, w, b) if t is not None]
-    y = _ConvTranspose2dFunction.apply(leaves[0], leaves[1], leaves[2] if with_bias else None, args, "fp32")
+    y = _op(leaves[0], leaves[1], leaves[2] if with_bias else None, args, "fp32")
     y_ref = F.conv_transpose2d(leaves_ref[0], leaves_ref[1], leaves_ref[2] if with_bias else None, **kwargs)
-    assert fake_kernel == [((2, 4, 3, 4), args, "fp32")]
     assert torch.equal(y, y_ref)
     g = torch.randn_like(y)
     y.backward(g)
@@ -191,14 +182,15 @@ def test_function_backward_equals_pytorch(fake_kernel, with_bias):
         assert (got.grad - ref.grad).abs().max().item() < 1e-12
 
 
-def test_function_gradcheck(fake_kernel):
+def test_operator_gradcheck():
     x, w, b, kwargs = _gradcheck_problem()
     args = normalize_args(**kwargs)
+
     def with_bias(x, w, b):
-        return _ConvTranspose2dFunction.apply(x, w, b, args, "fp32")
+        return _op(x, w, b, args, "fp32")
 
     def without_bias(x, w):
-        return _ConvTranspose2dFunction.apply(x, w, None, args, "tf32")
+        return _op(x, w, None, args, "tf32")
 
     assert torch.autograd.gradcheck(with_bias, (x, w, b))
     assert torch.autograd.gradcheck(without_bias, (x, w))
@@ -206,11 +198,11 @@ def test_function_gradcheck(fake_kernel):
 
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
                                    (True, False, True)])
-def test_function_computes_only_requested_gradients(fake_kernel, needs):
+def test_operator_computes_only_requested_gradients(needs):
     x, w, b, kwargs = _gradcheck_problem()
     args = normalize_args(**kwargs)
     leaves = [t.detach().clone().requires_grad_(need) for t, need in zip((x, w, b), needs, strict=True)]
-    y = _ConvTranspose2dFunction.apply(*leaves, args, "fp32")
+    y = _op(*leaves, args, "fp32")
     y.sum().backward()
     ref = [t.detach().clone().requires_grad_() for t in (x, w, b)]
     F.conv_transpose2d(*ref, **kwargs).sum().backward()

@@ -301,7 +301,7 @@ def test_every_gemm_configuration_is_forced_above() -> None:
 @needs_sm90
 def test_measured_choice_of_a_channels_last_call_is_kept() -> None:
     """A channels-last problem is tuned once and its choice kept under its own key (its calls find it)."""
-    from kernels.functional import _channels_last, _rows_aligned
+    from kernels.op import _channels_last, _rows_aligned
     from kernels.tuning import TUNER
 
     x = torch.randn(4, 128, 6, 6, device="cuda").to(torch.bfloat16).contiguous(memory_format=torch.channels_last)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kernels
+import kernels.op
 from kernels import tuning
 from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
@@ -83,7 +84,7 @@ def test_public_api_tunes_once_per_problem(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(tuner, "tune", counting)
     monkeypatch.setattr(tuning, "TUNER", tuner)
-    monkeypatch.setattr(kernels.functional, "TUNER", tuner)
+    monkeypatch.setattr(kernels.op, "TUNER", tuner)
     ref = reference(x, wt, b, stride=2, padding=1)
     for _ in range(3):
         y = kernels.conv_transpose2d(x, wt, b, stride=2, padding=1, precision="tf32")

@@ -10,7 +10,7 @@ import torch
 from kernels import tuning
 from kernels._ops import FORCE_PATHS, ConvTranspose2dArgumentError, _ext_packs
 from kernels.tuning import DEFAULT, KernelChoice
-from service.engine.ops import WeightPacks, _forced
+from service.engine.ops import WeightPacks
 
 NUM_CONFIGS = 14  # tensor-core tile configurations (as tests/kernels/test_cpu_tuning.py)
 
@@ -37,14 +37,14 @@ def _tc(config: int, split: int | None = None) -> KernelChoice:
 ])
 def test_forced_maps_a_choice_to_the_extension_arguments(choice: KernelChoice,
                                                          expected: tuple[int, int, int, int, int]) -> None:
-    assert _forced(choice) == expected
+    assert choice.forced() == expected
 
 
 def test_force_paths_match_the_extension_codes() -> None:
     assert FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
                            "narrow_tiled": 5}
     for c in tuning.candidates(NUM_CONFIGS, 3, nchw_output=True):
-        path, config, split, staged, rounded = _forced(c)
+        path, config, split, staged, rounded = c.forced()
         assert path == FORCE_PATHS[c.path]
         assert config == (-1 if c.config is None else c.config)
         assert split == -1
