@@ -212,7 +212,7 @@ _ERROR_TYPES = {
 # As FastAPI's routes declare their error responses.
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": d}
                                             for code, d in _ERROR_TYPES.items()}
-_KSERVE_ERRORS = {code: {"model": KServeError, "description": d} for code, d in _ERROR_TYPES.items()}
+KSERVE_ERRORS = {code: {"model": KServeError, "description": d} for code, d in _ERROR_TYPES.items()}
 
 
 # --- shared helpers ----------------------------------------------------------------------------------------
@@ -482,7 +482,7 @@ async def metrics(request: Request) -> Response:
 @router.get("/v2", tags=["kserve"], summary="Server metadata")
 async def v2_server_metadata(request: Request) -> dict[str, Any]:
     """Name, version and protocol extensions."""
-    extensions = ["binary_tensor_data"]
+    extensions = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
     if request.app.state.regions.enabled:
         extensions.append("system_shared_memory")
     if get_engine(request).cuda_memory.available:
@@ -496,14 +496,14 @@ async def v2_live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: _KSERVE_ERRORS[503]})
+@router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: KSERVE_ERRORS[503]})
 async def v2_ready(request: Request) -> dict[str, bool]:
     """200 once every layer passed its self-test, else 503."""
     get_engine(request).readiness.check_ready()
     return {"ready": True}
 
 
-@router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: _KSERVE_ERRORS[404]})
+@router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: KSERVE_ERRORS[404]})
 async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
     """Inputs and outputs of the layer called ``name`` (datatype and shape, -1 for any size)."""
     layer, _ = _layer(get_engine(request), name)
@@ -511,7 +511,7 @@ async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
 
 
 @router.get("/v2/models/{name}/versions/{version}", tags=["kserve"], summary="Model metadata (versioned)",
-            responses={404: _KSERVE_ERRORS[404]})
+            responses={404: KSERVE_ERRORS[404]})
 async def v2_model_metadata_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}``; the only version is ``1``."""
     layer, _ = _layer(get_engine(request), name)
@@ -520,7 +520,7 @@ async def v2_model_metadata_version(request: Request, name: str, version: str) -
 
 
 @router.get("/v2/models/{name}/ready", tags=["kserve"], summary="Model readiness",
-            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+            responses={404: KSERVE_ERRORS[404], 503: KSERVE_ERRORS[503]})
 async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
     """200 when the server is ready (every layer passed its self-test), else 503."""
     engine = get_engine(request)
@@ -530,7 +530,7 @@ async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
 
 
 @router.get("/v2/models/{name}/versions/{version}/ready", tags=["kserve"], summary="Model readiness (versioned)",
-            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+            responses={404: KSERVE_ERRORS[404], 503: KSERVE_ERRORS[503]})
 async def v2_model_ready_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}/ready``."""
     engine = get_engine(request)
