@@ -158,3 +158,19 @@ def test_the_http_process_count_and_its_rule_are_logged_at_start(server_factory,
     assert f"HTTP processes: {count} (DECONV_HTTP_PROCESSES=auto: {inputs})" in one.log()
     two = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_HTTP_PROCESSES": "2"})
     assert "HTTP processes: 2 (DECONV_HTTP_PROCESSES)" in two.log()
+
+
+def test_building_the_kernels_on_a_cpu_build_of_torch_says_what_it_needs_in_one_line():
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: the kernels can be built here")
+    for env in ({}, {"CUDA_HOME": "/usr/local/cuda"}):
+        result = subprocess.run([sys.executable, "-m", "kernels.build", "--arch", "9.0"], capture_output=True,
+                                text=True, timeout=120, cwd=REPO_ROOT, env={**os.environ, **env})
+        assert result.returncode == 1
+        assert result.stdout == ""
+        assert result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
+        assert result.stderr.startswith(f"python -m kernels.build: torch {torch.__version__} is a CPU build; ")
+        assert "needs a CUDA build of torch" in result.stderr
+        assert "nvcc" in result.stderr
