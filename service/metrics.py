@@ -176,7 +176,7 @@ class Metrics:
         self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         # Series of executed batches by (layer, samples), and by layer.
         self._executed: dict[tuple[str, int], Any] = {}
-        self._computed: dict[str, tuple[Any, Any, Any]] = {}
+        self._computed: dict[str, list[Any]] = {}  # counters, gauge, when the gauge was last written
 
     def count_request(self, layer: str, api: str, status: int, latency_s: float) -> None:
         """Count one answered inference request; successful ones (200) also go into the latency histogram."""
@@ -199,12 +199,15 @@ class Metrics:
         batch.observe(seconds)
         per_layer = self._computed.get(layer)
         if per_layer is None:
-            per_layer = self._computed[layer] = (self.request_compute.labels(layer),
+            per_layer = self._computed[layer] = [self.request_compute.labels(layer),
                                                  self.computed_requests.labels(layer),
-                                                 self.last_inference.labels(layer))
+                                                 self.last_inference.labels(layer), 0.0]
         per_layer[0].inc(seconds * requests)
         per_layer[1].inc(requests)
-        per_layer[2].set(time.time())
+        now = time.time()
+        if now - per_layer[3] >= 0.001:  # written at most once a millisecond (it is read in milliseconds)
+            per_layer[2].set(now)
+            per_layer[3] = now
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family as ``/metrics`` reports it: in a multi-process server, summed over every process
