@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,14 @@ def test_building_the_kernels_on_a_cpu_build_of_torch_says_what_it_needs_in_one_
         assert result.stderr.startswith(f"python -m kernels.build: torch {torch.__version__} is a CPU build; ")
         assert "needs a CUDA build of torch" in result.stderr
         assert "nvcc" in result.stderr
+
+
+def test_make_serve_leaves_the_http_processes_to_the_servers_default():
+    if not shutil.which("make"):
+        pytest.skip("make is not installed")
+    result = subprocess.run(["make", "-n", "-C", str(REPO_ROOT), "serve"], capture_output=True, text=True,
+                            timeout=60, env={"PATH": os.environ["PATH"], "PWD": str(REPO_ROOT)})
+    (command,) = [line for line in result.stdout.splitlines() if "deconv-serve" in line]
+    assert command.endswith("/bin/deconv-serve"), result.stdout
+    assert "HTTP_PROCESSES" not in result.stdout
+    assert Settings.model_fields["http_processes"].default == "auto"
