@@ -52,6 +52,7 @@ from service.ray_serve import (
     call_asgi,
     gateway_options,
     ray_error_response,
+    replica_settings,
     server_options,
     wait_until_ready,
 )
@@ -113,6 +114,14 @@ def test_config_cpu_replicas_fixed_count_and_settings():
     assert "autoscaling_config" not in options
     assert config.service_settings() == {"max_batch_size": 8, "devices": "cpu"}
     assert RayServeConfig(num_gpus=0, settings={"devices": "auto"}).service_settings() == {"devices": "auto"}
+
+
+def test_a_replica_serves_http_in_one_process_whatever_the_node_says(monkeypatch):
+    monkeypatch.setenv("DECONV_HTTP_PROCESSES", "8")
+    settings = replica_settings({"max_batch_size": 8, "http_processes": 4})
+    assert (settings.http_processes, settings.max_batch_size) == (1, 8)
+    monkeypatch.setenv("DECONV_HTTP_PROCESSES", "auto")
+    assert replica_settings({"devices": "0"}).http_processes == 1  # auto would count the node's cores
 
 
 def test_config_from_environment_and_arguments(monkeypatch):
