@@ -17,8 +17,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 VERSION = "0.1.0"  # the service's version, as the KServe metadata and OpenAPI report it
 
 MAX_HTTP_PROCESSES = 64
-# DECONV_HTTP_PROCESSES=auto: at most this many HTTP processes a GPU (each GPU serves at most ~30k tiny requests/s,
-# a few thousand a process; each process holds DECONV_IPC_SHM_BYTES of shared memory, page-locked on GPUs).
+# DECONV_HTTP_PROCESSES=auto: at most this many HTTP processes a GPU, a bound on memory on machines of many cores:
+# each process holds DECONV_IPC_SHM_BYTES of shared memory, page-locked on GPUs (on one H100, 8 processes served
+# 22.8k tiny requests/s).
 AUTO_HTTP_PROCESSES_PER_GPU = 16
 
 # The bundled layer repository: <repo>/layers, next to this package.
@@ -222,8 +223,8 @@ def auto_http_processes(devices: str, cores: int | None = None, gpus: int | None
     """``DECONV_HTTP_PROCESSES=auto``: the count for this machine, and the inputs (for the start-up log).
 
     Half the usable cores (``usable_cores``), at most ``AUTO_HTTP_PROCESSES_PER_GPU`` a GPU and
-    ``MAX_HTTP_PROCESSES``; 1 on a machine of 2 cores or fewer, and 1 without a GPU (the CPU computes the layers:
-    its cores go to PyTorch's threads, and one process parses HTTP faster than they compute). Half: each busy HTTP
+    ``MAX_HTTP_PROCESSES``; 1 on a machine of 2 cores or fewer, and 1 without a GPU (the CPU computes the layers,
+    on PyTorch's threads over every core). Half: each busy HTTP
     process takes a core, and the other half goes to the engine process (its event loop, the GPU worker threads and
     their copies), the supervisor and the kernel's network work; on 16 cores and one H100, 8 processes served the
     most (12 and 16 served 16-20% less). ``cores`` and ``gpus`` default to this machine's.
