@@ -43,7 +43,9 @@ lint: install-dev
 format: install-dev
 	$(PY) -m ruff format .
 
-# Runs in the caller's directory (also under make -C), so that relative DECONV_* paths resolve from there.
+# Runs in the caller's directory (also under make -C), so that relative DECONV_* paths resolve from there. Every other
+# setting is the server's own default unless exported: DECONV_HTTP_PROCESSES=auto sizes the HTTP processes from the
+# cores and GPUs (docs/operations.md, "Several HTTP processes").
 serve: install
 	cd "$(or $(PWD),$(CURDIR))" && $(abspath $(VENV))/bin/deconv-serve$(if $(SERVE_HOST), --host $(SERVE_HOST))$(if $(SERVE_PORT), --port $(SERVE_PORT))
 

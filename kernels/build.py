@@ -177,15 +177,28 @@ def load(verbose: bool = False) -> ModuleType:
 
 
 def main() -> None:
-    """``python -m kernels.build [--arch LIST]``: build the kernels now (e.g. while building an image)."""
-    parser = argparse.ArgumentParser(description="Build the deconv CUDA kernels into the build cache.")
+    """``python -m kernels.build [--arch LIST]``: build the kernels now (e.g. while building an image).
+
+    What stops the build (a CPU build of torch, no architecture, nvcc missing, a compiler error) ends the command
+    with its message and exit status 1, no traceback."""
+    import sys
+
+    prog = "python -m kernels.build"
+    parser = argparse.ArgumentParser(prog=prog, description="Build the deconv CUDA kernels into the build cache.")
     parser.add_argument("--arch", help="architectures, e.g. '8.0;9.0' (default: DECONV_CUDA_ARCH or the GPUs')")
     parser.add_argument("--verbose", action="store_true", help="show the compiler's command lines")
     args = parser.parse_args()
+    if torch.version.cuda is None:
+        sys.exit(f"{prog}: torch {torch.__version__} is a CPU build; building the kernels needs a CUDA build of torch "
+                 "(e.g. torch==2.13.0 from PyPI or https://download.pytorch.org/whl/cu128) and the CUDA toolkit's "
+                 "nvcc (CUDA_HOME)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.arch:
         os.environ["DECONV_CUDA_ARCH"] = args.arch
-    load(verbose=args.verbose)
+    try:
+        load(verbose=args.verbose)
+    except KernelBuildError as exc:
+        sys.exit(f"{prog}: {exc}")
     log.info("build cache: %s", cache_root())
 
 

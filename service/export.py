@@ -8,12 +8,13 @@ Python::
     from service.export import export_model
     export_model(generator, "my_layers", dtype="float32")
 
-Command line (``deconv-export``)::
+Command line (``deconv-export``, or ``python -m service.export``)::
 
-    python -m service.export mypkg.models:Generator --kwargs '{"nz": 100}' --checkpoint gen.pt --out my_layers
+    deconv-export mypkg.models:Generator --kwargs '{"nz": 100}' --checkpoint gen.pt --out my_layers
 
 The model comes from ``module.path:factory`` (a callable returning an ``nn.Module``, or a module attribute that
-is one); ``--checkpoint`` loads a state dict into it with ``torch.load(weights_only=True)`` (never unpickling
+is one), imported from the current directory, ``--import-path`` directories, ``PYTHONPATH`` or the installed
+packages; ``--checkpoint`` loads a state dict into it with ``torch.load(weights_only=True)`` (never unpickling
 code) or from a ``.safetensors`` file.
 """
 
@@ -39,6 +40,16 @@ log = logging.getLogger("deconv.export")
 
 LIMIT_KEYS = ("max_batch_size", "max_batch_bytes", "max_queue_delay_ms", "max_queue_size", "max_height",
               "max_width")
+# The limit flags' help: each is written into every layer's config under its name (docs/operations.md).
+LIMIT_HELP = {
+    "max_batch_size": "most samples in one kernel call (default: the server's DECONV_MAX_BATCH_SIZE)",
+    "max_batch_bytes": "most output bytes in one kernel call (default: the server's DECONV_MAX_BATCH_BYTES)",
+    "max_queue_delay_ms": "longest wait in ms for more requests before a batch runs when a worker is free "
+                          "(default: the server's DECONV_MAX_QUEUE_DELAY_MS)",
+    "max_queue_size": "most requests waiting for the layer, then 429 (default: the server's DECONV_MAX_QUEUE_SIZE)",
+    "max_height": "largest input height accepted (default: 1024)",
+    "max_width": "largest input width accepted (default: 1024)",
+}
 
 
 class ExportError(ValueError):
@@ -218,8 +229,11 @@ def load_model(spec: str, kwargs: Mapping[str, Any] | None = None, checkpoint: s
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ExportError(f"model must be given as 'module.path:factory', got {spec!r}")
-    obj: Any = importlib.import_module(module_name)
+    obj: Any = import_model_module(module_name)
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ExportError(f"{module_name} ({getattr(obj, '__file__', None) or obj!r}) has no attribute "
+                              f"{part!r} (model {spec!r})")
         obj = getattr(obj, part)
     model = obj if isinstance(obj, nn.Module) else obj(**dict(kwargs or {}))
     if not isinstance(model, nn.Module):
@@ -238,9 +252,37 @@ def load_model(spec: str, kwargs: Mapping[str, Any] | None = None, checkpoint: s
     return model.eval()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m service.export MODEL --out DIR [options]``."""
-    p = argparse.ArgumentParser(prog="python -m service.export",
+def import_model_module(name: str) -> Any:
+    """Import the model's module ``name``.
+
+    Raises:
+        ExportError: it cannot be found (the message says how to point at it), or importing it failed.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise ExportError(
+                f"cannot import the model's module {name!r} ({exc}); searched the current directory "
+                f"{os.getcwd()}, PYTHONPATH and the installed packages. Point at the directory that holds "
+                f"{missing.replace('.', '/')}.py (or its package): --import-path DIR, or PYTHONPATH=DIR, or run "
+                "from that directory") from None
+        raise ExportError(f"importing the model's module {name!r} failed: {exc} (a module it imports is missing: "
+                          "install it)") from None
+    except ImportError as exc:
+        raise ExportError(f"importing the model's module {name!r} failed: {exc}") from None
+
+
+def program_name(argv0: str | None = None) -> str:
+    """How the exporter was started: ``deconv-export`` (the script) or ``python -m service.export``."""
+    name = Path(argv0 if argv0 is not None else sys.argv[0]).name
+    return name if name.startswith("deconv-export") else "python -m service.export"
+
+
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The command line of ``deconv-export`` / ``python -m service.export``."""
+    p = argparse.ArgumentParser(prog=prog or program_name(),
                                 description="Export every nn.ConvTranspose2d of a model as a layer repository.")
     p.add_argument("model", help="module.path:factory returning an nn.Module (or a module attribute that is one)")
     p.add_argument("--out", required=True, help="repository directory to write")
@@ -252,13 +294,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", action="append", default=[], metavar="PATH=NAME",
                    help="export only this module path under this name (repeatable)")
     for key in LIMIT_KEYS:
-        p.add_argument(f"--{key.replace('_', '-')}", type=float if key.endswith("_ms") else int, default=None)
+        p.add_argument(f"--{key.replace('_', '-')}", type=float if key.endswith("_ms") else int, default=None,
+                       metavar="MS" if key.endswith("_ms") else "N", help=LIMIT_HELP[key])
     p.add_argument("--warm-shape", action="append", nargs=2, type=int, default=[], metavar=("H", "W"),
                    help="input size the server runs at startup, for every layer (repeatable)")
+    p.add_argument("--import-path", action="append", default=[], metavar="DIR",
+                   help="directory to import the model's module from, before the current directory, PYTHONPATH and "
+                        "the installed packages (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``deconv-export MODEL --out DIR [options]``."""
+    args = parser().parse_args(argv)
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the model's module may live in the current directory, as with python -m
+    for directory in reversed(args.import_path):
+        sys.path.insert(0, str(Path(directory).expanduser().absolute()))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         kwargs = json.loads(args.kwargs)

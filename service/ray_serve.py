@@ -223,6 +223,13 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
 # --- the replicas ---------------------------------------------------------------------------------------------
 
 
+def replica_settings(settings: dict[str, Any]) -> Settings:
+    """A replica's ``Settings``: the node's ``DECONV_*`` environment and ``settings``, serving HTTP in one process
+    (the replica itself: ``http_processes`` 1, whatever the node's environment says, so that the bytes-in-flight
+    budget is not split between processes that do not exist)."""
+    return Settings(**{**settings, "http_processes": 1})
+
+
 async def wait_until_ready(app: FastAPI, timeout_s: float) -> None:
     """Wait until the app's engine passed its self-tests.
 
@@ -265,7 +272,7 @@ class DeconvServer:
 
     def __init__(self, settings: dict[str, Any], ready_timeout_s: float = 900.0) -> None:
         # Built here, on the replica, so that the node's DECONV_* environment applies.
-        self._settings = Settings(**settings)
+        self._settings = replica_settings(settings)
         self._ready_timeout_s = ready_timeout_s
         self._replica = serve.get_replica_context().replica_id.unique_id
 
@@ -324,7 +331,7 @@ class Gateway:
 
     def __init__(self, server: DeploymentHandle, settings: dict[str, Any], retry_after_s: float = 1.0) -> None:
         self._server = server
-        self._max_body_bytes = Settings(**settings).max_body_bytes
+        self._max_body_bytes = replica_settings(settings).max_body_bytes
         self._retry_after_s = retry_after_s
 
     async def __call__(self, request: Request) -> Response:

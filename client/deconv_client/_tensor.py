@@ -31,6 +31,21 @@ WireFormat = Literal["npy", "safetensors"]
 
 _MEDIA_TYPES: dict[str, str] = {"npy": NPY_MEDIA_TYPE, "safetensors": SAFETENSORS_MEDIA_TYPE}
 _INPUT_NAME = "input"
+# The dtypes the server computes in (a layer's dtype is one of them); numpy has no bfloat16.
+SERVED_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SERVED_NUMPY = frozenset(np.dtype(name) for name in SERVED_DTYPES if name != "bfloat16")
+
+
+def check_served_dtype(x: Any) -> None:
+    """Raise :class:`CodecError` naming ``x``'s own dtype when the server takes no tensor of that dtype (before
+    anything is encoded or sent: the server's answer would name the wire's dtype code instead)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.newbyteorder("=") not in _SERVED_NUMPY:  # any byte order: encoding makes it little-endian
+            raise CodecError(f"dtype {x.dtype} cannot be sent: the server takes float32, float16 and float64 arrays "
+                             "(and bfloat16 torch tensors); convert it, e.g. x.astype(np.float32)")
+    elif str(x.dtype).removeprefix("torch.") not in SERVED_DTYPES:
+        raise CodecError(f"dtype {x.dtype} cannot be sent: the server takes float32, float16, bfloat16 and float64 "
+                         "tensors; convert it, e.g. x.float()")
 
 
 @dataclass(frozen=True)
@@ -66,8 +81,11 @@ def encode_input(x: Any, wire_format: str | None = None) -> EncodedInput:
     """
     _check_format(wire_format)
     if isinstance(x, np.ndarray):
+        if x.dtype.kind in "biufc":  # other kinds (strings, objects, dates): the codec says they are not tensors
+            check_served_dtype(x)
         return _encode_numpy(x, wire_format)
     if is_torch_tensor(x):
+        check_served_dtype(x)
         return _encode_torch(x, wire_format)
     raise TypeError(f"expected a numpy.ndarray or a torch.Tensor, got {type(x).__name__}")
 

@@ -28,6 +28,15 @@ from service import codec
 from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor
 from service.config import VERSION
 from service.engine.interface import LayerQueue, Result, Ticket
+from service.engine.kserve import (
+    KSERVE_DTYPES,
+    KSERVE_INPUT,
+    KSERVE_NAMES,
+    KSERVE_OUTPUT,
+    MODEL_VERSION,
+    check_version,
+    model_metadata,
+)
 from service.engine.registry import Layer
 from service.errors import (
     ClientGoneError,
@@ -50,11 +59,6 @@ if TYPE_CHECKING:
 
 router = APIRouter()
 
-KSERVE_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16, "FP64": torch.float64}
-KSERVE_NAMES = {v: k for k, v in KSERVE_DTYPES.items()}
-KSERVE_INPUT = "input"
-KSERVE_OUTPUT = "output"
-MODEL_VERSION = "1"
 # The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
 # anything longer is a mistake; the request timeout bounds every request anyway).
 MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
@@ -208,7 +212,7 @@ _ERROR_TYPES = {
 # As FastAPI's routes declare their error responses.
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": d}
                                             for code, d in _ERROR_TYPES.items()}
-_KSERVE_ERRORS = {code: {"model": KServeError, "description": d} for code, d in _ERROR_TYPES.items()}
+KSERVE_ERRORS = {code: {"model": KServeError, "description": d} for code, d in _ERROR_TYPES.items()}
 
 
 # --- shared helpers ----------------------------------------------------------------------------------------
@@ -478,7 +482,7 @@ async def metrics(request: Request) -> Response:
 @router.get("/v2", tags=["kserve"], summary="Server metadata")
 async def v2_server_metadata(request: Request) -> dict[str, Any]:
     """Name, version and protocol extensions."""
-    extensions = ["binary_tensor_data"]
+    extensions = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
     if request.app.state.regions.enabled:
         extensions.append("system_shared_memory")
     if get_engine(request).cuda_memory.available:
@@ -492,49 +496,31 @@ async def v2_live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: _KSERVE_ERRORS[503]})
+@router.get("/v2/health/ready", tags=["kserve"], summary="Server readiness", responses={503: KSERVE_ERRORS[503]})
 async def v2_ready(request: Request) -> dict[str, bool]:
     """200 once every layer passed its self-test, else 503."""
     get_engine(request).readiness.check_ready()
     return {"ready": True}
 
 
-def _check_version(version: str | None) -> None:
-    if version is not None and version != MODEL_VERSION:
-        raise UnknownLayerError(f"model version {version!r} does not exist; the only version is {MODEL_VERSION!r}")
-
-
-def _model_metadata(layer: Layer) -> dict[str, Any]:
-    c = layer.config
-    dt = KSERVE_NAMES[layer.dtype]
-    return {
-        "name": c.name,
-        "versions": [MODEL_VERSION],
-        "platform": "deconv",
-        "inputs": [{"name": KSERVE_INPUT, "datatype": dt, "shape": [-1, c.in_channels, -1, -1]}],
-        "outputs": [{"name": KSERVE_OUTPUT, "datatype": dt, "shape": [-1, c.out_channels, -1, -1]}],
-        "parameters": {"layer": layer.describe()},
-    }
-
-
-@router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: _KSERVE_ERRORS[404]})
+@router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: KSERVE_ERRORS[404]})
 async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
     """Inputs and outputs of the layer called ``name`` (datatype and shape, -1 for any size)."""
     layer, _ = _layer(get_engine(request), name)
-    return _model_metadata(layer)
+    return model_metadata(layer)
 
 
 @router.get("/v2/models/{name}/versions/{version}", tags=["kserve"], summary="Model metadata (versioned)",
-            responses={404: _KSERVE_ERRORS[404]})
+            responses={404: KSERVE_ERRORS[404]})
 async def v2_model_metadata_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}``; the only version is ``1``."""
     layer, _ = _layer(get_engine(request), name)
-    _check_version(version)
-    return _model_metadata(layer)
+    check_version(version)
+    return model_metadata(layer)
 
 
 @router.get("/v2/models/{name}/ready", tags=["kserve"], summary="Model readiness",
-            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+            responses={404: KSERVE_ERRORS[404], 503: KSERVE_ERRORS[503]})
 async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
     """200 when the server is ready (every layer passed its self-test), else 503."""
     engine = get_engine(request)
@@ -544,12 +530,12 @@ async def v2_model_ready(request: Request, name: str) -> dict[str, Any]:
 
 
 @router.get("/v2/models/{name}/versions/{version}/ready", tags=["kserve"], summary="Model readiness (versioned)",
-            responses={404: _KSERVE_ERRORS[404], 503: _KSERVE_ERRORS[503]})
+            responses={404: KSERVE_ERRORS[404], 503: KSERVE_ERRORS[503]})
 async def v2_model_ready_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}/ready``."""
     engine = get_engine(request)
     _layer(engine, name)
-    _check_version(version)
+    check_version(version)
     engine.readiness.check_ready()
     return {"name": name, "ready": True}
 
@@ -826,7 +812,7 @@ async def v2_infer_call(call: Call) -> Reply:
     status = 500
     try:
         layer, batcher = _layer(engine, name)
-        _check_version(version)
+        check_version(version)
         engine.readiness.check_ready()
         limit = engine.settings.max_body_bytes
         encoding = call.headers.get("content-encoding")

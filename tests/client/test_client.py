@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -313,3 +315,26 @@ def test_clients_are_context_managers(portal) -> None:
     portal.call(use)
     with pytest.raises(TypeError, match="retry"):
         Client(retry=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("x", "named"), [
+    (np.ones((1, 3, 4, 4), np.int32), "dtype int32 cannot be sent"),
+    (np.ones((1, 3, 4, 4), np.uint16), "dtype uint16 cannot be sent"),
+    (np.ones((1, 3, 4, 4), np.complex64), "dtype complex64 cannot be sent"),
+    (np.ones((1, 3, 4, 4), bool), "dtype bool cannot be sent"),
+    (torch.ones(1, 3, 4, 4, dtype=torch.int16), "dtype torch.int16 cannot be sent"),
+    (torch.ones(1, 3, 4, 4, dtype=torch.uint8), "dtype torch.uint8 cannot be sent"),
+])
+def test_an_unsupported_dtype_is_named_as_the_caller_wrote_it_before_anything_is_sent(
+        make_client: MakeClient, x: Any, named: str) -> None:
+    echo = Echo()
+    client = make_client(echo)
+    for wire_format in (None, "npy", "safetensors"):
+        with pytest.raises(CodecError, match=re.escape(named)) as err:
+            client.deconv("up1", x, wire_format=wire_format)
+        assert "float32, float16" in str(err.value)
+        for wire_name in ("<i4", "<u2", "<c8", "|b1", "I32", "U16", "BOOL", "I16", "U8"):  # the wire's codes
+            assert f"'{wire_name}'" not in str(err.value)
+    assert echo.requests == []
+    big_endian = rand(1, 3, 4, 4).astype(">f4")  # a served dtype in the other byte order is converted and sent
+    np.testing.assert_array_equal(client.deconv("up1", big_endian), fake_layer(big_endian.astype(np.float32)))

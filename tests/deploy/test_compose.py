@@ -212,3 +212,10 @@ def test_compose_file_parses_without_docker_compose():
     config = yaml.safe_load(COMPOSE_FILE.read_text())
     assert set(config["services"]) == {"deconv", "deconv-cpu"}
     assert config["services"]["deconv"]["healthcheck"]["test"][-1] == HEALTHCHECK
+
+
+def test_http_processes_are_sized_from_the_machine_unless_set(rendered):
+    for name, service in rendered("cpu")["services"].items():
+        assert _environment(service)["DECONV_HTTP_PROCESSES"] == "auto", name
+    service = rendered(DECONV_HTTP_PROCESSES="8")["services"]["deconv"]
+    assert _environment(service)["DECONV_HTTP_PROCESSES"] == "8"

@@ -7,21 +7,29 @@ Skipped when Ray Serve is not installed (the optional extra ``deconv[ray]``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file
 
 pytest.importorskip("ray.serve", reason="Ray Serve is the optional extra deconv[ray]")
@@ -44,6 +52,7 @@ from service.ray_serve import (
     call_asgi,
     gateway_options,
     ray_error_response,
+    replica_settings,
     server_options,
     wait_until_ready,
 )
@@ -105,6 +114,14 @@ def test_config_cpu_replicas_fixed_count_and_settings():
     assert "autoscaling_config" not in options
     assert config.service_settings() == {"max_batch_size": 8, "devices": "cpu"}
     assert RayServeConfig(num_gpus=0, settings={"devices": "auto"}).service_settings() == {"devices": "auto"}
+
+
+def test_a_replica_serves_http_in_one_process_whatever_the_node_says(monkeypatch):
+    monkeypatch.setenv("DECONV_HTTP_PROCESSES", "8")
+    settings = replica_settings({"max_batch_size": 8, "http_processes": 4})
+    assert (settings.http_processes, settings.max_batch_size) == (1, 8)
+    monkeypatch.setenv("DECONV_HTTP_PROCESSES", "auto")
+    assert replica_settings({"devices": "0"}).http_processes == 1  # auto would count the node's cores
 
 
 def test_config_from_environment_and_arguments(monkeypatch):
@@ -361,3 +378,112 @@ def test_ray_backpressure_becomes_our_429(ray_run):
 def test_ray_scenario_is_bounded(ray_run):
     assert ray_run["wall_s"] < SCENARIO_TIMEOUT_S
     assert ray_run["timings"]["total_s"] < 120
+
+
+# --- the documented local commands, as docs/deploy.md writes them ----------------------------------------------
+
+DOCUMENTED_TIMEOUT_S = 300  # Ray's start, Serve's start and two replicas' self-tests: about 60 s on 2 cores
+
+
+def _documented_commands() -> list[list[str]]:
+    """The commands of docs/deploy.md's one-machine Ray Serve blocks, in order (comments dropped)."""
+    doc = (REPO_ROOT / "docs" / "deploy.md").read_text()
+    section = doc[doc.index("On one machine without GPUs"):doc.index("### Kubernetes with KubeRay")]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [shlex.split(line.split("#")[0]) for block in blocks for line in block.splitlines()
+            if line.split("#")[0].strip()]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _stop_group(proc: subprocess.Popen[Any], sig: int, timeout: float) -> None:
+    """``sig`` to the process group ``proc`` leads (its own session), then SIGKILL to what is left of it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.mark.slow
+def test_the_documented_local_commands_serve_two_cpu_replicas_on_two_cores_beside_port_8000(tmp_path):
+    """docs/deploy.md's commands for one machine, as written, on a Ray of 2 CPUs: Serve on its own port (not the
+    README server's 8000), two CPU replicas that answer with correct numbers, and ``serve status`` reporting them.
+    Only what isolates this run from other Ray clusters on the machine is added: Ray's ports and directory, the
+    cluster's address, and the dashboard's address for ``serve status``."""
+    commands = _documented_commands()
+    assert [c[:2] for c in commands] == [["ray", "start"], ["serve", "start"], ["serve", "run"], ["serve", "status"],
+                                         ["curl", "-s"]]
+    ray_start, serve_start, serve_run, serve_status, curl = commands
+    assert "--http-port" in serve_start
+    assert serve_start[serve_start.index("--http-port") + 1] != "8000"
+    assert "num_cpus=0.5" in serve_run
+    gcs, dashboard, client, agent, http = _free_ports(5)
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    bindir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DECONV_"))}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{gcs}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
+    serve_start[serve_start.index("--http-port") + 1] = str(http)
+    logs = tmp_path / "ray.log"
+    ray = subprocess.Popen(
+        [str(bindir / "ray"), *ray_start[1:], "--block", "--num-cpus=2", f"--port={gcs}",
+         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+         f"--dashboard-agent-listen-port={agent}", f"--temp-dir={temp}"],
+        cwd=REPO_ROOT, env=env, stdout=logs.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    run = None
+    deadline = time.monotonic() + DOCUMENTED_TIMEOUT_S
+    try:
+        started = None
+        while started is None or started.returncode != 0:  # `serve start` once the cluster takes connections
+            assert ray.poll() is None, logs.read_text()[-4000:]
+            assert time.monotonic() < deadline, started.stderr[-4000:] if started else ""
+            started = subprocess.run([str(bindir / "serve"), *serve_start[1:]], cwd=REPO_ROOT, env=env,
+                                     capture_output=True, text=True, timeout=DOCUMENTED_TIMEOUT_S)
+        run = subprocess.Popen([str(bindir / "serve"), *serve_run[1:]], cwd=REPO_ROOT, env=env,
+                               stdout=(tmp_path / "run.log").open("wb"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+        url = curl[-1].replace("8001", str(http))
+        assert url == f"127.0.0.1:{http}/health/ready"
+        with httpx.Client(timeout=30.0, trust_env=False) as http_client:
+            while True:  # the replicas start and pass their self-tests
+                assert run.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-4000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if http_client.get(f"http://{url}").status_code == 200:
+                        break
+                time.sleep(1.0)
+            status = None
+            while status is None or status.get("applications", {}).get("default", {}).get("status") != "RUNNING":
+                assert time.monotonic() < deadline, status
+                done = subprocess.run([str(bindir / "serve"), *serve_status[1:], "--address",
+                                       f"http://127.0.0.1:{dashboard}"], cwd=REPO_ROOT, env=env,
+                                      capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr[-4000:]
+                status = yaml.safe_load(done.stdout)
+            deployments = status["applications"]["default"]["deployments"]
+            assert deployments["DeconvServer"]["status"] == "HEALTHY"
+            assert deployments["DeconvServer"]["replica_states"] == {"RUNNING": 2}
+            assert deployments["Gateway"]["status"] == "HEALTHY"
+            x = np.random.default_rng(3).standard_normal((2, 16, 5, 6)).astype(np.float32)
+            r = http_client.post(f"http://127.0.0.1:{http}/deconv", params={"layer": "demo"}, content=_npy(x),
+                                 headers={"content-type": NPY})
+            assert r.status_code == 200, r.text[:500]
+            assert rel_err(_load_npy(r.content), demo_reference(x)) < 1e-5
+            assert r.headers[REPLICA_HEADER]
+    finally:
+        if run is not None:
+            _stop_group(run, signal.SIGINT, 60)  # Ctrl-C: serve run removes the application
+        _stop_group(ray, signal.SIGTERM, 60)  # `ray start --block` stops its cluster
+        shutil.rmtree(temp, ignore_errors=True)

@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
-from service.http import routes, shm_routes
+from service.http import model_routes, routes, shm_routes
 from service.http.app import create_app
 from tests.service.conftest import NPY, npy_bytes, run, serve_app, write_layer
 
@@ -119,18 +119,18 @@ def _inference_requests() -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_every_inference_route_needs_the_key(repo, monkeypatch):
-    api = [r for r in routes.router.routes if isinstance(r, APIRoute)]
+    api = [r for r in routes.router.routes + model_routes.router.routes if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
     # The router holds every FastAPI route the app serves but the shared-memory ones, which check the key
     # themselves, status included (tests/service/test_system_shm.py and test_cuda_shm_routes.py:
     # test_every_route_needs_the_api_key); the inference routes, which the app answers itself, are the only POST
-    # routes.
+    # routes, but the repository index (a read: its body only filters the list).
     shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]
     inference = {r.path for r in routes.INFERENCE_ROUTES.routes}
     assert {r.path for r in api + shm} | inference == set(documented)
     assert all(r.path.startswith(("/v2/systemsharedmemory/", "/v2/cudasharedmemory/")) for r in shm)
     assert inference == {"/deconv", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
-    assert not any("POST" in r.methods for r in api)
+    assert [r.path for r in api if "POST" in r.methods] == ["/v2/repository/index"]
     for path in inference:
         assert set(documented[path]) == {"post"}, path
     for r in api:  # the app answers the inference routes' paths, and only those
@@ -172,9 +172,12 @@ def test_the_key_protects_computation_and_every_read_route_stays_open(repo):
         async with serve_app(settings) as (_, client):
             for path in ("/v1/layers", "/v1/layers/small", "/v2", "/v2/models/small", "/v2/models/small/ready",
                          "/v2/models/small/versions/1", "/health/live", "/health/ready", "/v2/health/live",
-                         "/v2/health/ready", "/metrics", "/openapi.json"):
+                         "/v2/health/ready", "/metrics", "/openapi.json", "/v2/models/small/config",
+                         "/v2/models/small/versions/1/config", "/v2/models/stats", "/v2/models/small/stats",
+                         "/v2/models/small/versions/1/stats"):
                 r = await client.get(path)
                 assert r.status_code == 200, (path, r.text[:200])
+            assert (await client.post("/v2/repository/index")).status_code == 200
             for path, kw in _inference_requests():
                 r = await client.post(path, content=kw["content"], headers=kw.get("headers", {}))
                 assert r.status_code == 401, path

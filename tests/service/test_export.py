@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +18,9 @@ from torch import nn
 import kernels
 from service.config import Settings
 from service.engine.registry import BatchLimits, load_repository
-from service.export import ExportError, export_model, load_model, main
+from service.export import ExportError, export_model, load_model, main, parser
 
-from .conftest import NPY, load_npy, npy_bytes, run, serve_app
+from .conftest import NPY, REPO_ROOT, load_npy, npy_bytes, run, serve_app
 
 LIMITS = BatchLimits(64, 1 << 28, 2.0, 256)
 
@@ -145,3 +149,58 @@ def test_cli_reports_errors(tmp_path, model_module):
         main(["no_colon", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="export failed"):
         main([model_module, "--out", str(tmp_path), "--name", "nope=x"])
+
+
+# --- the command line itself -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("command", "prog"), [(["deconv-export"], "deconv-export"),
+                                               ([sys.executable, "-m", "service.export"], "python -m service.export")])
+def test_usage_names_the_program_and_every_flag_has_help(command, prog):
+    script = Path(sys.executable).parent / command[0]
+    if command[0] == "deconv-export":
+        if not script.exists():
+            pytest.skip("deconv-export is not installed in this environment")
+        command = [str(script)]
+    result = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: {prog} ")
+    for action in parser(prog)._actions:
+        assert action.help, action.option_strings or action.dest
+    for flag in ("--max-batch-size", "--max-batch-bytes", "--max-queue-delay-ms", "--max-queue-size", "--max-height",
+                 "--max-width", "--import-path"):
+        assert flag in result.stdout
+    assert "DECONV_MAX_QUEUE_SIZE" in result.stdout  # the limits say which server default they replace
+
+
+def test_a_module_that_cannot_be_found_says_how_to_point_at_it(tmp_path, monkeypatch):
+    models = tmp_path / "elsewhere"
+    models.mkdir()
+    (models / "my_model.py").write_text("from torch import nn\n\ndef generator():\n"
+                                        "    return nn.Sequential(nn.ConvTranspose2d(4, 2, 3))\n")
+    monkeypatch.chdir(tmp_path)  # not where the module is
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() adds --import-path to it
+    monkeypatch.setitem(sys.modules, "my_model", None)  # and imports the module: gone again afterwards
+    del sys.modules["my_model"]
+    with pytest.raises(SystemExit) as err:
+        main(["my_model:generator", "--out", str(tmp_path / "out")])
+    message = str(err.value)
+    assert message.startswith("export failed: cannot import the model's module 'my_model'")
+    assert "--import-path DIR" in message
+    assert "PYTHONPATH=DIR" in message
+    assert str(tmp_path) in message  # where it looked
+    main(["my_model:generator", "--out", str(tmp_path / "out"), "--import-path", str(models)])
+    assert load_repository(tmp_path / "out", LIMITS).names() == ["0"]
+
+
+def test_a_module_whose_own_import_fails_says_so(tmp_path, monkeypatch):
+    (tmp_path / "broken_model.py").write_text("import no_such_dependency_here\n")
+    (tmp_path / "plain_model.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ExportError, match="importing the model's module 'broken_model' failed: No module named "
+                                          "'no_such_dependency_here'"):
+        load_model("broken_model:generator")
+    with pytest.raises(ExportError, match="has no attribute 'generator'"):
+        load_model("plain_model:generator")
+    with pytest.raises(ExportError, match=re.escape("cannot import the model's module 'plain_model.sub'")):
+        load_model("plain_model.sub:generator")

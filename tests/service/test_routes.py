@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from safetensors.torch import save as st_save
 from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.local import LocalEngine
+from service.http.app import create_app
 from service.http.routes import (
     MAX_DEADLINE_MS,
     DeadlineHeader,
@@ -902,3 +904,219 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
             inflight.give(budget // 2)
 
     run(main())
+
+
+# --- the layers as KServe / Triton models (service.engine.kserve) ------------------------------------------
+
+
+def test_model_configuration_index_and_statistics_are_built_from_the_layer_and_the_metrics(repo):
+    from service.engine import kserve
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (app, client):
+            engine = app.state.engine
+            small = engine.registry.get("small")
+            config = kserve.model_config(engine, small)
+            assert (config["name"], config["backend"], config["max_batch_size"]) == ("small", "deconv", 4)
+            assert config["input"][0]["data_type"] == "TYPE_FP32"
+            assert config["input"][0]["dims"] == [4, -1, -1]
+            assert config["output"][0]["dims"] == [6, -1, -1]
+            assert config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 256
+            assert config["instance_group"][0]["kind"] == "KIND_CPU"
+            assert config["parameters"]["stride"] == {"string_value": "[2, 2]"}
+            slow = kserve.model_config(engine, engine.registry.get("slow"))["dynamic_batching"]
+            assert slow["max_queue_delay_microseconds"] == 600_000_000
+            assert kserve.model_config(engine, engine.registry.get("bf"))["output"][0]["data_type"] == "TYPE_BF16"
+            assert kserve.repository_index(engine) == [
+                {"name": n, "version": "1", "state": "READY", "reason": ""} for n in ("bf", "half", "slow", "small")]
+
+            for n in (1, 2, 3):
+                r = await post_npy(client, "small", np.ones((n, 4, 5, 5), np.float32))
+                assert r.status_code == 200
+            assert (await post_npy(client, "small", np.ones((1, 3, 5, 5), np.float32))).status_code == 422
+            stats = kserve.model_statistics(engine, "small")["model_stats"]
+            assert [s["name"] for s in stats] == ["small"]
+            s = stats[0]
+            inf = s["inference_stats"]
+            assert (inf["success"]["count"], inf["fail"]["count"], inf["queue"]["count"]) == (3, 1, 3)
+            assert inf["success"]["ns"] > inf["queue"]["ns"] > 0
+            assert inf["fail"]["ns"] > 0
+            assert (s["inference_count"], s["execution_count"]) == (6, 3)  # sequential requests: a batch each
+            assert inf["compute_infer"]["count"] == 3
+            assert inf["compute_infer"]["ns"] == sum(b["compute_infer"]["ns"] for b in s["batch_stats"])
+            assert [(b["batch_size"], b["compute_infer"]["count"]) for b in s["batch_stats"]] == [(1, 1), (2, 1),
+                                                                                                  (3, 1)]
+            assert s["last_inference"] > 0
+            text = (await client.get("/metrics")).text
+            assert inf["success"]["ns"] == round(
+                1e9 * metric_value(text, "deconv_request_latency_seconds_sum", layer="small"))
+            assert s["execution_count"] == metric_value(text, "deconv_batch_seconds_count", layer="small")
+            every = kserve.model_statistics(engine)["model_stats"]
+            assert [m["name"] for m in every] == ["bf", "half", "slow", "small"]
+            assert every[0]["inference_stats"]["success"] == {"count": 0, "ns": 0}
+            with pytest.raises(kserve.UnknownLayerError):
+                kserve.model_statistics(engine, "small", "2")
+            with pytest.raises(kserve.UnknownLayerError):
+                kserve.model_statistics(engine, "nope")
+
+    run(main())
+
+
+def test_model_configuration_index_and_statistics_routes(repo):
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (_, client):
+            extensions = (await client.get("/v2")).json()["extensions"]
+            assert {"model_configuration", "model_repository", "statistics"} <= set(extensions)
+            config = (await client.get("/v2/models/half/config")).json()
+            assert (config["name"], config["max_batch_size"]) == ("half", 4)
+            assert config["input"][0] == {"name": "input", "data_type": "TYPE_FP16", "format": "FORMAT_NCHW",
+                                          "dims": [4, -1, -1], "is_shape_tensor": False,
+                                          "allow_ragged_batch": False, "optional": False}
+            assert (await client.get("/v2/models/half/versions/1/config")).json() == config
+            r = await client.get("/v2/models/half/versions/2/config")
+            assert (r.status_code, r.json()["type"]) == (404, "unknown_layer")
+            assert (await client.get("/v2/models/nope/config")).status_code == 404
+
+            index = [{"name": n, "version": "1", "state": "READY", "reason": ""} for n in ("bf", "half", "slow",
+                                                                                          "small")]
+            for body in (b"", b"{}", b'{"ready": true}', b'{"ready": false}'):
+                r = await client.post("/v2/repository/index", content=body)
+                assert (r.status_code, r.json()) == (200, index), body
+            for bad in (b"[", b"[]", b'{"ready": 1}'):
+                r = await client.post("/v2/repository/index", content=bad)
+                assert (r.status_code, r.json()["type"]) == (400, "malformed_body"), bad
+            r = await client.post("/v2/repository/index", content=b" " * 5000)
+            assert (r.status_code, r.json()["type"]) == (413, "payload_too_large")
+
+            assert (await post_npy(client, "small", np.ones((2, 4, 5, 5), np.float32))).status_code == 200
+            one = (await client.get("/v2/models/small/stats")).json()["model_stats"]
+            assert [s["name"] for s in one] == ["small"]
+            assert one[0]["inference_stats"]["success"]["count"] == 1
+            assert one[0]["inference_count"] == 2
+            assert (await client.get("/v2/models/small/versions/1/stats")).json()["model_stats"][0]["name"] == "small"
+            every = (await client.get("/v2/models/stats")).json()["model_stats"]
+            assert [s["name"] for s in every] == ["bf", "half", "slow", "small"]
+            for path in ("/v2/models/nope/stats", "/v2/models/small/versions/3/stats"):
+                r = await client.get(path)
+                assert (r.status_code, r.json()["type"]) == (404, "unknown_layer"), path
+
+    run(main())
+
+
+def test_the_index_says_why_the_models_are_not_ready(repo, monkeypatch):
+    from service.engine import kserve
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (app, client):
+            engine = app.state.engine
+            engine.readiness.set("failed", "self-test of layer 'small' failed")
+            r = await client.post("/v2/repository/index", content=b"")
+            assert r.json()[0] == {"name": "bf", "version": "1", "state": "UNAVAILABLE",
+                                   "reason": "self-test of layer 'small' failed"}
+            assert (await client.post("/v2/repository/index", json={"ready": True})).json() == []
+            engine.begin_drain()
+            assert kserve.repository_index(engine)[0]["state"] == "UNLOADING"
+
+    run(main())
+
+
+# --- tritonclient against a live CPU server, one and two HTTP processes -------------------------------------
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_tritonclient_reads_the_configuration_index_and_statistics(tmp_path, server_factory, processes):
+    """tritonclient.http's get_model_config, get_model_repository_index and get_inference_statistics against a live
+    server: the values of the layer, and counts that equal the requests sent and agree with /metrics (in a
+    multi-process server whichever HTTP process answers)."""
+    import tritonclient.http as triton
+
+    module = write_layer(tmp_path, "fast", in_channels=4, out_channels=6, kernel_size=4, stride=2, padding=1,
+                         limits={"max_batch_size": 8, "max_queue_delay_ms": 2.5})
+    proc = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path), "DECONV_HTTP_PROCESSES": processes})
+    if processes == "2":  # every HTTP process serving, so that the clients below reach both
+        deadline = time.monotonic() + 60
+        while "HTTP processes serving: 2 of 2" not in proc.log():
+            assert time.monotonic() < deadline, proc.log()
+            time.sleep(0.05)
+    url = proc.url.removeprefix("http://")
+
+    def client() -> Any:  # a new connection each: a multi-process server hands connections out in turn
+        return triton.InferenceServerClient(url, network_timeout=30.0)
+
+    c = client()
+    try:
+        config = c.get_model_config("fast")
+        assert (config["name"], config["max_batch_size"]) == ("fast", 8)
+        assert config["input"][0]["dims"] == [4, -1, -1]
+        assert config["output"][0]["dims"] == [6, -1, -1]
+        assert config["input"][0]["data_type"] == config["output"][0]["data_type"] == "TYPE_FP32"
+        assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2500
+        assert c.get_model_config("fast", "1") == config
+        assert c.get_model_repository_index() == [{"name": "fast", "version": "1", "state": "READY", "reason": ""}]
+        with pytest.raises(triton.InferenceServerException, match="no layer named 'nope'"):
+            c.get_model_config("nope")
+    finally:
+        c.close()
+
+    sent = 6
+    for i in range(sent):
+        c = client()
+        try:
+            x = np.random.default_rng(i).standard_normal((i % 3 + 1, 4, 5, 5)).astype(np.float32)
+            inp = triton.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            y = c.infer("fast", [inp], outputs=[triton.InferRequestedOutput("output", binary_data=True)])
+            assert rel_err(y.as_numpy("output"), reference(module, torch.from_numpy(x))) < 1e-5
+        finally:
+            c.close()
+    c = client()
+    try:
+        bad = triton.InferInput("input", [1, 3, 5, 5], "FP32")
+        bad.set_data_from_numpy(np.ones((1, 3, 5, 5), np.float32), binary_data=True)
+        with pytest.raises(triton.InferenceServerException, match="3 channels"):
+            c.infer("fast", [bad])
+    finally:
+        c.close()
+
+    text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    for _ in range(int(processes)):  # each HTTP process in turn (a connection each) reports the same totals
+        c = client()
+        try:
+            stats = c.get_inference_statistics("fast")["model_stats"]
+            assert c.get_inference_statistics()["model_stats"][0]["name"] == "fast"
+        finally:
+            c.close()
+        assert [s["name"] for s in stats] == ["fast"]
+        s = stats[0]
+        inf = s["inference_stats"]
+        assert inf["success"]["count"] == sent == metric_value(text, "deconv_requests_total", layer="fast",
+                                                               api="kserve", status="200")
+        assert inf["fail"]["count"] == 1 == metric_value(text, "deconv_requests_total", layer="fast", api="kserve",
+                                                         status="422")
+        assert inf["queue"]["count"] == sent == metric_value(text, "deconv_queue_time_seconds_count", layer="fast")
+        assert inf["compute_infer"]["count"] == sent
+        assert s["inference_count"] == 12 == metric_value(text, "deconv_batch_size_sum", layer="fast")
+        assert s["execution_count"] == metric_value(text, "deconv_batch_seconds_count", layer="fast")
+        assert sum(b["compute_infer"]["count"] for b in s["batch_stats"]) == s["execution_count"]
+        for key, metric in (("success", "deconv_request_latency_seconds_sum"),
+                            ("queue", "deconv_queue_time_seconds_sum"),
+                            ("fail", "deconv_failed_request_seconds_total")):
+            assert abs(inf[key]["ns"] - 1e9 * metric_value(text, metric, layer="fast")) < 1e3, key
+        assert abs(sum(b["compute_infer"]["ns"] for b in s["batch_stats"])
+                   - 1e9 * metric_value(text, "deconv_batch_seconds_sum", layer="fast")) < 1e3
+        assert s["last_inference"] > 0
+
+
+def test_the_protocol_page_lists_every_route_and_extension(repo):
+    """docs/protocol.md's route table names every operation of the app and every extension GET /v2 can list."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    table = doc[doc.index("## Routes"):doc.index("## `POST /deconv`")]
+    app = create_app(settings(repo))
+    routes = [f"`{method.upper()} {path}`" for path, item in app.openapi()["paths"].items() for method in item]
+    routes += [f"`GET {app.openapi_url}`", f"`GET {app.docs_url}`", f"`GET {app.redoc_url}`"]
+    assert len(routes) > 30
+    assert [r for r in routes if r not in table] == []
+    assert sorted(set(re.findall(r"`((?:GET|POST) [^`]+)`", table))) == sorted(r.strip("`") for r in routes)
+    for extension in ("binary_tensor_data", "model_configuration", "model_repository", "statistics",
+                      "system_shared_memory", "cuda_shared_memory"):
+        assert f"`{extension}`" in table, extension
