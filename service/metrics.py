@@ -10,11 +10,23 @@ sets ``PROMETHEUS_MULTIPROC_DIR`` for every process it starts, each process writ
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+    values,
+)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 # Set by the supervisor of a multi-process server before it starts the processes (prometheus-client reads it).
@@ -88,6 +100,20 @@ class Metrics:
             "deconv_batch_size", "Samples per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_requests = Histogram(
             "deconv_batch_requests", "Requests per kernel call.", ["layer"], buckets=BATCH_BUCKETS, registry=r)
+        self.failed_time = Counter(
+            "deconv_failed_request_seconds", "Time from receipt to response of failed inference requests (answered "
+            "with a status other than 200), summed.", ["layer"], registry=r)
+        self.batch_compute = Summary(
+            "deconv_batch_compute_seconds", "Batches executed and their time (as deconv_batch_seconds), by layer and "
+            "samples in the batch (at most the layer's max_batch_size series).", ["layer", "batch_size"], registry=r)
+        self.request_compute = Counter(
+            "deconv_request_compute_seconds", "Each executed batch's time once for every request in it, summed.",
+            ["layer"], registry=r)
+        self.computed_requests = Counter(
+            "deconv_computed_requests", "Requests in executed batches.", ["layer"], registry=r)
+        self.last_inference = Gauge(
+            "deconv_last_inference_timestamp_seconds", "When the layer's last executed batch finished (Unix time).",
+            ["layer"], registry=r, multiprocess_mode="max")
         self.queue_depth = Gauge(
             "deconv_queue_depth", "Requests waiting in the layer's queue.", ["layer"], registry=r,
             multiprocess_mode="livesum")
@@ -148,6 +174,9 @@ class Metrics:
         self._gpus: list[int] = []
         # Series of answered requests by (layer, api, status): labels() costs more than the update itself.
         self._answered: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        # Series of executed batches by (layer, samples), and by layer.
+        self._executed: dict[tuple[str, int], Any] = {}
+        self._computed: dict[str, tuple[Any, Any, Any]] = {}
 
     def count_request(self, layer: str, api: str, status: int, latency_s: float) -> None:
         """Count one answered inference request; successful ones (200) also go into the latency histogram."""
@@ -158,6 +187,29 @@ class Metrics:
         series[0].inc()
         if status == 200:
             series[1].observe(latency_s)
+        else:
+            self.failed_time.labels(layer).inc(latency_s)
+
+    def count_batch(self, layer: str, samples: int, requests: int, seconds: float) -> None:
+        """Count one executed batch of ``samples`` samples in ``requests`` requests that took ``seconds`` (the
+        series of the KServe statistics, ``service.engine.kserve``)."""
+        batch = self._executed.get((layer, samples))
+        if batch is None:
+            batch = self._executed[(layer, samples)] = self.batch_compute.labels(layer, str(samples))
+        batch.observe(seconds)
+        per_layer = self._computed.get(layer)
+        if per_layer is None:
+            per_layer = self._computed[layer] = (self.request_compute.labels(layer),
+                                                 self.computed_requests.labels(layer),
+                                                 self.last_inference.labels(layer))
+        per_layer[0].inc(seconds * requests)
+        per_layer[1].inc(requests)
+        per_layer[2].set(time.time())
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric family as ``/metrics`` reports it: in a multi-process server, summed over every process
+        (the engine's and each HTTP process's series)."""
+        yield from self._exposed.collect()
 
     def watch_gpus(self, indices: list[int]) -> None:
         """Report memory of these CUDA devices at every scrape."""

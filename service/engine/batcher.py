@@ -484,6 +484,7 @@ class Batcher:
                 self._left_worker(lane, took)
             if self.metrics is not None:
                 self._batch_time.observe(took)
+                self.metrics.count_batch(name, samples, len(batch), took)
         except Exception as exc:
             if not isinstance(exc, ServiceError):
                 log.error("batch of layer %s failed", name, exc_info=exc)

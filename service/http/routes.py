@@ -28,6 +28,15 @@ from service import codec
 from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor
 from service.config import VERSION
 from service.engine.interface import LayerQueue, Result, Ticket
+from service.engine.kserve import (
+    KSERVE_DTYPES,
+    KSERVE_INPUT,
+    KSERVE_NAMES,
+    KSERVE_OUTPUT,
+    MODEL_VERSION,
+    check_version,
+    model_metadata,
+)
 from service.engine.registry import Layer
 from service.errors import (
     ClientGoneError,
@@ -50,11 +59,6 @@ if TYPE_CHECKING:
 
 router = APIRouter()
 
-KSERVE_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16, "FP64": torch.float64}
-KSERVE_NAMES = {v: k for k, v in KSERVE_DTYPES.items()}
-KSERVE_INPUT = "input"
-KSERVE_OUTPUT = "output"
-MODEL_VERSION = "1"
 # The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
 # anything longer is a mistake; the request timeout bounds every request anyway).
 MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
@@ -499,29 +503,11 @@ async def v2_ready(request: Request) -> dict[str, bool]:
     return {"ready": True}
 
 
-def _check_version(version: str | None) -> None:
-    if version is not None and version != MODEL_VERSION:
-        raise UnknownLayerError(f"model version {version!r} does not exist; the only version is {MODEL_VERSION!r}")
-
-
-def _model_metadata(layer: Layer) -> dict[str, Any]:
-    c = layer.config
-    dt = KSERVE_NAMES[layer.dtype]
-    return {
-        "name": c.name,
-        "versions": [MODEL_VERSION],
-        "platform": "deconv",
-        "inputs": [{"name": KSERVE_INPUT, "datatype": dt, "shape": [-1, c.in_channels, -1, -1]}],
-        "outputs": [{"name": KSERVE_OUTPUT, "datatype": dt, "shape": [-1, c.out_channels, -1, -1]}],
-        "parameters": {"layer": layer.describe()},
-    }
-
-
 @router.get("/v2/models/{name}", tags=["kserve"], summary="Model metadata", responses={404: _KSERVE_ERRORS[404]})
 async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
     """Inputs and outputs of the layer called ``name`` (datatype and shape, -1 for any size)."""
     layer, _ = _layer(get_engine(request), name)
-    return _model_metadata(layer)
+    return model_metadata(layer)
 
 
 @router.get("/v2/models/{name}/versions/{version}", tags=["kserve"], summary="Model metadata (versioned)",
@@ -529,8 +515,8 @@ async def v2_model_metadata(request: Request, name: str) -> dict[str, Any]:
 async def v2_model_metadata_version(request: Request, name: str, version: str) -> dict[str, Any]:
     """As ``/v2/models/{name}``; the only version is ``1``."""
     layer, _ = _layer(get_engine(request), name)
-    _check_version(version)
-    return _model_metadata(layer)
+    check_version(version)
+    return model_metadata(layer)
 
 
 @router.get("/v2/models/{name}/ready", tags=["kserve"], summary="Model readiness",
@@ -549,7 +535,7 @@ async def v2_model_ready_version(request: Request, name: str, version: str) -> d
     """As ``/v2/models/{name}/ready``."""
     engine = get_engine(request)
     _layer(engine, name)
-    _check_version(version)
+    check_version(version)
     engine.readiness.check_ready()
     return {"name": name, "ready": True}
 
@@ -826,7 +812,7 @@ async def v2_infer_call(call: Call) -> Reply:
     status = 500
     try:
         layer, batcher = _layer(engine, name)
-        _check_version(version)
+        check_version(version)
         engine.readiness.check_ready()
         limit = engine.settings.max_body_bytes
         encoding = call.headers.get("content-encoding")

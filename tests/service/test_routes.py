@@ -902,3 +902,59 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
             inflight.give(budget // 2)
 
     run(main())
+
+
+# --- the layers as KServe / Triton models (service.engine.kserve) ------------------------------------------
+
+
+def test_model_configuration_index_and_statistics_are_built_from_the_layer_and_the_metrics(repo):
+    from service.engine import kserve
+
+    async def main() -> None:
+        async with serve_app(settings(repo)) as (app, client):
+            engine = app.state.engine
+            small = engine.registry.get("small")
+            config = kserve.model_config(engine, small)
+            assert (config["name"], config["backend"], config["max_batch_size"]) == ("small", "deconv", 4)
+            assert config["input"][0]["data_type"] == "TYPE_FP32"
+            assert config["input"][0]["dims"] == [4, -1, -1]
+            assert config["output"][0]["dims"] == [6, -1, -1]
+            assert config["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 256
+            assert config["instance_group"][0]["kind"] == "KIND_CPU"
+            assert config["parameters"]["stride"] == {"string_value": "[2, 2]"}
+            slow = kserve.model_config(engine, engine.registry.get("slow"))["dynamic_batching"]
+            assert slow["max_queue_delay_microseconds"] == 600_000_000
+            assert kserve.model_config(engine, engine.registry.get("bf"))["output"][0]["data_type"] == "TYPE_BF16"
+            assert kserve.repository_index(engine) == [
+                {"name": n, "version": "1", "state": "READY", "reason": ""} for n in ("bf", "half", "slow", "small")]
+
+            for n in (1, 2, 3):
+                r = await post_npy(client, "small", np.ones((n, 4, 5, 5), np.float32))
+                assert r.status_code == 200
+            assert (await post_npy(client, "small", np.ones((1, 3, 5, 5), np.float32))).status_code == 422
+            stats = kserve.model_statistics(engine, "small")["model_stats"]
+            assert [s["name"] for s in stats] == ["small"]
+            s = stats[0]
+            inf = s["inference_stats"]
+            assert (inf["success"]["count"], inf["fail"]["count"], inf["queue"]["count"]) == (3, 1, 3)
+            assert inf["success"]["ns"] > inf["queue"]["ns"] > 0
+            assert inf["fail"]["ns"] > 0
+            assert (s["inference_count"], s["execution_count"]) == (6, 3)  # sequential requests: a batch each
+            assert inf["compute_infer"]["count"] == 3
+            assert inf["compute_infer"]["ns"] == sum(b["compute_infer"]["ns"] for b in s["batch_stats"])
+            assert [(b["batch_size"], b["compute_infer"]["count"]) for b in s["batch_stats"]] == [(1, 1), (2, 1),
+                                                                                                  (3, 1)]
+            assert s["last_inference"] > 0
+            text = (await client.get("/metrics")).text
+            assert inf["success"]["ns"] == round(
+                1e9 * metric_value(text, "deconv_request_latency_seconds_sum", layer="small"))
+            assert s["execution_count"] == metric_value(text, "deconv_batch_seconds_count", layer="small")
+            every = kserve.model_statistics(engine)["model_stats"]
+            assert [m["name"] for m in every] == ["bf", "half", "slow", "small"]
+            assert every[0]["inference_stats"]["success"] == {"count": 0, "ns": 0}
+            with pytest.raises(kserve.UnknownLayerError):
+                kserve.model_statistics(engine, "small", "2")
+            with pytest.raises(kserve.UnknownLayerError):
+                kserve.model_statistics(engine, "nope")
+
+    run(main())
