@@ -30,6 +30,10 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of the KServe v2 gRPC API (inference.GRPCInferenceService, "
+        "what tritonclient.grpc speaks), on DECONV_HOST; unset: no gRPC (Triton's own port is 8001). With N HTTP "
+        "processes each of them serves it on this port (SO_REUSEPORT).")
     http_processes: int = Field(
         1, ge=1, le=64, description="Processes serving HTTP. 1: one process does everything. N > 1: N processes "
         "parse HTTP and decode tensors, feeding one engine process that batches and runs every layer, so that "
@@ -150,9 +154,9 @@ class Settings(BaseSettings):
                              "DECONV_TEST_MODE=1")
         return self
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "grpc_port", mode="before")
     @classmethod
-    def _empty_key_is_none(cls, value: object) -> object:
+    def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
 
