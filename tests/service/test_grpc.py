@@ -352,3 +352,31 @@ def test_a_grpc_port_in_use_stops_the_start(processes: str, tmp_path: Path) -> N
                                  tmp_path)
     assert code == 3, log
     assert f"127.0.0.1:{port}" in log, log
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_sigterm_answers_the_grpc_call_in_progress(processes: str, tmp_path: Path, server_factory: Any) -> None:
+    """A call queued when SIGTERM comes is computed and answered (the drain runs queued requests at once), and the
+    server then exits 0: the gRPC server stops only after the HTTP side has drained."""
+    module = write_layer(tmp_path / "layers", "pair", 2, 3, 2, stride=2,
+                         limits={"max_batch_size": 2, "max_queue_delay_ms": 3_600_000.0})
+    port = free_port()
+    server = server_factory({"DECONV_LAYER_REPOSITORY": str(tmp_path / "layers"), "DECONV_HTTP_PROCESSES": processes,
+                             "DECONV_GRPC_PORT": str(port)})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    x = torch.randn(1, 2, 4, 4)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.infer, "pair", [_input(x.numpy())], client_timeout=WAIT_S)
+        for _ in range(600):  # until the call waits in the queue (each read is a /metrics request)
+            text = httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text
+            if metric_value(text, "deconv_queue_depth", layer="pair") == 1:
+                break
+        else:
+            raise AssertionError("the call never reached the queue")
+        assert not pending.done()
+        server.terminate()
+        result = pending.result(WAIT_S)
+    assert result.get_response().parameters["deconv_batch_requests"].int64_param == 1
+    assert rel_err(torch.from_numpy(result.as_numpy("output").copy()), reference(module, x)) < 1e-5
+    assert server.proc.wait(WAIT_S) == 0, server.log()[-5000:]
+    assert "Traceback" not in server.log()
