@@ -247,6 +247,35 @@ def test_deadline_passes_in_the_queue_and_the_request_is_dropped(live: Live) -> 
     assert [r.get_response().parameters["deconv_batch_requests"].int64_param for r in results] == [2, 2]
 
 
+def test_a_cancelled_call_leaves_the_queue(live: Live) -> None:
+    """A call for ``pair`` waits in the queue for a second request; the client cancels it: the server drops it from
+    the queue (``deconv_requests_dropped_total{reason="cancelled"}``), so the queue is empty again."""
+    client = live.client()
+
+    def dropped() -> float:
+        return metric_value(live.metrics(), "deconv_requests_dropped_total", layer="pair", reason="cancelled")
+
+    def depth() -> float:
+        return metric_value(live.metrics(), "deconv_queue_depth", layer="pair")
+
+    before = dropped()
+    answers: list[Any] = []
+    call = client.async_infer("pair", [_input(np.zeros((1, 2, 3, 3), np.float32))],
+                              lambda result, error: answers.append((result, error)), headers=AUTH)
+    for _ in range(600):  # until it waits in the queue (each read is a /metrics request)
+        if depth() == 1:
+            break
+    else:
+        raise AssertionError("the call never reached the queue")
+    call.cancel()
+    for _ in range(600):
+        if dropped() > before and depth() == 0:
+            break
+    assert dropped() == before + 1
+    assert depth() == 0
+    assert answers == [] or answers[0][0] is None
+
+
 def test_system_shared_memory(live: Live) -> None:
     import tritonclient.utils.shared_memory as shm
 
