@@ -74,8 +74,8 @@ log = logging.getLogger("deconv.service")
 
 SERVER_NAME = "deconv"
 # Concurrent calls one process takes at least (``grpc.aio.server``'s ``maximum_concurrent_rpcs``; more are refused
-# with RESOURCE_EXHAUSTED before their message is read): the process's bytes-in-flight bound over the largest
-# message, but never fewer than this.
+# with RESOURCE_EXHAUSTED), so that the messages held before their calls are checked stay bounded: the process's
+# bytes-in-flight bound over the largest message, but never fewer than this.
 MIN_CONCURRENT_RPCS = 64
 # The typed contents a floating-point input may come in (the others travel as raw_input_contents).
 _TYPED_CONTENTS = {"FP32": ("fp32_contents", np.float32), "FP64": ("fp64_contents", np.float64)}
@@ -127,14 +127,14 @@ def _timeout_ms(params: dict[str, Any]) -> float | None:
     absent or 0. It bounds the time in the queue, as on HTTP.
 
     Raises:
-        InvalidInputError: not an integer, or outside 0..``MAX_TIMEOUT_US``.
+        InvalidInputError: not a number, or outside 0..``MAX_TIMEOUT_US``.
     """
     value = params.get("timeout")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMEOUT_US:
-        raise InvalidInputError(f"parameters.timeout must be an integer between 0 and {MAX_TIMEOUT_US} "
-                                "microseconds")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_TIMEOUT_US:
+        raise InvalidInputError(f"parameters.timeout must be a number of microseconds between 0 and "
+                                f"{MAX_TIMEOUT_US}")
     return value / 1000 if value > 0 else None
 
 
