@@ -30,10 +30,6 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to bind.")
-    grpc_port: int | None = Field(
-        None, ge=0, le=65535, description="TCP port of the KServe v2 gRPC API (inference.GRPCInferenceService, "
-        "what tritonclient.grpc speaks), on DECONV_HOST; unset: no gRPC (Triton's own port is 8001). With N HTTP "
-        "processes each of them serves it on this port (SO_REUSEPORT).")
     http_processes: int = Field(
         1, ge=1, le=64, description="Processes serving HTTP. 1: one process does everything. N > 1: N processes "
         "parse HTTP and decode tensors, feeding one engine process that batches and runs every layer, so that "
@@ -95,6 +91,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, inference routes need 'Authorization: Bearer <key>'."
     )
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of the KServe v2 gRPC API (inference.GRPCInferenceService, "
+        "what tritonclient.grpc speaks), on DECONV_HOST; unset: no gRPC (Triton's own port is 8001). With N HTTP "
+        "processes each of them serves it on this port (SO_REUSEPORT).")
     system_shm_max_regions: int = Field(
         64, ge=0, description="KServe system shared memory (/v2/systemsharedmemory): most regions registered at "
         "once over the whole server; registering more is 400. 0: the extension is off.")
@@ -139,6 +139,11 @@ class Settings(BaseSettings):
         parse_devices(value)
         return value.strip().lower()
 
+    @field_validator("grpc_port", mode="before")
+    @classmethod
+    def _empty_port_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
     @field_validator("faults")
     @classmethod
     def _check_faults(cls, value: str) -> str:
@@ -154,9 +159,9 @@ class Settings(BaseSettings):
                              "DECONV_TEST_MODE=1")
         return self
 
-    @field_validator("api_key", "grpc_port", mode="before")
+    @field_validator("api_key", mode="before")
     @classmethod
-    def _empty_is_none(cls, value: object) -> object:
+    def _empty_key_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
 

@@ -9,13 +9,16 @@ them), which the supervisor holds bound meanwhile, so that the port is this serv
 
 from __future__ import annotations
 
+import functools
+
 from service.grpc.server import serving
 from service.http import frontend
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m service.grpc.frontend --engine-socket PATH --connections-fd N``."""
-    frontend.main(argv, companions=[serving], prog="python -m service.grpc.frontend")
+    shared_port = functools.partial(serving, reuse_port=True)  # every HTTP process listens on the one port
+    frontend.main(argv, companions=[shared_port], prog="python -m service.grpc.frontend")
 
 
 if __name__ == "__main__":

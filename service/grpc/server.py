@@ -548,15 +548,16 @@ def _answered(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 @contextlib.asynccontextmanager
-async def serving(app: App) -> AsyncIterator[None]:
+async def serving(app: App, *, reuse_port: bool = False) -> AsyncIterator[None]:
     """The gRPC front end while ``app`` runs, on ``DECONV_HOST:DECONV_GRPC_PORT`` (a ``service.http.app.Companion``);
-    nothing when ``DECONV_GRPC_PORT`` is unset."""
+    nothing when ``DECONV_GRPC_PORT`` is unset. ``reuse_port``: the port is shared with the other HTTP processes of a
+    multi-process server (``SO_REUSEPORT``; ``service.grpc.frontend``); else a port in use fails the start."""
     settings = app.engine.settings
     if settings.grpc_port is None:
         yield
         return
     front = GRPCFrontEnd(app)
-    await front.start(settings.host, settings.grpc_port, reuse_port=settings.http_processes > 1)
+    await front.start(settings.host, settings.grpc_port, reuse_port=reuse_port)
     try:
         yield
     finally:
