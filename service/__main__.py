@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     from service.engine.local import LocalEngine
     from service.http.server import serve
 
-    status = serve(settings, LocalEngine(settings))  # as each HTTP process of N does, on a RemoteEngine
+    companions = []
+    if settings.grpc_port is not None:  # the KServe v2 gRPC API beside HTTP, on the same engine
+        from service.grpc.server import serving
+
+        companions.append(serving)
+    status = serve(settings, LocalEngine(settings), companions=companions)  # as each HTTP process of N does
     if status:
         sys.exit(status)
 

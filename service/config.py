@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, inference routes need 'Authorization: Bearer <key>'."
     )
+    grpc_port: int | None = Field(
+        None, ge=0, le=65535, description="TCP port of the KServe v2 gRPC API (inference.GRPCInferenceService, "
+        "what tritonclient.grpc speaks), on DECONV_HOST; unset: no gRPC (Triton's own port is 8001). With N HTTP "
+        "processes each of them serves it on this port (SO_REUSEPORT).")
     system_shm_max_regions: int = Field(
         64, ge=0, description="KServe system shared memory (/v2/systemsharedmemory): most regions registered at "
         "once over the whole server; registering more is 400. 0: the extension is off.")
@@ -164,6 +168,11 @@ class Settings(BaseSettings):
     def _check_devices(cls, value: str) -> str:
         parse_devices(value)
         return value.strip().lower()
+
+    @field_validator("grpc_port", mode="before")
+    @classmethod
+    def _empty_port_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("faults")
     @classmethod

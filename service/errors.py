@@ -1,4 +1,5 @@
-"""Domain errors and the one map from an error to an HTTP status and JSON body (docs/protocol.md, "Errors").
+"""Domain errors and the one map from an error to an HTTP status and JSON body, or to a gRPC status code
+(docs/protocol.md, "Errors").
 
 Native routes answer ``{"error": {"type": TYPE, "message": TEXT}}``. KServe v2 routes (``/v2/...``) answer the
 Open Inference Protocol's ``{"error": TEXT}`` (what ``tritonclient`` reads) with the same ``type`` beside it.
@@ -149,6 +150,31 @@ class InternalError(ServiceError):
     """The kernel (or anything else on the server) failed; the message never holds a traceback."""
 
     status, type = 500, "internal"
+
+
+# The gRPC status code of each HTTP status a ServiceError has (grpc.StatusCode's names; this module does not import
+# grpc). 429 and 503 are UNAVAILABLE, which clients retry, as Triton answers a full queue.
+GRPC_CODES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    408: "DEADLINE_EXCEEDED",
+    413: "RESOURCE_EXHAUSTED",
+    415: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+    429: "UNAVAILABLE",
+    431: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_code(error: ServiceError) -> str:
+    """The name of ``error``'s gRPC status code (``grpc.StatusCode[name]``): ``GRPC_CODES`` by its HTTP status."""
+    return GRPC_CODES.get(error.status, "INTERNAL" if error.status >= 500 else "INVALID_ARGUMENT")
 
 
 def error_body(error: ServiceError, path: str) -> dict[str, object]:

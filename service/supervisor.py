@@ -173,11 +173,23 @@ def supervise(settings: Settings) -> int:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 3
+    grpc_port: socket.socket | None = None
+    if settings.grpc_port is not None:
+        try:
+            grpc_port = _reserve_port(settings.host, settings.grpc_port)
+        except OSError as exc:
+            listener.close()
+            log.error("cannot listen for gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc)
+            return 3
     workdir = Path(tempfile.mkdtemp(prefix="deconv-"))  # mode 0700: only this user reaches the engine socket
     metrics_dir = workdir / "metrics"
     metrics_dir.mkdir()
     socket_path = workdir / "engine.sock"
     env = {**os.environ, MULTIPROCESS_ENV: str(metrics_dir)}
+    frontend = "service.http.frontend"
+    if grpc_port is not None:  # every HTTP process serves gRPC too, on the port reserved here
+        frontend = "service.grpc.frontend"
+        env.update(DECONV_HOST=settings.host, DECONV_GRPC_PORT=str(grpc_port.getsockname()[1]))
 
     def spawn(module: str, *args: str, fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdin=subprocess.PIPE,
@@ -200,7 +212,7 @@ def supervise(settings: Settings) -> int:
             host, port = listener.getsockname()[:2]
             for _ in range(settings.http_processes):
                 mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                children.append(spawn("service.http.frontend", "--engine-socket", str(socket_path),
+                children.append(spawn(frontend, "--engine-socket", str(socket_path),
                                       "--connections-fd", str(theirs.fileno()), fds=(theirs.fileno(),)))
                 theirs.close()  # its HTTP process holds it now
                 ours.append(mine)
@@ -228,6 +240,8 @@ def supervise(settings: Settings) -> int:
         for channel in ours:
             channel.close()
         listener.close()
+        if grpc_port is not None:
+            grpc_port.close()
         for child in children:
             if child.poll() is None:
                 child.kill()
@@ -237,6 +251,20 @@ def supervise(settings: Settings) -> int:
     if failed is not None:
         return 3 if failed.returncode == 3 else 1
     return 0 if all(c == 0 for c in codes) else 1
+
+
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT`` and not listening: it holds the gRPC port (0: a free
+    one) for this server while each HTTP process listens on it with ``SO_REUSEPORT`` too; a port held by another
+    program fails here, before anything starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _stop_all(children: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -24,16 +25,23 @@ from service.http.asgi import App
 from service.http.bodies import BodyPool
 from service.http.shm_regions import RegionTable
 
+# Something that serves beside the app, on the same engine, regions and budget (the gRPC front end,
+# ``service.grpc``): given the app, a context entered once the engine has started and left before it stops.
+Companion = Callable[[App], AbstractAsyncContextManager[None]]
+
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start the engine before the first request; drain and stop it at shutdown, then close the shared-memory
-    regions this process opened."""
+    """Start the engine, then the app's companions, before the first request; at shutdown stop the companions,
+    drain and stop the engine, then close the shared-memory regions this process opened."""
     engine: Engine = app.state.engine
     app.state.budget.publish()
     await engine.start()
     try:
-        yield
+        async with contextlib.AsyncExitStack() as companions:
+            for companion in app.state.companions:
+                await companions.enter_async_context(companion(app))  # type: ignore[arg-type]
+            yield
     finally:
         try:
             await engine.stop()
@@ -56,7 +64,7 @@ says which).
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
-               regions_dir: Path | None = None) -> App:
+               regions_dir: Path | None = None, companions: Sequence[Companion] = ()) -> App:
     """Build the app. ``settings`` default to ``engine``'s, else to ``Settings()`` (the ``DECONV_*`` environment),
     read here.
 
@@ -66,6 +74,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
 
     ``regions_dir``: where the system shared-memory regions are kept for every HTTP process of a multi-process
     server (``service.http.shm_regions.DirectoryStore``); None keeps them in this process.
+
+    ``companions``: what serves beside the app while it runs (``Companion``).
     """
     if settings is None:
         settings = engine.settings if engine is not None else Settings()
@@ -78,6 +88,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.json_parsing = asyncio.Semaphore(1)  # large KServe JSON inputs are parsed in a thread, one at a time
     app.state.regions = RegionTable(settings.system_shm_max_regions, settings.system_shm_max_bytes, regions_dir,
                                     settings.cuda_shm_max_regions)
+    app.state.companions = tuple(companions)
     install_error_handlers(app)
     app.include_router(model_routes.router)  # first: /v2/models/stats before /v2/models/{name}
     app.include_router(routes.router)

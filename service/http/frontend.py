@@ -12,16 +12,20 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from service.config import configure_logging, load_settings
 from service.engine.remote import RemoteEngine
+from service.http.app import Companion
 from service.http.server import serve
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m service.http.frontend --engine-socket PATH --connections-fd N``."""
-    parser = argparse.ArgumentParser(prog="python -m service.http.frontend",
+def main(argv: list[str] | None = None, companions: Sequence[Companion] = (),
+         prog: str = "python -m service.http.frontend") -> None:
+    """``python -m service.http.frontend --engine-socket PATH --connections-fd N``; ``companions`` serve beside
+    the app (``service.http.app.Companion``: ``service.grpc.frontend`` passes the gRPC front end)."""
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="An HTTP process of a multi-process deconv server.")
     parser.add_argument("--engine-socket", required=True, help="the engine's Unix socket")
     parser.add_argument("--connections-fd", type=int, required=True,
@@ -33,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     # beside it, where every HTTP process sees them (service.http.shm_regions).
     regions_dir = Path(args.engine_socket).parent / "shm-regions"
     sys.exit(serve(settings, RemoteEngine(settings, args.engine_socket),
-                   connections=socket.socket(fileno=args.connections_fd), regions_dir=regions_dir))
+                   connections=socket.socket(fileno=args.connections_fd), regions_dir=regions_dir,
+                   companions=companions))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import functools
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from pathlib import Path
 from types import FrameType
@@ -21,7 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.config import Settings
 from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
-from service.http.app import create_app
+from service.http.app import Companion, create_app
 from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
 from service.ipc.process import SERVING
 
@@ -429,9 +429,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: Settings, engine: Engine, connections: socket.socket | None = None,
-          regions_dir: Path | None = None) -> int:
+          regions_dir: Path | None = None, companions: Sequence[Companion] = ()) -> int:
     """Serve the app (``service.http.app.create_app``) on ``engine`` until SIGTERM/SIGINT: the connections passed
-    over ``connections``, or else on the settings' host and port. ``regions_dir``: as ``create_app``'s.
+    over ``connections``, or else on the settings' host and port. ``regions_dir``, ``companions``: as
+    ``create_app``'s.
 
     Returns the exit status: 0 after a complete drain, 1 when requests were still queued when the drain timeout
     ran out, 3 when start-up failed (invalid layer repository, devices missing).
@@ -440,7 +441,7 @@ def serve(settings: Settings, engine: Engine, connections: socket.socket | None 
         "max_header_bytes": settings.max_header_bytes, "header_timeout_s": settings.header_timeout_s,
         "body_timeout_s": settings.body_timeout_s})
     engine.readiness.freeze_gc = True  # this process serves: freeze the start-up heap once ready
-    app = create_app(settings, engine, regions_dir)
+    app = create_app(settings, engine, regions_dir, companions)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         # uvicorn formats each access line's arguments before the logger's level is asked: above info, no line.

@@ -11,6 +11,10 @@ mapped and page-locked by the engine after its record is stored, and unmapped af
 
 Every route needs the API key when one is configured, status included: a region is what lets a client read and
 write that memory through the server.
+
+What registering and unregistering do is one function per kind, on plain values (``register_system``,
+``unregister_system``, ``register_cuda``, ``unregister_cuda``): the routes here call them once they have read the
+request's body, and the gRPC front end (``service.grpc``) calls them with its messages' fields.
 """
 
 from __future__ import annotations
@@ -120,12 +124,21 @@ async def _register_body(request: Request, fields: tuple[str, ...], shape: str) 
 
 
 async def _register_system(request: Request, regions: RegionTable, name: str) -> None:
-    """Store the record, then, on a GPU server (``CudaMemory.system_available``), have the engine map and page-lock
-    the region so that its tensors go to the GPU with no host copy. Should the engine refuse, the region serves
-    through copies as it would without a GPU; should it be unregistered meanwhile, the mapping is closed again."""
     req = await _register_body(request, ("key", "byte_size"), '{"key": ..., "offset": ..., "byte_size": ...}')
-    record = regions.register(name, req["key"], req.get("offset", 0), req["byte_size"])
-    memory = _cuda_memory(request)
+    await register_system(regions, _cuda_memory(request), name, req["key"], req.get("offset", 0), req["byte_size"])
+
+
+async def register_system(regions: RegionTable, memory: CudaMemory, name: str, key: Any, offset: Any,
+                          byte_size: Any) -> None:
+    """Register system region ``name`` (every front end's way): store the record, then, on a GPU server
+    (``CudaMemory.system_available``), have the engine map and page-lock the region so that its tensors go to the
+    GPU with no host copy. Should the engine refuse, the region serves through copies as it would without a GPU;
+    should it be unregistered meanwhile, the mapping is closed again.
+
+    Raises:
+        RegionError: as ``RegionTable.register``.
+    """
+    record = regions.register(name, key, offset, byte_size)
     if not memory.system_available:
         return
     try:
@@ -139,9 +152,14 @@ async def _register_system(request: Request, regions: RegionTable, name: str) ->
 
 
 async def _unregister_system(request: Request, regions: RegionTable, name: str | None) -> None:
+    await unregister_system(regions, _cuda_memory(request), name)
+
+
+async def unregister_system(regions: RegionTable, memory: CudaMemory, name: str | None) -> None:
+    """Unregister system region ``name`` (every one when None), and have the engine unmap what it mapped of them."""
     tokens = regions.unregister_all(SYSTEM) if name is None else regions.unregister(name, SYSTEM)
     if tokens:
-        await _cuda_memory(request).close(tokens)
+        await memory.close(tokens)
 
 
 def _raw_handle(value: Any) -> bytes:
@@ -169,13 +187,25 @@ _late_closes: set[asyncio.Task[None]] = set()
 
 
 async def _register_cuda(request: Request, regions: RegionTable, name: str) -> None:
-    """Check the request, have the engine map the allocation, then store the record (unmapped again if the name
-    was taken meanwhile). The engine answers a server without a GPU with 400 (``CudaMemory.reason``)."""
     req = await _register_body(request, ("raw_handle", "device_id", "byte_size"),
                                '{"raw_handle": {"b64": ...}, "device_id": ..., "byte_size": ...}')
-    handle = _raw_handle(req["raw_handle"])
-    record = regions.cuda_record(name, req["device_id"], req["byte_size"])
-    cuda = _cuda_memory(request)
+    await register_cuda(regions, _cuda_memory(request), name, _raw_handle(req["raw_handle"]), req["device_id"],
+                        req["byte_size"])
+
+
+async def register_cuda(regions: RegionTable, cuda: CudaMemory, name: str, handle: bytes, device_id: Any,
+                        byte_size: Any) -> None:
+    """Register CUDA region ``name`` (every front end's way): check the request, have the engine map the allocation
+    of IPC ``handle``, then store the record (unmapped again if the name was taken meanwhile). The engine answers a
+    server without a GPU with 400 (``CudaMemory.reason``).
+
+    Raises:
+        RegionError: as ``RegionTable.cuda_record`` and ``CudaMemory.open``.
+    """
+    if len(handle) != HANDLE_BYTES:
+        raise RegionError(f"raw_handle holds {len(handle)} bytes; a CUDA IPC handle (cudaIpcMemHandle_t) has "
+                          f"{HANDLE_BYTES}")
+    record = regions.cuda_record(name, device_id, byte_size)
     if not cuda.available:
         raise RegionError(cuda.reason)
     await _opened(cuda, record.token, cuda.open(record.token, handle, record.device_id, record.byte_size))
@@ -204,8 +234,13 @@ async def _opened(cuda: CudaMemory, token: str, opening: Coroutine[Any, Any, Non
 
 
 async def _unregister_cuda(request: Request, regions: RegionTable, name: str | None) -> None:
+    await unregister_cuda(regions, _cuda_memory(request), name)
+
+
+async def unregister_cuda(regions: RegionTable, cuda: CudaMemory, name: str | None) -> None:
+    """Unregister CUDA region ``name`` (every one when None), and have the engine unmap their allocations."""
     tokens = regions.unregister_all(CUDA) if name is None else regions.unregister(name, CUDA)
-    await _cuda_memory(request).close(tokens)
+    await cuda.close(tokens)
 
 
 # --- the routes ---------------------------------------------------------------------------------------------
