@@ -197,7 +197,7 @@ def drive_processes(args: argparse.Namespace, protocol: str, height: int, width:
                 parts.append(json.loads(path.read_text()))
         finally:
             sl.stop_workers(children)
-        sample = next((np.load(f"{f}.npy") for f in files if Path(f"{f}.npy").exists()), None)
+        sample = next((np.load(f"{f}.npy", allow_pickle=False) for f in files if Path(f"{f}.npy").exists()), None)
     end = max(p["end"] for p in parts)
     return sl.summarize(count, parts, end - start_at), sample
 
