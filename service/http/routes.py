@@ -42,7 +42,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, read_body
-from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
+from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -752,10 +752,10 @@ def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.Sou
 
 
 def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
-                   ref: TensorRef) -> DeviceTensor | None:
+                   ref: TensorRef) -> DeviceTensor | RegionWriter:
     """Check the output's region: large enough, and its bytes inside it. The output's place in a region the engine
-    maps (the engine writes it there); None for another system region (written here once the result is back, held
-    in the budget)."""
+    maps (the engine writes it there, under the registration checked now); for another system region, what writes
+    it here once the result is back, into the object checked now (``RegionWriter``, held in the budget)."""
     need = output_bytes(layer, x4)
     if ref.byte_size < need:
         raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
@@ -763,9 +763,9 @@ def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor
         n, _, h, w = (int(d) for d in x4.shape)
         shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
         return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
-    regions.check(ref.region, ref.offset, ref.byte_size)
+    writer = regions.writer(ref.region, ref.offset, ref.byte_size)
     call.hold(need)
-    return None
+    return writer
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
@@ -843,9 +843,11 @@ async def v2_infer_call(call: Call) -> Reply:
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
-        out_device = None
+        out_device = out_writer = None
         if out_ref is not None:
             out_device = _output_region(call, regions, layer, x4, out_ref)
+            if isinstance(out_device, RegionWriter):
+                out_device, out_writer = None, out_device
         elif binary_out:
             call.hold(output_bytes(layer, x4))
         else:
@@ -871,9 +873,9 @@ async def v2_infer_call(call: Call) -> Reply:
             response["id"] = req["id"]
         headers = _batch_headers(result)
         if out_ref is not None:
-            if out_device is None:
+            if out_writer is not None:
                 data = codec.bytes_of(y)
-                regions.write(out_ref.region, out_ref.offset, data)
+                out_writer.write(data)
                 written = data.nbytes
             else:  # the engine wrote it into the region
                 written = math.prod(y.shape) * y.element_size()
