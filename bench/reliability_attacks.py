@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import signal
@@ -218,4 +219,91 @@ async def replaced_object(server: Any, *, requests: int = 6, shape: tuple[int, .
               "message_says_replaced": all(b"replaced" in a[2] for a in answers),
               "new_object_untouched": untouched}
     return {"first_statuses": first, "statuses": counted, "message": answers[0][2].decode(errors="replace")[:200],
+            "checks": checks, "ok": all(checks.values())}
+
+
+# --- point: JSON numbers of any length --------------------------------------------------------------------------
+
+LONG = "9" * 5000  # past Python's 4,300 digits for int <-> str
+
+
+def long_integer_bodies() -> dict[str, tuple[str, bytes, dict[str, str]]]:
+    """Requests with a 5,000-digit integer somewhere in their JSON: name -> (path, body, headers)."""
+    def infer(request: str) -> bytes:
+        return request.replace("LONG", LONG).encode()
+
+    x = '{"name": "input", "shape": [1, 16, 2, 2], "datatype": "FP32", "data": [' + ",".join(["0.5"] * 64) + "]}"
+    kserve = {
+        "ignored_id": infer('{"id": LONG, "inputs": [' + x + "]}"),
+        "shape": infer('{"inputs": [{"name": "input", "shape": [1, LONG, 2, 2], "datatype": "FP32", "data": []}]}'),
+        "data": infer('{"inputs": [{"name": "input", "shape": [1, 16, 2, 2], "datatype": "FP32", "data": [LONG'
+                      + ", 0.5" * 63 + "]}]}"),
+        "timeout": infer('{"parameters": {"timeout": LONG}, "inputs": [' + x + "]}"),
+        "negative_in_outputs": infer('{"inputs": [' + x + '], "outputs": [{"name": "output", "parameters": '
+                                     '{"binary_data": true, "shared_memory_offset": -LONG}}]}'),
+    }
+    infer_path = "/v2/models/demo/infer"
+    out: dict[str, tuple[str, bytes, dict[str, str]]] = {}
+    for name, body in kserve.items():
+        out[f"kserve_{name}"] = (infer_path, body, {"Content-Type": JSON})
+        out[f"kserve_{name}_gzip"] = (infer_path, gzip.compress(body), {"Content-Type": JSON,
+                                                                        "Content-Encoding": "gzip"})
+    head = infer('{"id": LONG, "inputs": [{"name": "input", "shape": [1, 16, 2, 2], "datatype": "FP32", '
+                 '"parameters": {"binary_data_size": 256}}]}')
+    out["kserve_binary_header"] = (infer_path, head + bytes(256), {
+        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))})
+    out["system_register_byte_size"] = ("/v2/systemsharedmemory/region/long/register",
+                                        infer('{"key": "/deconv-none", "offset": 0, "byte_size": LONG}'),
+                                        {"Content-Type": JSON})
+    out["system_register_offset"] = ("/v2/systemsharedmemory/region/long/register",
+                                     infer('{"key": "/deconv-none", "offset": LONG, "byte_size": 8}'),
+                                     {"Content-Type": JSON})
+    out["cuda_register_device"] = ("/v2/cudasharedmemory/region/long/register",
+                                   infer('{"raw_handle": {"b64": ""}, "device_id": LONG, "byte_size": 8}'),
+                                   {"Content-Type": JSON})
+    out["float_literal"] = (infer_path, infer('{"inputs": [{"name": "input", "shape": [1, 16, 2, 2], "datatype": '
+                                              '"FP32", "data": [LONG.5e-99999' + ", 0.5" * 63 + "]}]}"),
+                            {"Content-Type": JSON})
+    return out
+
+
+async def long_integers(server: Any, *, api_key: str | None = None) -> dict[str, Any]:
+    """Every body of ``long_integer_bodies`` on one kept-alive connection, then a valid request on it: each a 4xx
+    (never a 500, never a traceback) and the connection still serving (no close, no reset)."""
+    host, port = rel._host_port(server.url)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    reader, writer = await asyncio.open_connection(host, port)
+    answers: dict[str, Any] = {}
+    reconnects = 0
+
+    async def send(path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str], bytes]:
+        nonlocal reader, writer, reconnects
+        extra = "".join(f"{k}: {v}\r\n" for k, v in {**headers, **auth}.items())
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: deconv\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+                     + body)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        answer = await rel.read_answer(reader, 60)
+        if not isinstance(answer[0], int) or answer[1].get("connection", "").lower() == "close":
+            reconnects += 1
+            writer.close()
+            reader, writer = await asyncio.open_connection(host, port)
+        return answer
+
+    for name, (path, body, headers) in long_integer_bodies().items():
+        status, _, text = await send(path, body, headers)
+        answers[name] = {"status": status, "error": text.decode(errors="replace")[:160]}
+    x = '{"inputs": [{"name": "input", "shape": [1, 16, 2, 2], "datatype": "FP32", "data": [' + ",".join(
+        ["0.5"] * 64) + "]}]}"
+    final = (await send("/v2/models/demo/infer", x.encode(), {"Content-Type": JSON}))[0]
+    writer.close()
+    statuses = dict(Counter(str(a["status"]) for a in answers.values()))
+    # A float literal of any length is a float (here 0.0): the request is valid.
+    checks = {"float_literal_200": answers["float_literal"]["status"] == 200,
+              "every_other_answer_4xx": all(isinstance(a["status"], int) and 400 <= a["status"] < 500
+                                            for n, a in answers.items() if n != "float_literal"),
+              "no_traceback": not any("Traceback" in a["error"] for a in answers.values()),
+              "connection_kept": reconnects == 0, "valid_request_after_200": final == 200,
+              "no_traceback_in_log": "Traceback" not in server.log()}
+    return {"statuses": statuses, "answers": answers, "reconnects": reconnects, "final_status": final,
             "checks": checks, "ok": all(checks.values())}

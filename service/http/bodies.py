@@ -11,6 +11,12 @@ in the server's bound on bytes in flight (``service.budget``) by the body's leng
 buffer may be up to a quarter, or ``GRAIN``, larger).
 
 Event-loop only (not thread-safe); a buffer whose last view goes in another thread comes back through the loop.
+
+``parse_json`` reads the JSON bodies (KServe requests, shared-memory registrations) with integer literals bounded
+by this module's own limit (``MAX_JSON_INT_DIGITS``), not by Python's process-wide one
+(``sys.get_int_max_str_digits``): a longer integer is a ``LongNumberError`` (400) in every field, whatever that
+setting is, and every other number parses to a value (a float literal of any length is a float, perhaps 0 or
+infinity).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import json
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +85,36 @@ class BodyPool:
         while self.idle_bytes > self.max_idle_bytes:
             oldest = min(range(len(self._idle)), key=lambda j: self._idle[j][1])
             self.idle_bytes -= self._idle.pop(oldest)[0]
+
+
+# The most digits of an integer in a JSON body: a float64 reaches 309, every count and size of the protocols far
+# fewer, and the product of a shape's 4 dimensions stays under Python's int-conversion limit (4,300 digits by
+# default, process-wide and changeable), so that a message can still print it.
+MAX_JSON_INT_DIGITS = 1000
+
+
+class LongNumberError(ValueError):
+    """A JSON integer of more than ``MAX_JSON_INT_DIGITS`` digits."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_JSON_INT_DIGITS:
+        raise LongNumberError(f"a JSON integer has {digits} digits, more than the {MAX_JSON_INT_DIGITS} this server "
+                              "reads")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(parse_int=_bounded_int)
+
+
+def parse_json(data: bytes | bytearray | memoryview) -> Any:
+    """``data`` (UTF-8, -16 or -32, as ``json.loads`` reads bytes) as a Python value, integers bounded.
+
+    Raises:
+        LongNumberError: an integer of more than ``MAX_JSON_INT_DIGITS`` digits.
+        ValueError: not valid JSON (``json.JSONDecodeError``) or not valid text (``UnicodeDecodeError``).
+        RecursionError: nested too deeply.
+    """
+    view = memoryview(data).cast("B")
+    return _DECODER.decode(str(view, json.detect_encoding(bytes(view[:4])), "surrogatepass"))

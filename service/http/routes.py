@@ -42,6 +42,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, read_body
+from service.http.bodies import LongNumberError, parse_json
 from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -567,8 +568,10 @@ def _parse_kserve(body: bytearray | memoryview, header_length: str | None) -> tu
             raise MalformedBodyError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
         json_part, binary = view[:n], view[n:]
     try:
-        request = json.loads(bytes(json_part))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        request = parse_json(json_part)
+    except LongNumberError as exc:
+        raise MalformedBodyError(f"inference request: {exc}") from None
+    except (ValueError, RecursionError):
         raise MalformedBodyError("inference request is not valid JSON (binary tensors need the "
                             "Inference-Header-Content-Length header)") from None
     if not isinstance(request, dict):
