@@ -27,6 +27,7 @@ import gzip
 import json
 import os
 import signal
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -306,4 +307,78 @@ async def long_integers(server: Any, *, api_key: str | None = None) -> dict[str,
               "connection_kept": reconnects == 0, "valid_request_after_200": final == 200,
               "no_traceback_in_log": "Traceback" not in server.log()}
     return {"statuses": statuses, "answers": answers, "reconnects": reconnects, "final_status": final,
+            "checks": checks, "ok": all(checks.values())}
+
+
+# --- point: JSON bombs do not stall the event loop ---------------------------------------------------------------
+
+
+def json_bomb(shape: tuple[int, ...], value: str = "0.5") -> bytes:
+    """A gzip KServe JSON request of ``shape`` whose data is ``value`` repeated: tens of kilobytes that decompress
+    to tens of megabytes of JSON."""
+    count = int(np.prod(shape))
+    head = json.dumps({"inputs": [{"name": "input", "shape": list(shape), "datatype": "FP32", "data": []}]})
+    before, _, after = head.partition('"data": []')
+    compressor = gzip.GzipFile(fileobj=(buf := __import__("io").BytesIO()), mode="wb", compresslevel=9)
+    compressor.write(f'{before}"data": ['.encode())
+    piece = (value + ",").encode() * 65536
+    left = count
+    while left > 65536:
+        compressor.write(piece)
+        left -= 65536
+    compressor.write((value + ",").encode() * (left - 1) + value.encode() + b"]" + after.encode())
+    compressor.close()
+    return buf.getvalue()
+
+
+async def _probe_live(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    """GET /health/live on one kept-alive connection, one after the other, until ``stop``: each latency (s)."""
+    host, port = rel._host_port(url)
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            writer.write(b"GET /health/live HTTP/1.1\r\nHost: deconv\r\n\r\n")
+            await writer.drain()
+            status, _, _ = await rel.read_answer(reader, 60)
+            latencies.append(time.perf_counter() - t0)
+            if status != 200:
+                latencies.append(float("inf"))
+                return
+            await asyncio.sleep(0.005)
+    finally:
+        writer.close()
+
+
+async def json_bombs(server: Any, *, bombs: int = 8, shape: tuple[int, ...] = (14, 16, 256, 256),
+                     value: str = "0.5") -> dict[str, Any]:
+    """``bombs`` gzip KServe JSON requests at once, each tens of kilobytes decompressing to about ``prod(shape)`` x 4
+    bytes of JSON: every one 413 without being parsed (the server's RSS grows far less than the parse would take,
+    ~16 bytes a byte of JSON), while /health/live is probed on a kept-alive connection (its latencies reported)."""
+    body = json_bomb(shape, value)
+    rss = rel.RssSampler(server.pid)
+    stop = asyncio.Event()
+    latencies: list[float] = []
+    probe = asyncio.create_task(_probe_live(server.url, stop, latencies))
+    while not latencies:  # the probe connection serves before the bombs come
+        await asyncio.sleep(0.005)
+    idle = len(latencies)
+    t0 = time.perf_counter()
+    answers = await asyncio.gather(*(request(server.url, "POST", "/v2/models/demo/infer", body,
+                                             {"Content-Type": JSON, "Content-Encoding": "gzip"}, 120)
+                                     for _ in range(bombs)))
+    wall = time.perf_counter() - t0
+    stop.set()
+    await probe
+    figures = rss.stop()
+    during = latencies[idle:] or latencies
+    counted = dict(Counter(str(a[0]) for a in answers))
+    growth = figures["rss_peak_mib"] - figures["rss_before_mib"]
+    checks = {"every_bomb_413": counted == {"413": bombs},
+              "message_says_binary": all(b"binary" in a[2] for a in answers),
+              "rss_growth_under_256_mib": growth < 256, "live_answered_200": all(t != float("inf") for t in latencies)}
+    return {"bombs": bombs, "request_bytes": len(body), "json_bytes_each": int(np.prod(shape)) * (len(value) + 1),
+            "statuses": counted, "message": answers[0][2].decode(errors="replace")[:240], "wall_s": round(wall, 2),
+            "live_probes": len(during), "live_p50_ms": round(1000 * float(np.median(during)), 1),
+            "live_max_ms": round(1000 * max(during), 1), "rss_growth_mib": round(growth, 1), **figures,
             "checks": checks, "ok": all(checks.values())}

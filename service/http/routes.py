@@ -41,7 +41,7 @@ from service.errors import (
     UnknownLayerError,
     UnsupportedMediaTypeError,
 )
-from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, read_body
+from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, declared_length, read_body
 from service.http.bodies import LongNumberError, parse_json
 from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -585,6 +585,16 @@ def _parse_kserve(body: bytearray | memoryview, header_length: str | None) -> tu
 PARSED_BYTES_PER_JSON_BYTE = 16
 # JSON parts up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread.
 JSON_INLINE_BYTES = 64 * 2**10
+# The most bytes of a KServe request's JSON (after decompression): parsing holds the interpreter, whatever thread
+# runs it, for ~50 ms a MiB of numbers (more on a busy machine), so larger JSON is refused (413) before it is
+# decompressed further or parsed; a tensor that large travels as binary or in shared memory.
+MAX_JSON_BYTES = 4 * 2**20
+
+
+def _json_too_large(what: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"{what} is over the {MAX_JSON_BYTES}-byte limit of a request's JSON; send the input as binary (the binary "
+        "tensor extension: Inference-Header-Content-Length and parameters.binary_data_size) or in shared memory")
 
 
 class RegionInput(NamedTuple):
@@ -599,13 +609,16 @@ async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_l
                               limit: int) -> tuple[dict[str, Any], AnyTensor | RegionInput]:
     """The KServe request in ``body`` and its input tensor.
 
-    A large JSON part becomes many times its size in Python objects before the output's size can be checked, and
-    parsing it takes seconds: its parsed size (``PARSED_BYTES_PER_JSON_BYTE`` a byte) is taken from the bytes-in-
-    flight budget first (429 when it does not fit, before parsing) and given back once the tensor is built, and it
-    is parsed in a thread, one such request at a time, so that the event loop goes on serving the other
-    connections meanwhile.
+    A JSON part is at most ``MAX_JSON_BYTES`` (413 before parsing otherwise), which bounds how long its parse holds
+    the interpreter. A large one still becomes many times its size in Python objects before the output's size can be
+    checked: its parsed size (``PARSED_BYTES_PER_JSON_BYTE`` a byte) is taken from the bytes-in-flight budget first
+    (429 when it does not fit, before parsing) and given back once the tensor is built, and it is parsed in a
+    thread, one such request at a time (parallel parses would only add their peaks together; the parse holds the
+    interpreter, so the event loop waits for it all the same).
     """
     json_bytes = len(body) if header_length is None else min(len(body), _header_length(header_length))
+    if json_bytes > MAX_JSON_BYTES:
+        raise _json_too_large(f"the request's JSON of {json_bytes} bytes")
     if json_bytes <= JSON_INLINE_BYTES:
         req, binary = _parse_kserve(body, header_length)
         return req, _kserve_input(req, binary, limit)
@@ -835,8 +848,17 @@ async def v2_infer_call(call: Call) -> Reply:
         encoding = call.headers.get("content-encoding")
         binary = call.headers.get("inference-header-content-length") is not None
         identity = (encoding or "identity").strip().lower() == "identity"
+        if not binary:  # all of it JSON: refused before it is read, or decompressed past the limit of JSON
+            declared = declared_length(call)
+            if identity and declared is not None and declared > MAX_JSON_BYTES:
+                raise _json_too_large(f"a JSON body of {declared} bytes")
         raw = await read_body(call, limit, tensor_as_is=binary and identity)
-        body = _decompress(raw, encoding, limit)
+        try:
+            body = _decompress(raw, encoding, limit if binary else min(limit, MAX_JSON_BYTES))
+        except PayloadTooLargeError:
+            if binary:
+                raise
+            raise _json_too_large("the decompressed JSON body") from None
         if body is not raw:
             call.hold(len(body))
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),

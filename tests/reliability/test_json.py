@@ -42,3 +42,13 @@ def test_json_integers_are_bounded_whatever_the_process_wide_limit(process_limit
         assert parse_json(memoryview('{"x": 1}'.encode("utf-16"))) == {"x": 1}
     finally:
         sys.set_int_max_str_digits(before)
+
+
+@pytest.mark.slow
+def test_json_bombs_are_413_before_they_are_parsed(attacks, start_server):
+    # Before: each gzip bomb (tens of kilobytes, ~60 MB of JSON) was parsed (~1 GB of Python objects, seconds with
+    # the event loop stalled, /health/live late by up to seconds), one at a time, before its 413.
+    server = start_server({})
+    result = asyncio.run(attacks.json_bombs(server, bombs=4))
+    assert result["ok"], explain(result)
+    # (the probe's latencies are figures, not checks: this machine's load decides them)
