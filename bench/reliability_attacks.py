@@ -27,6 +27,7 @@ import gzip
 import json
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -382,3 +383,209 @@ async def json_bombs(server: Any, *, bombs: int = 8, shape: tuple[int, ...] = (1
             "live_probes": len(during), "live_p50_ms": round(1000 * float(np.median(during)), 1),
             "live_max_ms": round(1000 * max(during), 1), "rss_growth_mib": round(growth, 1), **figures,
             "checks": checks, "ok": all(checks.values())}
+
+
+# --- point: the drain answers every connection it accepted ------------------------------------------------------
+
+
+async def drain_connections(server: Any, *, clients: int = 32, before: int = 200,
+                            layer: str = "demo") -> dict[str, Any]:
+    """``clients`` clients each connect, send one request, read the answer and start again; SIGTERM once ``before``
+    answers came. Every connection the server accepted (the client's connect succeeded) must get an answer: 200
+    before the drain, 503 with ``Connection: close`` during it; never a close or reset after sending. Each client
+    stops at its first refused connection after the signal (the port closed); the server exits 0."""
+    host, port = rel._host_port(server.url)
+    body = rel.npy(np.zeros((1, 16, 8, 8), np.float32))
+    message = rel.head(f"/deconv?layer={layer}", len(body)) + body
+    outcomes: Counter[str] = Counter()
+    after_signal: Counter[str] = Counter()
+    signalled = asyncio.Event()
+    enough = asyncio.Event()
+    answers = 0
+
+    async def client() -> None:
+        nonlocal answers
+        while True:
+            late = signalled.is_set()
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except ConnectionRefusedError:
+                outcomes["refused"] += 1
+                if late:
+                    return
+                continue
+            except OSError as exc:
+                outcomes[f"connect {type(exc).__name__}"] += 1
+                return
+            outcomes["accepted"] += 1
+            try:
+                writer.write(message)
+                with contextlib.suppress(ConnectionError):
+                    await writer.drain()
+                status, headers, _ = await rel.read_answer(reader, 60)
+            finally:
+                writer.close()
+            key = str(status) + (" close" if headers.get("connection", "").lower() == "close" else "")
+            outcomes[key] += 1
+            if late or signalled.is_set():
+                after_signal[key] += 1
+            if isinstance(status, int):
+                answers += 1
+                if answers >= before:
+                    enough.set()
+            if not isinstance(status, int) and signalled.is_set():
+                return  # this connection's answer was lost: counted; the next ones would only repeat it
+
+    tasks = [asyncio.create_task(client()) for _ in range(clients)]
+    await enough.wait()
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    signalled.set()
+    await asyncio.gather(*tasks)
+    try:
+        code: int | None = await asyncio.to_thread(server.proc.wait, 60)
+    except subprocess.TimeoutExpired:
+        code = None
+    exit_s = time.monotonic() - t0
+    answered = sum(n for k, n in outcomes.items() if k.split(" ")[0].isdigit())
+    unanswered = {k: n for k, n in outcomes.items() if k not in ("accepted", "refused") and not k[0].isdigit()}
+    log = server.log()
+    checks = {"every_accepted_connection_answered": answered == outcomes["accepted"] and not unanswered,
+              "only_200_or_503_close": all(k in ("200", "200 close", "503 close") for k in outcomes
+                                           if k.split(" ")[0].isdigit()),
+              "later_clients_refused": outcomes["refused"] >= clients, "exit_status_0": code == 0,
+              "nothing_closed_unanswered_in_log": "closed" not in "".join(
+                  line for line in log.splitlines() if "no HTTP process took" in line),
+              "no_traceback_in_log": "Traceback" not in log}
+    return {"clients": clients, "accepted": outcomes["accepted"], "answered": answered,
+            "outcomes": dict(outcomes), "after_signal": dict(after_signal), "unanswered": unanswered,
+            "exit_status": code, "exit_after_signal_s": round(exit_s, 2), "checks": checks, "ok": all(checks.values())}
+
+
+# --- point: refusals go at once ----------------------------------------------------------------------------------
+
+REFUSALS_KEY = "refusals-key"
+# A budget of 2 MiB (a 4 MiB body does not fit) and a body timeout far beyond any wait here.
+REFUSALS_ENV = {"DECONV_API_KEY": REFUSALS_KEY, "DECONV_MAX_INFLIGHT_BYTES": str(2 * 2**20),
+                "DECONV_BODY_TIMEOUT_S": "600"}
+
+
+async def _refused(url: str, head: bytes, sent: bytes, timeout_s: float) -> dict[str, Any]:
+    """Send ``head`` and the first bytes ``sent`` of a body it declares larger, then wait for the answer."""
+    host, port = rel._host_port(url)
+    reader, writer = await asyncio.open_connection(host, port)
+    t0 = time.perf_counter()
+    try:
+        writer.write(head + sent)
+        await writer.drain()
+        status, headers, body = await rel.read_answer(reader, timeout_s)
+        after_s = time.perf_counter() - t0
+        closed = await rel.closed_by_server(reader, timeout_s) if isinstance(status, int) else False
+    finally:
+        writer.close()
+    return {"status": status, "after_ms": round(1000 * after_s, 1), "connection": headers.get("connection"),
+            "retry_after": headers.get("retry-after"), "closed": closed, "type": body[:200].decode(errors="replace")}
+
+
+async def early_refusals(server: Any, *, wait_s: float = 60.0) -> dict[str, Any]:
+    """Against a server with ``REFUSALS_ENV``: a request without the key, one asking ``Expect: 100-continue``
+    without the key, and one whose declared body does not fit the budget, each sending only part of its body (or
+    none): each answered at once (401, 401 rather than ``100 Continue``, 429 with Retry-After), with ``Connection:
+    close``, then closed. Then duplicate Authorization headers, right key first or wrong key first: 400."""
+    npy = "application/x-npy"
+    auth = f"Authorization: Bearer {REFUSALS_KEY}\r\n"
+    infer = "/v2/models/demo/infer"
+    declared = 4 * 2**20
+    out = {
+        "no_key": await _refused(server.url, rel.head("/deconv?layer=demo", declared, content_type=npy),
+                                 b"\x93NUMPY", wait_s),
+        "no_key_kserve": await _refused(server.url, rel.head(infer, declared, extra="Inference-Header-Content-"
+                                                             "Length: 100\r\n", content_type=JSON), b"{", wait_s),
+        "expect_100_no_key": await _refused(server.url, rel.head("/deconv?layer=demo", declared, content_type=npy,
+                                                                 extra="Expect: 100-continue\r\n"), b"", wait_s),
+        "over_budget": await _refused(server.url, rel.head("/deconv?layer=demo", declared, content_type=npy,
+                                                           extra=auth), b"\x93NUMPY", wait_s),
+    }
+    x = rel.npy(np.zeros((1, 16, 8, 8), np.float32))
+    dup = {}
+    for name, keys in (("right_then_wrong", (REFUSALS_KEY, "wrong")), ("wrong_then_right", ("wrong", REFUSALS_KEY))):
+        extra = "".join(f"Authorization: Bearer {k}\r\n" for k in keys)
+        dup[name] = await _refused(server.url, rel.head("/deconv?layer=demo", len(x), extra=extra,
+                                                        content_type=npy), x, wait_s)
+    checks = {"no_key_401_at_once": out["no_key"]["status"] == 401 and out["no_key_kserve"]["status"] == 401,
+              "expect_100_answered_401": out["expect_100_no_key"]["status"] == 401,
+              "over_budget_429_with_retry_after": out["over_budget"]["status"] == 429
+              and out["over_budget"]["retry_after"] is not None,
+              "refusals_close_the_connection": all(r["connection"] == "close" and r["closed"] for r in out.values()),
+              "duplicate_authorization_400": all(r["status"] == 400 for r in dup.values())}
+    return {**out, "duplicate_authorization": dup, "checks": checks, "ok": all(checks.values())}
+
+
+# --- the scenarios of bench/reliability.py ------------------------------------------------------------------------
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"runs": runs, "ok": all(r["ok"] for r in runs), "checks": {str(i): r["ok"] for i, r in enumerate(runs)}}
+
+
+def run(chosen: list[str], sizes: dict[str, int], base: dict[str, str], workdir: Path) -> dict[str, Any]:
+    """Run the scenarios of this module among ``chosen``, each on servers of its own; their results by name."""
+    results: dict[str, Any] = {}
+
+    def started(env: dict[str, str], log: str) -> Any:
+        return rel.Server.start({**base, **env}, workdir / log)
+
+    def stopped(server: Any, coro: Any) -> dict[str, Any]:
+        try:
+            return asyncio.run(coro)  # type: ignore[no-any-return]
+        finally:
+            server.stop()
+
+    if "regions" in chosen:
+        out: dict[str, Any] = {}
+        for processes in (1, 2):
+            env = {"DECONV_HTTP_PROCESSES": str(processes)}
+            out[f"swap_processes_{processes}"] = _summary([
+                stopped(s := started({**SWAP_ENV, **env}, f"swap-{processes}-{i}.log"), region_swap(s))
+                for i in range(sizes["region_trials"])])
+            out[f"replaced_processes_{processes}"] = stopped(s := started(env, f"replaced-{processes}.log"),
+                                                             replaced_object(s))
+        results["regions"] = {**out, "ok": all(r["ok"] for r in out.values()),
+                              "checks": {k: r["ok"] for k, r in out.items()}}
+    if "json" in chosen:
+        out = {}
+        for processes, key in ((1, None), (2, None), (1, REFUSALS_KEY)):
+            env = {"DECONV_HTTP_PROCESSES": str(processes), **({"DECONV_API_KEY": key} if key else {})}
+            name = f"long_integers_processes_{processes}" + ("_api_key" if key else "")
+            out[name] = stopped(s := started(env, f"{name}.log"), long_integers(s, api_key=key))
+        out["bombs"] = stopped(s := started({}, "bombs.log"), json_bombs(s, bombs=sizes["bombs"]))
+        results["json"] = {**out, "ok": all(r["ok"] for r in out.values()),
+                           "checks": {k: r["ok"] for k, r in out.items()}}
+    if "drain_load" in chosen:
+        out = {}
+        for processes in (1, 2):
+            runs = []
+            for i in range(sizes["drain_runs"]):
+                server = started({"DECONV_HTTP_PROCESSES": str(processes), "DECONV_LOG_LEVEL": "info"},
+                                 f"drain-load-{processes}-{i}.log")
+                try:
+                    runs.append(asyncio.run(drain_connections(server)))
+                finally:
+                    server.stop()
+            out[f"processes_{processes}"] = {
+                "runs": len(runs), "accepted": sum(r["accepted"] for r in runs),
+                "answered": sum(r["answered"] for r in runs),
+                "after_signal": dict(sum((Counter(r["after_signal"]) for r in runs), Counter())),
+                "refused": sum(r["outcomes"].get("refused", 0) for r in runs),
+                "exit_statuses": [r["exit_status"] for r in runs],
+                "exit_after_signal_s": sorted(r["exit_after_signal_s"] for r in runs),
+                "ok": all(r["ok"] for r in runs), "failed": [r for r in runs if not r["ok"]][:2]}
+        results["drain_load"] = {**out, "ok": all(r["ok"] for r in out.values()),
+                                 "checks": {k: r["ok"] for k, r in out.items()}}
+    if "refusals" in chosen:
+        out = {f"processes_{p}": stopped(s := started({**REFUSALS_ENV, "DECONV_HTTP_PROCESSES": str(p)},
+                                                      f"refusals-{p}.log"), early_refusals(s))
+               for p in (1, 2)}
+        results["refusals"] = {**out, "ok": all(r["ok"] for r in out.values()),
+                               "checks": {k: r["ok"] for k, r in out.items()}}
+    return results

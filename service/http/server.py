@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.config import Settings
 from service.engine.interface import Engine, wait_idle
-from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
+from service.errors import HeadersTooLargeError, NotReadyError, RequestTimeoutError, ServiceError
 from service.http.app import create_app
 from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
 from service.ipc.process import SERVING
@@ -141,6 +142,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
     max_header_bytes = 64 * 2**10
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    draining = False  # set on the server's own subclass once its drain began (DrainingServer)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
@@ -159,6 +161,8 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._sink_done: asyncio.Future[int] | None = None
         # What to call when the client goes (on_disconnect); None once it has.
         self._on_gone: set[Callable[[], None]] | None = set()
+        if self.draining:  # accepted as the server stopped listening: its request, whenever it comes, gets the 503
+            self._refuse(NotReadyError("the server is shutting down; retry on another instance"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
@@ -314,17 +318,23 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def shutdown(self) -> None:
         """uvicorn's shutdown (it closes a connection between requests), but a request whose head is arriving is
         let in and answered (503 while draining, with ``Connection: close``) instead of reset; the header
-        timeout bounds the wait."""
-        if self._head_started and (self.cycle is None or self.cycle.response_complete):
+        timeout bounds the wait. A connection refused already closes once its client has read the answer
+        (``_refuse``)."""
+        if self._lingering or (self._head_started and (self.cycle is None or self.cycle.response_complete)):
             return
         super().shutdown()
 
     def begin_drain(self) -> None:
-        """The server drains: close the connection if it is between requests, else close after this answer."""
-        if self.transport.is_closing():
+        """The server drains: a connection between requests that has served some is closed (a kept-alive one); one
+        that has served none yet, whose client has just connected to send one, is answered 503 with
+        ``Connection: close``; any other closes after its current answer."""
+        if self.transport.is_closing() or self._lingering:
             return
         if not self._head_started and (self.cycle is None or self.cycle.response_complete):
-            self.transport.close()
+            if self._heads:
+                self.transport.close()
+            else:
+                self._refuse(NotReadyError("the server is shutting down; retry on another instance"))
         elif self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
         # (a head still arriving: the application answers it with Connection: close)
@@ -343,6 +353,7 @@ class DrainingServer(uvicorn.Server):
         self.connections = connections
         self._handovers: set[asyncio.Task[object]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel_open = False  # connections are read from the supervisor's channel (non-blocking)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.connections is None:
@@ -351,13 +362,13 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=[])  # the app's start-up, and no listener of its own
         self.connections.setblocking(False)
         asyncio.get_running_loop().add_reader(self.connections.fileno(), self._take_connections)
+        self._channel_open = True
         if not self.should_exit:  # (a SIGTERM during start-up: no connections for a process about to stop)
             self.connections.send(SERVING)  # the supervisor hands this process connections from now on
 
     def _take_connections(self) -> None:
         """Serve every connection waiting on the channel (one file descriptor per message)."""
         assert self.connections is not None
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(self.connections, 64, MAX_FDS_PER_MESSAGE)
@@ -371,9 +382,14 @@ class DrainingServer(uvicorn.Server):
                 self._close_channel()
                 return
             for fd in fds:
-                task = loop.create_task(loop.connect_accepted_socket(self._protocol, socket.socket(fileno=fd)))
-                self._handovers.add(task)
-                task.add_done_callback(self._handed_over)
+                self._serve_connection(socket.socket(fileno=fd))
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        """Serve ``sock``, a connection accepted elsewhere (by the supervisor, or from the backlog at the drain)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(self._protocol, sock))
+        self._handovers.add(task)
+        task.add_done_callback(self._handed_over)
 
     def _protocol(self) -> asyncio.Protocol:
         # What uvicorn's own listeners create per connection (Server.startup's create_protocol).
@@ -386,6 +402,7 @@ class DrainingServer(uvicorn.Server):
             log.debug("a handed-over connection could not be served: %s", task.exception())
 
     def _close_channel(self) -> None:
+        self._channel_open = False
         if self.connections is not None and self.connections.fileno() >= 0:
             asyncio.get_running_loop().remove_reader(self.connections.fileno())
             self.connections.close()
@@ -409,9 +426,33 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     def _begin_drain(self) -> None:
-        """On the event loop, after SIGTERM/SIGINT: the engine refuses new work (503), then the connections drain."""
+        """On the event loop, after SIGTERM/SIGINT: the engine refuses new work (503), the server stops listening
+        (later clients find the port closed, which they can retry elsewhere), then the connections drain; every
+        connection accepted from now on, from the listen backlog or the supervisor, is answered 503."""
         self.engine.begin_drain()
+        self.config.http_protocol_class.draining = True  # type: ignore[attr-defined]
+        self._stop_listening()
+        if self._channel_open:
+            self._take_connections()  # handed over already: answered 503, never closed unread
         self._drain_connections()
+
+    def _stop_listening(self) -> None:
+        """Close the listening sockets, after accepting every connection waiting in their backlog (closing a
+        listener resets those: a client that sent its request would see the reset, not an answer)."""
+        for server in getattr(self, "servers", ()):  # (none yet when the signal came during start-up)
+            for listening in server.sockets or ():
+                backlog = socket.socket(fileno=os.dup(listening.fileno()))
+                try:
+                    backlog.setblocking(False)
+                    while True:
+                        try:
+                            conn, _ = backlog.accept()
+                        except OSError:  # nothing more waiting (or the listener failed): stop
+                            break
+                        self._serve_connection(conn)
+                finally:
+                    backlog.close()
+            server.close()
 
     def _drain_connections(self) -> None:
         """Close the connections between requests; the others close after their current answer (every answer
@@ -421,10 +462,12 @@ class DrainingServer(uvicorn.Server):
                 connection.begin_drain()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
-        # instead of finding the port closed (or being reset from the listen backlog).
+        # The listeners closed when the drain began (_begin_drain): wait until every accepted request has been
+        # computed, then close what is left.
         await wait_idle(self.engine, float(self.config.timeout_graceful_shutdown or 0))
-        self._close_channel()  # connections still in it are closed; the supervisor hands new ones to others
+        if self._channel_open:
+            self._take_connections()  # those still in it are answered 503 (the supervisor stopped handing out)
+        self._close_channel()
         await super().shutdown(sockets)
 
 
