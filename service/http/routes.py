@@ -221,10 +221,13 @@ def get_engine(request: Request) -> Engine:
 
 
 def check_api_key(call: Call) -> None:
-    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise)."""
+    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise), in exactly one
+    Authorization header (400 for several: which one counts would be a guess)."""
     key = call.engine.settings.api_key
     if key is None:
         return
+    if sum(name == b"authorization" for name, _ in call.scope["headers"]) > 1:
+        raise MalformedBodyError("more than one Authorization header; send exactly one")
     scheme, _, token = call.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
         raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")

@@ -23,7 +23,7 @@ from service.config import Settings
 from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, NotReadyError, RequestTimeoutError, ServiceError
 from service.http.app import create_app
-from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
+from service.http.asgi import ANSWER_NOW, BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
 from service.ipc.process import SERVING
 
 if TYPE_CHECKING:
@@ -42,11 +42,12 @@ class CoalescingTransport(asyncio.Transport):
     ``write_eof`` and ``abort`` see the queue first. Everything else is the real transport's.
     """
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, keep_open: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._transport = transport
         self._loop = asyncio.get_running_loop()
         self._out: list[bytes | bytearray | memoryview] = []
+        self._keep_open = keep_open  # asked at close: True when the protocol closes the connection itself, later
 
     def write(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
         if not data:
@@ -66,6 +67,8 @@ class CoalescingTransport(asyncio.Transport):
 
     def close(self) -> None:
         self._flush()
+        if self._keep_open is not None and self._keep_open():
+            return
         self._transport.close()
 
     def write_eof(self) -> None:
@@ -145,7 +148,8 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
     draining = False  # set on the server's own subclass once its drain began (DrainingServer)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+        super().connection_made(CoalescingTransport(transport, self._linger_at_close))  # type: ignore[arg-type]
+        self._linger_next_close = False  # answer_now: the next close lingers instead
         self._head_bytes = 0
         self._awaiting_head = True  # every byte received now belongs to a request head
         self._head_started = False  # a request's first byte is in and its head is not complete
@@ -212,6 +216,27 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
             if self._sink_done is done:  # cancelled while waiting
                 self._sink, self._sink_done = None, None
 
+    def answer_now(self, scope: Scope) -> bool:
+        """Whether the application may answer ``scope``'s request now, before its body has all come (a refusal:
+        401, 429, 503...), with ``Connection: close`` (in the scope as ``ANSWER_NOW``). True: once that answer is
+        written the connection drops what the client still sends of the body, for up to ``LINGER_S`` or
+        ``LINGER_BYTES``, then closes, so that the client reads the answer rather than a reset, and a client that
+        asked for ``100 Continue`` is never told to send. False: the body is all here (or the request is not this
+        connection's current one): the application reads the rest and the connection may be kept."""
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not scope or not cycle.more_body or cycle.disconnected:
+            return False
+        self._linger_next_close = True
+        return True
+
+    def _linger_at_close(self) -> bool:
+        """The transport's close hook: linger instead (``answer_now``), once."""
+        if not self._linger_next_close or self._lingering:
+            return False
+        self._linger_next_close = False
+        self._linger()
+        return True
+
     def _end_sink(self) -> None:
         """Hand the application waiting in ``read_into`` the count written, and stop writing into its buffer at once
         (what the parser hands over next, of this body or a pipelined request's, goes to uvicorn as usual)."""
@@ -270,6 +295,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._in_body = True
         self.scope[BODY_INTO] = self.read_into  # type: ignore[literal-required]
         self.scope[ON_DISCONNECT] = self.on_disconnect  # type: ignore[literal-required]
+        self.scope[ANSWER_NOW] = self.answer_now  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -290,7 +316,14 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: {reply.media_type}\r\n"
                 f"content-length: {len(reply.body)}\r\nconnection: close\r\n\r\n")
         self.transport.write(head.encode() + reply.body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """The answer is written: end the sending side, drop what the client still sends for up to ``LINGER_S`` /
+        ``LINGER_BYTES``, then close."""
+        self._cancel_timer()
         self._lingering = True
+        self._end_sink()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._timer = self.loop.call_later(LINGER_S, self.transport.close)
