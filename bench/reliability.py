@@ -63,10 +63,10 @@ SCENARIOS = ("overload", "cancellation", "faults", "sigterm", "fuzz", "limits", 
 # Full-size runs (issue 7) and the bounded defaults.
 FULL = {"overload_requests": 10_000, "cancellation_requests": 1_000, "sigterm_requests": 1_000, "fuzz_examples": 10_000,
         "slow_connections": 200, "stalled_bodies": 20, "header_bytes": 16 * 2**20, "drain_runs": 10,
-        "region_trials": 5, "bombs": 8}
+        "region_trials": 5, "bombs": 8, "bomb_rounds": 20}
 BOUNDED = {"overload_requests": 1_000, "cancellation_requests": 200, "sigterm_requests": 200, "fuzz_examples": 300,
            "slow_connections": 20, "stalled_bodies": 4, "header_bytes": 2**20, "drain_runs": 2,
-           "region_trials": 1, "bombs": 4}
+           "region_trials": 1, "bombs": 4, "bomb_rounds": 2}
 
 
 # --- the server ------------------------------------------------------------------------------------------------

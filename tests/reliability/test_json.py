@@ -52,3 +52,22 @@ def test_json_bombs_are_413_before_they_are_parsed(attacks, start_server):
     result = asyncio.run(attacks.json_bombs(server, bombs=4))
     assert result["ok"], explain(result)
     # (the probe's latencies are figures, not checks: this machine's load decides them)
+
+
+@pytest.mark.parametrize("size", [0, 1000, 256 * 2**10, 256 * 2**10 + 1, 3 * 2**20 + 17, 4 * 2**20])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_json_bodies_decompress_in_steps_up_to_the_limit(size, encoding):
+    import gzip
+    import os
+    import zlib
+
+    from service.errors import PayloadTooLargeError
+    from service.http import routes
+
+    raw = os.urandom(size // 2) + b"a" * (size - size // 2)
+    packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
+    assert bytes(asyncio.run(routes._decompress_json(bytearray(packed), encoding))) == raw
+    over = gzip.compress(b"a" * (routes.MAX_JSON_BYTES + 1)) if encoding == "gzip" else zlib.compress(
+        b"a" * (routes.MAX_JSON_BYTES + 1))
+    with pytest.raises(PayloadTooLargeError, match="binary"):
+        asyncio.run(routes._decompress_json(bytearray(over), encoding))
