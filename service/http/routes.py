@@ -42,7 +42,7 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, declared_length, read_body
-from service.http.bodies import LongNumberError, parse_json
+from service.http.bodies import MAX_JSON_BYTES, LongNumberError, decompress_json, json_too_large, parse_json
 from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -278,35 +278,6 @@ def _decompress(body: bytearray | memoryview, encoding: str | None, limit: int) 
     if len(out) > limit or d.unconsumed_tail:
         raise PayloadTooLargeError(f"decompressed body exceeds the limit of {limit} bytes")
     return bytearray(out)
-
-
-# Bytes a JSON body is decompressed by between two returns to the event loop (well under a millisecond each).
-DECOMPRESS_STEP = 256 * 2**10
-
-
-async def _decompress_json(body: bytearray | memoryview, encoding: str | None) -> bytearray | memoryview:
-    """``_decompress`` for a body that is all JSON: no further than ``MAX_JSON_BYTES`` (413 past it), a step at a
-    time with the event loop let run between steps, so that many such bodies at once delay no other connection by
-    more than a step each."""
-    enc = (encoding or "identity").strip().lower()
-    if enc in ("identity", "") or enc not in ("gzip", "deflate"):
-        return _decompress(body, encoding, MAX_JSON_BYTES)
-    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-    out = bytearray()
-    data = bytes(body)
-    try:
-        while True:
-            piece = d.decompress(data, DECOMPRESS_STEP)
-            out += piece
-            if len(out) > MAX_JSON_BYTES:
-                raise _json_too_large("the decompressed JSON body")
-            data = d.unconsumed_tail
-            if not data and len(piece) < DECOMPRESS_STEP:  # all input taken, no output held back
-                break
-            await asyncio.sleep(0)
-    except zlib.error:
-        raise MalformedBodyError(f"body is not valid {enc} data") from None
-    return out
 
 
 def output_bytes(layer: Layer, x4: AnyTensor) -> int:
@@ -617,16 +588,6 @@ def _parse_kserve(body: bytearray | memoryview, header_length: str | None) -> tu
 PARSED_BYTES_PER_JSON_BYTE = 16
 # JSON parts up to this size are parsed on the event loop (well under a millisecond); larger ones in a thread.
 JSON_INLINE_BYTES = 64 * 2**10
-# The most bytes of a KServe request's JSON (after decompression): parsing holds the interpreter, whatever thread
-# runs it, for ~50 ms a MiB of numbers (more on a busy machine), so larger JSON is refused (413) before it is
-# decompressed further or parsed; a tensor that large travels as binary or in shared memory.
-MAX_JSON_BYTES = 4 * 2**20
-
-
-def _json_too_large(what: str) -> PayloadTooLargeError:
-    return PayloadTooLargeError(
-        f"{what} is over the {MAX_JSON_BYTES}-byte limit of a request's JSON; send the input as binary (the binary "
-        "tensor extension: Inference-Header-Content-Length and parameters.binary_data_size) or in shared memory")
 
 
 class RegionInput(NamedTuple):
@@ -650,7 +611,7 @@ async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_l
     """
     json_bytes = len(body) if header_length is None else min(len(body), _header_length(header_length))
     if json_bytes > MAX_JSON_BYTES:
-        raise _json_too_large(f"the request's JSON of {json_bytes} bytes")
+        raise json_too_large(f"the request's JSON of {json_bytes} bytes")
     if json_bytes <= JSON_INLINE_BYTES:
         req, binary = _parse_kserve(body, header_length)
         return req, _kserve_input(req, binary, limit)
@@ -883,12 +844,12 @@ async def v2_infer_call(call: Call) -> Reply:
         if not binary:  # all of it JSON: refused before it is read, or decompressed past the limit of JSON
             declared = declared_length(call)
             if identity and declared is not None and declared > MAX_JSON_BYTES:
-                raise _json_too_large(f"a JSON body of {declared} bytes")
+                raise json_too_large(f"a JSON body of {declared} bytes")
         raw = await read_body(call, limit, tensor_as_is=binary and identity)
         if binary:
             body = _decompress(raw, encoding, limit)
         else:
-            body = await _decompress_json(raw, encoding)
+            body = await decompress_json(raw, encoding)
         if body is not raw:
             call.hold(len(body))
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),

@@ -62,12 +62,12 @@ def test_json_bodies_decompress_in_steps_up_to_the_limit(size, encoding):
     import zlib
 
     from service.errors import PayloadTooLargeError
-    from service.http import routes
+    from service.http import bodies
 
     raw = os.urandom(size // 2) + b"a" * (size - size // 2)
     packed = gzip.compress(raw) if encoding == "gzip" else zlib.compress(raw)
-    assert bytes(asyncio.run(routes._decompress_json(bytearray(packed), encoding))) == raw
-    over = gzip.compress(b"a" * (routes.MAX_JSON_BYTES + 1)) if encoding == "gzip" else zlib.compress(
-        b"a" * (routes.MAX_JSON_BYTES + 1))
+    assert bytes(asyncio.run(bodies.decompress_json(bytearray(packed), encoding))) == raw
+    over = gzip.compress(b"a" * (bodies.MAX_JSON_BYTES + 1)) if encoding == "gzip" else zlib.compress(
+        b"a" * (bodies.MAX_JSON_BYTES + 1))
     with pytest.raises(PayloadTooLargeError, match="binary"):
-        asyncio.run(routes._decompress_json(bytearray(over), encoding))
+        asyncio.run(bodies.decompress_json(bytearray(over), encoding))
