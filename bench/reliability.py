@@ -20,6 +20,10 @@ drives it from this process, checks what it promises, and stops it:
 - ``drain``: SIGTERM with 128 kept-alive connections and one request arriving, ``drain_runs`` times with one
   process and with ``DECONV_HTTP_PROCESSES=2``: every connection closed, the arriving request answered 503, exit 0,
   and the time from the signal to the exit.
+- ``regions``, ``json``, ``drain_load``, ``refusals``: the attacks of ``bench/reliability_attacks.py`` (a region
+  moved to another object while a request is held, a replaced object, long JSON integers, JSON bombs with
+  /health/live probed, SIGTERM under a stream of new connections ``drain_runs`` times per mode, refusals before the
+  body), in one and two HTTP processes.
 
     python bench/reliability.py                      # bounded sizes (about a minute)
     python bench/reliability.py --full --out docs/benchmarks/reliability-cpu.json
@@ -54,12 +58,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 NPY = "application/x-npy"
-SCENARIOS = ("overload", "cancellation", "faults", "sigterm", "fuzz", "limits", "drain")
+SCENARIOS = ("overload", "cancellation", "faults", "sigterm", "fuzz", "limits", "drain", "regions", "json",
+             "drain_load", "refusals")
 # Full-size runs (issue 7) and the bounded defaults.
 FULL = {"overload_requests": 10_000, "cancellation_requests": 1_000, "sigterm_requests": 1_000, "fuzz_examples": 10_000,
-        "slow_connections": 200, "stalled_bodies": 20, "header_bytes": 16 * 2**20, "drain_runs": 10}
+        "slow_connections": 200, "stalled_bodies": 20, "header_bytes": 16 * 2**20, "drain_runs": 10,
+        "region_trials": 5, "bombs": 8, "bomb_rounds": 20}
 BOUNDED = {"overload_requests": 1_000, "cancellation_requests": 200, "sigterm_requests": 200, "fuzz_examples": 300,
-           "slow_connections": 20, "stalled_bodies": 4, "header_bytes": 2**20, "drain_runs": 2}
+           "slow_connections": 20, "stalled_bodies": 4, "header_bytes": 2**20, "drain_runs": 2,
+           "region_trials": 1, "bombs": 4, "bomb_rounds": 2}
 
 
 # --- the server ------------------------------------------------------------------------------------------------
@@ -1124,6 +1131,12 @@ def main(argv: list[str] | None = None) -> int:
                 "ok": all(r["ok"] for r in runs), "failed": [r for r in runs if not r["ok"]][:2]}
         show("drain", {**out, "ok": all(r["ok"] for r in out.values()),
                        "checks": {k: r["ok"] for k, r in out.items()}})
+    if set(chosen) & {"regions", "json", "drain_load", "refusals"}:
+        sys.modules.setdefault("reliability", sys.modules[__name__])  # what the attacks import
+        import reliability_attacks
+
+        for name, result in reliability_attacks.run(chosen, sizes, base, args.workdir).items():
+            show(name, result)
     ok = all(results[s]["ok"] for s in chosen)
     if args.out:
         # Scenarios run now replace their earlier results in the file; the others are kept.

@@ -11,8 +11,11 @@ requests per second however fast the GPU is. Here the work is split:
   each request to the engine. Requests from every HTTP process share the engine's queues, so they batch together.
 
 This process binds the port, starts the engine, waits for its socket, starts the HTTP processes, then accepts every
-connection itself and passes it to the HTTP processes in turn (``ConnectionDispatcher``), and watches: SIGTERM or
-SIGINT is passed on as SIGTERM to every process (each drains: nothing accepted is lost), and if any process exits on
+connection itself and passes it to the HTTP processes in turn (``ConnectionDispatcher``), and watches: on SIGTERM or
+SIGINT it stops listening first (the connections waiting in the backlog are accepted and handed out, then the port
+closes, so that later clients are refused and can retry elsewhere), then passes the signal on as SIGTERM to every
+process (each drains: every accepted connection is answered, 503 with ``Connection: close`` once the drain began;
+nothing accepted is lost or closed unanswered), and if any process exits on
 its own the others are stopped and the supervisor exits non-zero, so that whatever restarts the server (Docker's
 restart policy, Kubernetes) sees the failure. Children run in their own session, so a Ctrl-C in a terminal reaches
 only the supervisor, and they stop by themselves if the supervisor dies (their stdin, a pipe from it, reaches end of
@@ -60,7 +63,8 @@ class ConnectionDispatcher:
     its start-up is done): a process still importing or connecting to the engine would leave a connection handed
     to it waiting for seconds. Until one process serves, connections wait in the listen backlog. A process whose
     channel is closed (it exited) is skipped from then on; one whose channel stays full for ``HANDOVER_TIMEOUT_S``
-    is skipped for that connection. A connection no process takes is closed.
+    is skipped for that connection. A connection no process takes is answered 503 here (``refuse``), never closed
+    unanswered.
     """
 
     def __init__(self, listener: socket.socket, channels: list[socket.socket]) -> None:
@@ -87,6 +91,25 @@ class ConnectionDispatcher:
         if self._thread.is_alive():
             self._thread.join()
 
+    def stop_listening(self) -> None:
+        """Stop accepting, hand out every connection waiting in the backlog, and close the listener: from now on
+        clients are refused (closing it with connections waiting would reset them, after they sent a request)."""
+        self.stop()
+        if self.listener.fileno() < 0:
+            return
+        try:
+            self.listener.setblocking(False)
+            while True:
+                try:
+                    conn, _ = self.listener.accept()
+                except OSError:  # nothing more waiting
+                    break
+                with conn:
+                    self._dispatch(conn)
+        finally:
+            self.listener.close()
+        log.info("stopped listening: %d connection(s) answered here, none closed unanswered", self.refused)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             open_channels = [i for i, c in enumerate(self.channels) if c is not None]
@@ -107,10 +130,16 @@ class ConnectionDispatcher:
                 time.sleep(0.01)
                 continue
             with conn:  # this process's copy: the HTTP process that took it holds its own
-                if not self.hand_over(conn):
-                    self.refused += 1
-                    if self.refused == 1 or self.refused % 1000 == 0:
-                        log.error("no HTTP process took a connection (%d so far): closed", self.refused)
+                self._dispatch(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hand ``conn`` to an HTTP process, or answer it 503 here when none takes it."""
+        if self.hand_over(conn):
+            return
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.error("no HTTP process took a connection (%d so far): answered 503", self.refused)
+        refuse(conn)
 
     def _hear_from(self, indices: list[int], timeout_s: float) -> None:
         """Read what the starting processes ``indices`` sent (waiting up to ``timeout_s``): ``SERVING``, or the
@@ -150,6 +179,33 @@ class ConnectionDispatcher:
             self.handed_out[index] += 1
             return True
         return False
+
+
+# What the supervisor answers a connection no HTTP process takes, and how long it reads what the client sends meanwhile
+# (closing a socket with unread data resets it, and the client would see the reset instead of the answer).
+_REFUSAL_BODY = b'{"error":"the server is shutting down; retry on another instance","type":"not_ready"}'
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+           b"content-length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _REFUSAL_BODY)
+REFUSAL_LINGER_S = 0.5
+REFUSAL_LINGER_BYTES = 1 << 20
+
+
+def refuse(conn: socket.socket) -> None:
+    """Answer ``conn`` 503 with ``Connection: close`` and close it once the client has read it: what the client
+    still sends is read and dropped until it closes, for at most ``REFUSAL_LINGER_S`` or ``REFUSAL_LINGER_BYTES``."""
+    try:
+        conn.settimeout(REFUSAL_LINGER_S)
+        conn.sendall(REFUSAL)
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + REFUSAL_LINGER_S
+        dropped = 0
+        while dropped < REFUSAL_LINGER_BYTES and time.monotonic() < deadline:
+            data = conn.recv(1 << 16)
+            if not data:
+                break
+            dropped += len(data)
+    except OSError:  # the client went, or is too slow: closed as it is
+        pass
 
 
 def supervise(settings: Settings) -> int:
@@ -232,7 +288,8 @@ def supervise(settings: Settings) -> int:
             code = failed.poll()
             log.error("%s (pid %d) %s: stopping the server", role, failed.pid,
                       f"exited with status {code}" if code is not None else "did not start in time")
-        # The port stays open while the HTTP processes drain: a connection arriving meanwhile is answered 503.
+        if dispatcher is not None:  # later clients are refused; those waiting now are handed out first
+            dispatcher.stop_listening()
         codes = _stop_all(children, settings.request_timeout_s + 15)
     finally:
         if dispatcher is not None:

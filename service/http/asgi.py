@@ -61,6 +61,10 @@ BODY_INTO = "deconv.body_into"
 # Set in a request's scope by the connection (service.http.server.HTTPProtocol): ``scope[ON_DISCONNECT](callback)``
 # calls ``callback`` on the event loop when the client goes, and returns what stops that.
 ON_DISCONNECT = "deconv.on_disconnect"
+# Set in a request's scope by the connection (service.http.server.HTTPProtocol): ``scope[ANSWER_NOW](scope)`` is
+# True when the answer may go before the body has all come, with Connection: close (the connection then drops the
+# rest of the body before it closes), False when the body is all there.
+ANSWER_NOW = "deconv.answer_now"
 CLOSE = (b"connection", b"close")
 
 
@@ -313,8 +317,11 @@ async def disconnected(receive: Receive) -> None:
 async def serve_call(handler: Handler, call: Call, send: Send) -> None:
     """Run ``handler`` and write its reply, or the error's (no traceback reaches the client).
 
-    An error answered before the whole body came waits for the rest of it (dropped, up to the body limit) so that
-    the client reads the answer; past that limit the connection closes after the answer.
+    An error answered before the whole body came (a refusal: 401, 404, 413, 429, 503...) goes at once, with
+    ``Connection: close``, where the connection can drop the rest of the body after it (``ANSWER_NOW``): a client
+    whose body stalls, or that waits for ``100 Continue``, gets its refusal now. Elsewhere, or when the body is all
+    there already, the rest of the body is read and dropped first (up to the body limit; past it the connection
+    closes after the answer), so that the client reads the answer.
     """
     try:
         try:
@@ -324,8 +331,11 @@ async def serve_call(handler: Handler, call: Call, send: Send) -> None:
         except Exception as exc:
             log.error("unhandled error on %s %s", call.scope["method"], call.path, exc_info=exc)
             reply = error_reply(InternalError("internal server error"), call.path)
-        if not call.body_read and not await discard_body(call, call.engine.settings.max_body_bytes):
-            reply = reply._replace(headers={**reply.headers, "Connection": "close"})
+        if not call.body_read:
+            answer_now = call.scope.get(ANSWER_NOW)
+            if (answer_now is not None and answer_now(call.scope)) or not await discard_body(
+                    call, call.engine.settings.max_body_bytes):
+                reply = reply._replace(headers={**reply.headers, "Connection": "close"})
         await send_reply(send, reply)
     finally:
         call.release()

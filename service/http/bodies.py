@@ -11,16 +11,28 @@ in the server's bound on bytes in flight (``service.budget``) by the body's leng
 buffer may be up to a quarter, or ``GRAIN``, larger).
 
 Event-loop only (not thread-safe); a buffer whose last view goes in another thread comes back through the loop.
+
+A KServe request's JSON is at most ``MAX_JSON_BYTES`` after decompression (``decompress_json`` decompresses a body
+that is all JSON a step at a time, no further than that). ``parse_json`` reads the JSON bodies (KServe requests,
+shared-memory registrations) with integer literals bounded by this module's own limit (``MAX_JSON_INT_DIGITS``),
+not by Python's process-wide one (``sys.get_int_max_str_digits``): a longer integer is a ``LongNumberError`` (400)
+in every field, whatever that setting is, and every other number parses to a value (a float literal of any length
+is a float, perhaps 0 or infinity).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 import itertools
+import json
+import zlib
+from typing import Any
 
 import numpy as np
 
+from service.errors import MalformedBodyError, PayloadTooLargeError, UnsupportedMediaTypeError
 from service.ipc.shm import lend
 
 # Smaller bodies are read into a plain growing buffer: allocating them costs little.
@@ -77,3 +89,84 @@ class BodyPool:
         while self.idle_bytes > self.max_idle_bytes:
             oldest = min(range(len(self._idle)), key=lambda j: self._idle[j][1])
             self.idle_bytes -= self._idle.pop(oldest)[0]
+
+
+# The most digits of an integer in a JSON body: a float64 reaches 309, every count and size of the protocols far
+# fewer, and the product of a shape's 4 dimensions stays under Python's int-conversion limit (4,300 digits by
+# default, process-wide and changeable), so that a message can still print it.
+MAX_JSON_INT_DIGITS = 1000
+
+
+class LongNumberError(ValueError):
+    """A JSON integer of more than ``MAX_JSON_INT_DIGITS`` digits."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_JSON_INT_DIGITS:
+        raise LongNumberError(f"a JSON integer has {digits} digits, more than the {MAX_JSON_INT_DIGITS} this server "
+                              "reads")
+    return int(text)
+
+
+_DECODER = json.JSONDecoder(parse_int=_bounded_int)
+
+
+def parse_json(data: bytes | bytearray | memoryview) -> Any:
+    """``data`` (UTF-8, -16 or -32, as ``json.loads`` reads bytes) as a Python value, integers bounded.
+
+    Raises:
+        LongNumberError: an integer of more than ``MAX_JSON_INT_DIGITS`` digits.
+        ValueError: not valid JSON (``json.JSONDecodeError``) or not valid text (``UnicodeDecodeError``).
+        RecursionError: nested too deeply.
+    """
+    view = memoryview(data).cast("B")
+    return _DECODER.decode(str(view, json.detect_encoding(bytes(view[:4])), "surrogatepass"))
+
+
+# The most bytes of a KServe request's JSON (after decompression): parsing holds the interpreter, whatever thread
+# runs it, for ~50 ms a MiB of numbers (more on a busy machine), so larger JSON is refused (413) before it is
+# decompressed further or parsed; a tensor that large travels as binary or in shared memory.
+MAX_JSON_BYTES = 4 * 2**20
+# Bytes a JSON body is decompressed by between two returns to the event loop (well under a millisecond each).
+DECOMPRESS_STEP = 256 * 2**10
+
+
+def json_too_large(what: str) -> PayloadTooLargeError:
+    """The 413 of a request whose JSON exceeds ``MAX_JSON_BYTES`` (``what``: which JSON, with its size)."""
+    return PayloadTooLargeError(
+        f"{what} is over the {MAX_JSON_BYTES}-byte limit of a request's JSON; send the input as binary (the binary "
+        "tensor extension: Inference-Header-Content-Length and parameters.binary_data_size) or in shared memory")
+
+
+async def decompress_json(body: bytearray | memoryview, encoding: str | None) -> bytearray | memoryview:
+    """A body that is all JSON, decompressed as ``Content-Encoding`` says (gzip, deflate, identity: the body as it
+    is): no further than ``MAX_JSON_BYTES``, and a step at a time with the event loop let run between steps, so
+    that many such bodies at once delay no other connection by more than a step each.
+
+    Raises:
+        PayloadTooLargeError: more than ``MAX_JSON_BYTES`` once decompressed (413).
+        UnsupportedMediaTypeError: another encoding (415).
+        MalformedBodyError: not valid compressed data (400).
+    """
+    enc = (encoding or "identity").strip().lower()
+    if enc == "identity":
+        return body
+    if enc not in ("gzip", "deflate"):
+        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate, identity)")
+    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
+    out = bytearray()
+    data = bytes(body)
+    try:
+        while True:
+            piece = d.decompress(data, DECOMPRESS_STEP)
+            out += piece
+            if len(out) > MAX_JSON_BYTES:
+                raise json_too_large("the decompressed JSON body")
+            data = d.unconsumed_tail
+            if not data and len(piece) < DECOMPRESS_STEP:  # all input taken, no output held back
+                break
+            await asyncio.sleep(0)
+    except zlib.error:
+        raise MalformedBodyError(f"body is not valid {enc} data") from None
+    return out

@@ -50,8 +50,9 @@ from service.errors import (
     UnknownLayerError,
     UnsupportedMediaTypeError,
 )
-from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, read_body
-from service.http.shm_regions import RegionError, RegionTable, TensorRef, tensor_ref
+from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, declared_length, read_body
+from service.http.bodies import MAX_JSON_BYTES, LongNumberError, decompress_json, json_too_large, parse_json
+from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -224,10 +225,13 @@ def get_engine(request: Request) -> Engine:
 
 
 def check_api_key(call: Call) -> None:
-    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise)."""
+    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise), in exactly one
+    Authorization header (400 for several: which one counts would be a guess)."""
     key = call.engine.settings.api_key
     if key is None:
         return
+    if sum(name == b"authorization" for name, _ in call.scope["headers"]) > 1:
+        raise MalformedBodyError("more than one Authorization header; send exactly one")
     scheme, _, token = call.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
         raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
@@ -553,8 +557,10 @@ def _parse_kserve(body: bytearray | memoryview, header_length: str | None) -> tu
             raise MalformedBodyError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
         json_part, binary = view[:n], view[n:]
     try:
-        request = json.loads(bytes(json_part))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        request = parse_json(json_part)
+    except LongNumberError as exc:
+        raise MalformedBodyError(f"inference request: {exc}") from None
+    except (ValueError, RecursionError):
         raise MalformedBodyError("inference request is not valid JSON (binary tensors need the "
                             "Inference-Header-Content-Length header)") from None
     if not isinstance(request, dict):
@@ -582,13 +588,16 @@ async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_l
                               limit: int) -> tuple[dict[str, Any], AnyTensor | RegionInput]:
     """The KServe request in ``body`` and its input tensor.
 
-    A large JSON part becomes many times its size in Python objects before the output's size can be checked, and
-    parsing it takes seconds: its parsed size (``PARSED_BYTES_PER_JSON_BYTE`` a byte) is taken from the bytes-in-
-    flight budget first (429 when it does not fit, before parsing) and given back once the tensor is built, and it
-    is parsed in a thread, one such request at a time, so that the event loop goes on serving the other
-    connections meanwhile.
+    A JSON part is at most ``MAX_JSON_BYTES`` (413 before parsing otherwise), which bounds how long its parse holds
+    the interpreter. A large one still becomes many times its size in Python objects before the output's size can be
+    checked: its parsed size (``PARSED_BYTES_PER_JSON_BYTE`` a byte) is taken from the bytes-in-flight budget first
+    (429 when it does not fit, before parsing) and given back once the tensor is built, and it is parsed in a
+    thread, one such request at a time (parallel parses would only add their peaks together; the parse holds the
+    interpreter, so the event loop waits for it all the same).
     """
     json_bytes = len(body) if header_length is None else min(len(body), _header_length(header_length))
+    if json_bytes > MAX_JSON_BYTES:
+        raise json_too_large(f"the request's JSON of {json_bytes} bytes")
     if json_bytes <= JSON_INLINE_BYTES:
         req, binary = _parse_kserve(body, header_length)
         return req, _kserve_input(req, binary, limit)
@@ -738,10 +747,10 @@ def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.Sou
 
 
 def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
-                   ref: TensorRef) -> DeviceTensor | None:
+                   ref: TensorRef) -> DeviceTensor | RegionWriter:
     """Check the output's region: large enough, and its bytes inside it. The output's place in a region the engine
-    maps (the engine writes it there); None for another system region (written here once the result is back, held
-    in the budget)."""
+    maps (the engine writes it there, under the registration checked now); for another system region, what writes
+    it here once the result is back, into the object checked now (``RegionWriter``, held in the budget)."""
     need = output_bytes(layer, x4)
     if ref.byte_size < need:
         raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
@@ -749,9 +758,9 @@ def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor
         n, _, h, w = (int(d) for d in x4.shape)
         shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
         return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
-    regions.check(ref.region, ref.offset, ref.byte_size)
+    writer = regions.writer(ref.region, ref.offset, ref.byte_size)
     call.hold(need)
-    return None
+    return writer
 
 
 def _timeout_ms(request: dict[str, Any]) -> float | None:
@@ -818,8 +827,15 @@ async def v2_infer_call(call: Call) -> Reply:
         encoding = call.headers.get("content-encoding")
         binary = call.headers.get("inference-header-content-length") is not None
         identity = (encoding or "identity").strip().lower() == "identity"
+        if not binary:  # all of it JSON: refused before it is read, or decompressed past the limit of JSON
+            declared = declared_length(call)
+            if identity and declared is not None and declared > MAX_JSON_BYTES:
+                raise json_too_large(f"a JSON body of {declared} bytes")
         raw = await read_body(call, limit, tensor_as_is=binary and identity)
-        body = _decompress(raw, encoding, limit)
+        if binary:
+            body = _decompress(raw, encoding, limit)
+        else:
+            body = await decompress_json(raw, encoding)
         if body is not raw:
             call.hold(len(body))
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),
@@ -829,9 +845,11 @@ async def v2_infer_call(call: Call) -> Reply:
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
-        out_device = None
+        out_device = out_writer = None
         if out_ref is not None:
             out_device = _output_region(call, regions, layer, x4, out_ref)
+            if isinstance(out_device, RegionWriter):
+                out_device, out_writer = None, out_device
         elif binary_out:
             call.hold(output_bytes(layer, x4))
         else:
@@ -857,9 +875,9 @@ async def v2_infer_call(call: Call) -> Reply:
             response["id"] = req["id"]
         headers = _batch_headers(result)
         if out_ref is not None:
-            if out_device is None:
+            if out_writer is not None:
                 data = codec.bytes_of(y)
-                regions.write(out_ref.region, out_ref.offset, data)
+                out_writer.write(data)
                 written = data.nbytes
             else:  # the engine wrote it into the region
                 written = math.prod(y.shape) * y.element_size()

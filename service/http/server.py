@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable, Iterable, Sequence
@@ -20,9 +21,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.config import Settings
 from service.engine.interface import Engine, wait_idle
-from service.errors import HeadersTooLargeError, RequestTimeoutError, ServiceError
+from service.errors import HeadersTooLargeError, NotReadyError, RequestTimeoutError, ServiceError
 from service.http.app import Companion, create_app
-from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
+from service.http.asgi import ANSWER_NOW, BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
 from service.ipc.process import SERVING
 
 if TYPE_CHECKING:
@@ -41,11 +42,12 @@ class CoalescingTransport(asyncio.Transport):
     ``write_eof`` and ``abort`` see the queue first. Everything else is the real transport's.
     """
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(self, transport: asyncio.Transport, keep_open: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._transport = transport
         self._loop = asyncio.get_running_loop()
         self._out: list[bytes | bytearray | memoryview] = []
+        self._keep_open = keep_open  # asked at close: True when the protocol closes the connection itself, later
 
     def write(self, data: bytes | bytearray | memoryview) -> None:  # type: ignore[override]
         if not data:
@@ -65,6 +67,8 @@ class CoalescingTransport(asyncio.Transport):
 
     def close(self) -> None:
         self._flush()
+        if self._keep_open is not None and self._keep_open():
+            return
         self._transport.close()
 
     def write_eof(self) -> None:
@@ -141,9 +145,11 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
     max_header_bytes = 64 * 2**10
     header_timeout_s = 10.0
     body_timeout_s = 30.0
+    draining = False  # set on the server's own subclass once its drain began (DrainingServer)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+        super().connection_made(CoalescingTransport(transport, self._linger_at_close))  # type: ignore[arg-type]
+        self._linger_next_close = False  # answer_now: the next close lingers instead
         self._head_bytes = 0
         self._awaiting_head = True  # every byte received now belongs to a request head
         self._head_started = False  # a request's first byte is in and its head is not complete
@@ -159,6 +165,8 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._sink_done: asyncio.Future[int] | None = None
         # What to call when the client goes (on_disconnect); None once it has.
         self._on_gone: set[Callable[[], None]] | None = set()
+        if self.draining:  # accepted as the server stopped listening: its request, whenever it comes, gets the 503
+            self._refuse(NotReadyError("the server is shutting down; retry on another instance"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
@@ -207,6 +215,27 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         finally:
             if self._sink_done is done:  # cancelled while waiting
                 self._sink, self._sink_done = None, None
+
+    def answer_now(self, scope: Scope) -> bool:
+        """Whether the application may answer ``scope``'s request now, before its body has all come (a refusal:
+        401, 429, 503...), with ``Connection: close`` (in the scope as ``ANSWER_NOW``). True: once that answer is
+        written the connection drops what the client still sends of the body, for up to ``LINGER_S`` or
+        ``LINGER_BYTES``, then closes, so that the client reads the answer rather than a reset, and a client that
+        asked for ``100 Continue`` is never told to send. False: the body is all here (or the request is not this
+        connection's current one): the application reads the rest and the connection may be kept."""
+        cycle = self.cycle
+        if cycle is None or cycle.scope is not scope or not cycle.more_body or cycle.disconnected:
+            return False
+        self._linger_next_close = True
+        return True
+
+    def _linger_at_close(self) -> bool:
+        """The transport's close hook: linger instead (``answer_now``), once."""
+        if not self._linger_next_close or self._lingering:
+            return False
+        self._linger_next_close = False
+        self._linger()
+        return True
 
     def _end_sink(self) -> None:
         """Hand the application waiting in ``read_into`` the count written, and stop writing into its buffer at once
@@ -266,6 +295,7 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._in_body = True
         self.scope[BODY_INTO] = self.read_into  # type: ignore[literal-required]
         self.scope[ON_DISCONNECT] = self.on_disconnect  # type: ignore[literal-required]
+        self.scope[ANSWER_NOW] = self.answer_now  # type: ignore[literal-required]
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -286,7 +316,14 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
         head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\ncontent-type: {reply.media_type}\r\n"
                 f"content-length: {len(reply.body)}\r\nconnection: close\r\n\r\n")
         self.transport.write(head.encode() + reply.body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """The answer is written: end the sending side, drop what the client still sends for up to ``LINGER_S`` /
+        ``LINGER_BYTES``, then close."""
+        self._cancel_timer()
         self._lingering = True
+        self._end_sink()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._timer = self.loop.call_later(LINGER_S, self.transport.close)
@@ -314,17 +351,23 @@ class HTTPProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def shutdown(self) -> None:
         """uvicorn's shutdown (it closes a connection between requests), but a request whose head is arriving is
         let in and answered (503 while draining, with ``Connection: close``) instead of reset; the header
-        timeout bounds the wait."""
-        if self._head_started and (self.cycle is None or self.cycle.response_complete):
+        timeout bounds the wait. A connection refused already closes once its client has read the answer
+        (``_refuse``)."""
+        if self._lingering or (self._head_started and (self.cycle is None or self.cycle.response_complete)):
             return
         super().shutdown()
 
     def begin_drain(self) -> None:
-        """The server drains: close the connection if it is between requests, else close after this answer."""
-        if self.transport.is_closing():
+        """The server drains: a connection between requests that has served some is closed (a kept-alive one); one
+        that has served none yet, whose client has just connected to send one, is answered 503 with
+        ``Connection: close``; any other closes after its current answer."""
+        if self.transport.is_closing() or self._lingering:
             return
         if not self._head_started and (self.cycle is None or self.cycle.response_complete):
-            self.transport.close()
+            if self._heads:
+                self.transport.close()
+            else:
+                self._refuse(NotReadyError("the server is shutting down; retry on another instance"))
         elif self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
         # (a head still arriving: the application answers it with Connection: close)
@@ -343,6 +386,7 @@ class DrainingServer(uvicorn.Server):
         self.connections = connections
         self._handovers: set[asyncio.Task[object]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel_open = False  # connections are read from the supervisor's channel (non-blocking)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         if self.connections is None:
@@ -351,13 +395,13 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=[])  # the app's start-up, and no listener of its own
         self.connections.setblocking(False)
         asyncio.get_running_loop().add_reader(self.connections.fileno(), self._take_connections)
+        self._channel_open = True
         if not self.should_exit:  # (a SIGTERM during start-up: no connections for a process about to stop)
             self.connections.send(SERVING)  # the supervisor hands this process connections from now on
 
     def _take_connections(self) -> None:
         """Serve every connection waiting on the channel (one file descriptor per message)."""
         assert self.connections is not None
-        loop = asyncio.get_running_loop()
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(self.connections, 64, MAX_FDS_PER_MESSAGE)
@@ -371,9 +415,14 @@ class DrainingServer(uvicorn.Server):
                 self._close_channel()
                 return
             for fd in fds:
-                task = loop.create_task(loop.connect_accepted_socket(self._protocol, socket.socket(fileno=fd)))
-                self._handovers.add(task)
-                task.add_done_callback(self._handed_over)
+                self._serve_connection(socket.socket(fileno=fd))
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        """Serve ``sock``, a connection accepted elsewhere (by the supervisor, or from the backlog at the drain)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(loop.connect_accepted_socket(self._protocol, sock))
+        self._handovers.add(task)
+        task.add_done_callback(self._handed_over)
 
     def _protocol(self) -> asyncio.Protocol:
         # What uvicorn's own listeners create per connection (Server.startup's create_protocol).
@@ -386,6 +435,7 @@ class DrainingServer(uvicorn.Server):
             log.debug("a handed-over connection could not be served: %s", task.exception())
 
     def _close_channel(self) -> None:
+        self._channel_open = False
         if self.connections is not None and self.connections.fileno() >= 0:
             asyncio.get_running_loop().remove_reader(self.connections.fileno())
             self.connections.close()
@@ -409,9 +459,33 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     def _begin_drain(self) -> None:
-        """On the event loop, after SIGTERM/SIGINT: the engine refuses new work (503), then the connections drain."""
+        """On the event loop, after SIGTERM/SIGINT: the engine refuses new work (503), the server stops listening
+        (later clients find the port closed, which they can retry elsewhere), then the connections drain; every
+        connection accepted from now on, from the listen backlog or the supervisor, is answered 503."""
         self.engine.begin_drain()
+        self.config.http_protocol_class.draining = True  # type: ignore[attr-defined]
+        self._stop_listening()
+        if self._channel_open:
+            self._take_connections()  # handed over already: answered 503, never closed unread
         self._drain_connections()
+
+    def _stop_listening(self) -> None:
+        """Close the listening sockets, after accepting every connection waiting in their backlog (closing a
+        listener resets those: a client that sent its request would see the reset, not an answer)."""
+        for server in getattr(self, "servers", ()):  # (none yet when the signal came during start-up)
+            for listening in server.sockets or ():
+                backlog = socket.socket(fileno=os.dup(listening.fileno()))
+                try:
+                    backlog.setblocking(False)
+                    while True:
+                        try:
+                            conn, _ = backlog.accept()
+                        except OSError:  # nothing more waiting (or the listener failed): stop
+                            break
+                        self._serve_connection(conn)
+                finally:
+                    backlog.close()
+            server.close()
 
     def _drain_connections(self) -> None:
         """Close the connections between requests; the others close after their current answer (every answer
@@ -421,10 +495,12 @@ class DrainingServer(uvicorn.Server):
                 connection.begin_drain()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # Keep listening until every accepted request has been computed: one arriving meanwhile is answered 503
-        # instead of finding the port closed (or being reset from the listen backlog).
+        # The listeners closed when the drain began (_begin_drain): wait until every accepted request has been
+        # computed, then close what is left.
         await wait_idle(self.engine, float(self.config.timeout_graceful_shutdown or 0))
-        self._close_channel()  # connections still in it are closed; the supervisor hands new ones to others
+        if self._channel_open:
+            self._take_connections()  # those still in it are answered 503 (the supervisor stopped handing out)
+        self._close_channel()
         await super().shutdown(sockets)
 
 

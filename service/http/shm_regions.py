@@ -18,8 +18,14 @@ Safety, whatever a client sends or does to its object:
   On a GPU server the engine maps and page-locks a registered region instead (``mark_mapped``;
   ``service.engine.cuda_shm``), and its tensors are not copied here at all: they go to the engine as references,
   and only the GPU's copy engines touch the locked pages, which outlive a truncation (no fault, no SIGBUS).
-- Every access happens on the event loop, between two awaits, so a region cannot be unregistered (its descriptor
-  closed, the number reused) while it is read or written.
+- A request holds what it checked, from the check to the access: an output is written through a descriptor of the
+  request's own (``writer``: a duplicate of the region's, taken when the bytes were checked), so that a region
+  unregistered and registered again under the same name meanwhile, in this process or another, never receives
+  another request's output; and the write happens only if the name still stands for the registration that was
+  checked (else 400, nothing written). An input is read on the event loop with no await after its check.
+- Every use checks that the object under the key is still the one registered (device and inode, one ``stat``): an
+  object deleted and created again under the same name is refused (400) in every process, where a descriptor
+  opened before would silently serve the deleted one.
 - The number of regions and their total bytes are bounded (``Settings.system_shm_max_regions``,
   ``system_shm_max_bytes``); names are unique; descriptors are closed on unregister and at shutdown.
 
@@ -57,6 +63,7 @@ import mmap
 import os
 import struct
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -66,7 +73,7 @@ import torch
 
 from service.codec import DeviceTensor
 from service.errors import RegionError, UnknownRegionError
-from service.ipc.shm import open_object
+from service.ipc.shm import SHM_DIR, open_object
 
 log = logging.getLogger("deconv.service")
 
@@ -419,6 +426,13 @@ class RegionTable:
         """Region ``name`` opened here, checked against the store (it may have changed in another process): the
         record is read again when the store's generation moved since it was last read."""
         generation = self.store.generation()
+        region = self._current(name, generation)
+        if region.record.kind == SYSTEM:
+            _check_identity(region.record)
+        return region
+
+    def _current(self, name: str, generation: int) -> Region:
+        """``_region`` without the object's identity check."""
         region = self._open.get(name)
         if region is not None and region.generation == generation:
             return region
@@ -437,8 +451,7 @@ class RegionTable:
         fd, st = open_object(record.key)
         if (st.st_dev, st.st_ino) != (record.dev, record.ino):
             os.close(fd)
-            raise RegionError(f"shared-memory object {record.key!r} of region {name!r} was replaced after the region "
-                              "was registered; register it again")
+            raise _replaced(record)
         region = self._open[name] = Region(record, fd, generation)
         return region
 
@@ -524,20 +537,109 @@ class RegionTable:
         return fill
 
     def write(self, name: str, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset`` of region ``name``.
+        """Write ``data`` at ``offset`` of region ``name`` now.
 
         Raises:
             UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
         """
-        region, at = self._span(name, offset, data.nbytes)
-        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        done = 0
-        while done < view.nbytes:
-            done += os.pwritev(region.fd, [view[done:]], at + done)
+        self.writer(name, offset, data.nbytes).write(data)
+
+    def writer(self, name: str, offset: int, byte_size: int) -> RegionWriter:
+        """Check ``byte_size`` bytes at ``offset`` of region ``name`` now, and hold them for a write later (the
+        request's output, once computed): a ``RegionWriter`` on a descriptor of its own, so that what it writes goes
+        into the object checked now, whatever happens to the name meanwhile.
+
+        Raises:
+            UnknownRegionError, RegionError: no such region, or the bytes are not all inside it.
+        """
+        region, at = self._span(name, offset, byte_size)
+        assert region.fd is not None
+        return RegionWriter(self, region.record, os.dup(region.fd), at, byte_size)
 
     def check(self, name: str, offset: int, byte_size: int) -> None:
         """Raise as ``read`` or ``write`` would for these bytes, without touching them."""
         self._span(name, offset, byte_size)
+
+    def still(self, record: Record) -> None:
+        """Raise unless region ``record.name`` is still registration ``record`` and its object the one registered.
+
+        Raises:
+            UnknownRegionError: the region was unregistered, or registered again (in any process).
+            RegionError: its object was replaced.
+        """
+        try:
+            current = self._current(record.name, self.store.generation()).record
+        except UnknownRegionError:
+            current = None
+        if current is None or current.token != record.token:
+            raise UnknownRegionError(f"shared-memory region {record.name!r} was unregistered while the request ran; "
+                                     "its output was not written")
+        _check_identity(record)
+
+
+def _replaced(record: Record) -> RegionError:
+    return RegionError(f"shared-memory object {record.key!r} of region {record.name!r} was replaced or removed after "
+                       "the region was registered; register it again")
+
+
+def _check_identity(record: Record) -> None:
+    """Raise unless the object under ``record.key`` is the one registered (device and inode): an object deleted and
+    created again under its name is another object, which a descriptor opened before would not see.
+
+    Raises:
+        RegionError: the object was replaced or removed.
+    """
+    try:
+        st = os.stat(SHM_DIR / record.key.lstrip("/"), follow_symlinks=False)
+    except OSError:
+        raise _replaced(record) from None
+    if (st.st_dev, st.st_ino) != (record.dev, record.ino):
+        raise _replaced(record)
+
+
+class RegionWriter:
+    """Bytes of a system region checked for a request's output (``RegionTable.writer``), on a descriptor of the
+    request's own: ``write`` puts the output into the object that was checked, once, and only while the region's
+    name still stands for the registration checked; the descriptor is closed after the write, or when the writer
+    is dropped unused."""
+
+    def __init__(self, table: RegionTable, record: Record, fd: int, at: int, byte_size: int) -> None:
+        self._table = table
+        self.record = record
+        self._fd = fd
+        self._at = at
+        self.byte_size = byte_size
+        self._close = weakref.finalize(self, os.close, fd)
+
+    def write(self, data: memoryview) -> None:
+        """Write ``data`` (at most ``byte_size`` bytes) at the checked place, then close the descriptor.
+
+        Raises:
+            UnknownRegionError: the region was unregistered or registered again since the check (nothing written).
+            RegionError: its object was replaced or shrank, or the writer was used already.
+        """
+        if not self._close.alive:
+            raise RegionError(f"the output of region {self.record.name!r} was written already")
+        try:
+            view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+            if view.nbytes > self.byte_size:
+                raise RegionError(f"{view.nbytes} bytes do not fit the {self.byte_size} checked in shared-memory "
+                                  f"region {self.record.name!r}")
+            self._table.still(self.record)
+            r = self.record
+            size = os.fstat(self._fd).st_size
+            if r.offset + r.byte_size > size:
+                raise RegionError(f"shared-memory object {r.key!r} of region {r.name!r} shrank to {size} bytes after "
+                                  "the region was registered")
+            done = 0
+            while done < view.nbytes:
+                done += os.pwritev(self._fd, [view[done:]], self._at + done)
+        finally:
+            self._close()
+
+    def close(self) -> None:
+        """Give the descriptor back without writing."""
+        self._close()
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from pydantic import BaseModel, Field
 from service.engine.interface import CudaMemory
 from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError, ServiceError
 from service.http.asgi import call_of
+from service.http.bodies import LongNumberError, parse_json
 from service.http.routes import check_api_key
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable
 
@@ -112,8 +112,10 @@ async def _register_body(request: Request, fields: tuple[str, ...], shape: str) 
     if len(body) > MAX_REGISTER_BODY:
         raise PayloadTooLargeError(f"a register request has at most {MAX_REGISTER_BODY} bytes")
     try:
-        req = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        req = parse_json(body)
+    except LongNumberError as exc:
+        raise MalformedBodyError(f"register request: {exc}") from None
+    except (ValueError, RecursionError):
         raise MalformedBodyError("register request is not valid JSON") from None
     if not isinstance(req, dict) or not all(f in req for f in fields):
         raise MalformedBodyError(f"register request must be {shape}")

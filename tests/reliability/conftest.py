@@ -45,11 +45,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         path.write_text(json.dumps({**old, **CASES}, indent=1, sort_keys=True) + "\n")
 
 
-def _load_bench() -> ModuleType:
-    name = "deconv_bench_reliability"
+def _load_bench(name: str = "deconv_bench_reliability", file: str = "reliability.py") -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / "reliability.py")
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / file)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -62,6 +61,14 @@ def _load_bench() -> ModuleType:
 def rel() -> ModuleType:
     """bench/reliability.py, the scenario drivers."""
     return _load_bench()
+
+
+@pytest.fixture(scope="session")
+def attacks(rel: ModuleType) -> ModuleType:
+    """bench/reliability_attacks.py, the attacks on shared memory, JSON, the drain and refusals (it imports
+    bench/reliability.py as ``reliability``: the module the ``rel`` fixture loaded)."""
+    sys.modules.setdefault("reliability", rel)
+    return _load_bench("deconv_bench_reliability_attacks", "reliability_attacks.py")
 
 
 @pytest.fixture

@@ -305,7 +305,15 @@ def test_dispatcher_forgets_a_process_that_exits_before_it_serves() -> None:
         rig.close()
 
 
-def test_dispatcher_closes_a_connection_no_process_takes() -> None:
+def _read_to_end(client: socket.socket) -> bytes:
+    data = b""
+    while chunk := client.recv(4096):
+        data += chunk
+    return data
+
+
+def test_dispatcher_answers_503_to_a_connection_no_process_takes() -> None:
+    # Before: it was closed unanswered, which a client that sent a request cannot tell from a lost request.
     listener = socket.create_server(("127.0.0.1", 0))
     mine, theirs = socket.socketpair()
     theirs.close()
@@ -314,12 +322,49 @@ def test_dispatcher_closes_a_connection_no_process_takes() -> None:
     try:
         with socket.create_connection(listener.getsockname()) as client:
             client.settimeout(10)
-            assert client.recv(8) == b""  # closed by the server
+            client.sendall(b"POST /deconv?layer=demo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody")
+            answer = _read_to_end(client)  # then closed by the server
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ")
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["type"] == "not_ready"
         assert dispatcher.refused == 1
     finally:
         dispatcher.stop()
         mine.close()
         listener.close()
+
+
+def test_dispatcher_stops_listening_after_handing_out_the_backlog() -> None:
+    # Closing a listener resets the connections waiting in its backlog; they are handed out first, and only then
+    # does the port close, so that later clients are refused (which they can retry) rather than reset.
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+    address = listener.getsockname()
+    mine, theirs = socket.socketpair()
+    dispatcher = ConnectionDispatcher(listener, [theirs])
+    dispatcher.serving = [True]  # (its process said SERVING; the accepting thread is not started)
+    waiting = [socket.create_connection(address) for _ in range(5)]  # in the backlog: nobody accepts yet
+    try:
+        dispatcher.stop_listening()
+        assert listener.fileno() == -1
+        received = []
+        mine.settimeout(10)
+        while len(received) < 5:
+            _, fds, _, _ = socket.recv_fds(mine, 64, 16)
+            received += [socket.socket(fileno=fd) for fd in fds]
+        assert dispatcher.refused == 0
+        for conn, client in zip(received, waiting, strict=True):  # each the server end of a waiting connection
+            client.sendall(b"x")
+            conn.settimeout(10)
+            assert conn.recv(1) == b"x"
+            conn.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=10)
+    finally:
+        for c in waiting:
+            c.close()
+        mine.close()
+        theirs.close()
 
 
 def _tcp_connections_per_process(pids: list[int], port: int) -> list[int]:

@@ -405,3 +405,79 @@ def test_a_record_is_read_again_only_after_a_change_in_any_process(tmp_path, obj
     finally:
         a.close()
         b.close()
+
+
+# --- a request holds what it checked; a replaced object is refused ---------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["single", "multi"])
+def test_a_writer_never_writes_into_an_object_registered_after_its_check(tmp_path, objects, shared):
+    # Before: the output was written by name when the result came back, into whatever object the name stood for.
+    x_key, x_obj = objects.new(64)
+    y_key, y_obj = objects.new(64)
+    directory = tmp_path / "regions" if shared else None
+    a = RegionTable(8, 2**20, directory)
+    b = RegionTable(8, 2**20, directory) if shared else a  # the re-registration comes through another process
+    try:
+        a.register("r", x_key, 0, 64)
+        writer = a.writer("r", 8, 16)  # checked now, written later
+        b.unregister("r")
+        b.register("r", y_key, 0, 64)
+        with pytest.raises(UnknownRegionError, match="was unregistered while the request ran"):
+            writer.write(memoryview(b"\xee" * 16))
+        assert bytes(y_obj.buf[:64]) == bytes(64)
+        assert bytes(x_obj.buf[:64]) == bytes(64)
+        with pytest.raises(RegionError, match="written already"):
+            writer.write(memoryview(b"\xee" * 16))
+        # the same registration all along: written into its object
+        writer = b.writer("r", 8, 16)
+        writer.write(memoryview(b"\xee" * 16))
+        assert bytes(y_obj.buf[8:24]) == b"\xee" * 16
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_writer_holds_its_own_descriptor(tmp_path, objects):
+    # The region's descriptor is closed when the name is unregistered and its number may be reused; the writer's
+    # own stays on the object it checked until it is written or dropped.
+    key, _ = objects.new(64)
+    table = RegionTable(8, 2**20)
+    try:
+        table.register("r", key, 0, 64)
+        before = len(os.listdir("/proc/self/fd"))
+        writer = table.writer("r", 0, 8)
+        assert len(os.listdir("/proc/self/fd")) == before + 1
+        writer.close()
+        assert len(os.listdir("/proc/self/fd")) == before
+        writer = table.writer("r", 0, 8)
+        del writer
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        table.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["single", "multi"])
+def test_an_object_replaced_under_its_key_is_refused_on_every_use(tmp_path, objects, shared):
+    # Before: a process that had opened the object kept serving the deleted one (every request of a single
+    # process; with several, those that had opened it).
+    key, obj = objects.new(64)
+    obj.buf[:64] = bytes(range(64))
+    table = RegionTable(8, 2**20, tmp_path / "regions" if shared else None)
+    try:
+        table.register("r", key, 0, 64)
+        assert bytes(table.read("r", 0, 4)) == bytes(range(4))
+        path = Path("/dev/shm") / key.lstrip("/")
+        path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, 64)
+        os.close(fd)
+        for use in (lambda: table.read("r", 0, 4), lambda: table.check("r", 0, 4),
+                    lambda: table.write("r", 0, memoryview(b"\x01"))):
+            with pytest.raises(RegionError, match="was replaced or removed"):
+                use()
+        path.unlink()
+        with pytest.raises(RegionError, match="was replaced or removed"):
+            table.read("r", 0, 4)
+    finally:
+        table.close()
