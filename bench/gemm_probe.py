@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from bench.kernelbench import Timer, rel_err  # noqa: E402
 from bench.layer_zoo import ZOO, problem  # noqa: E402
 from bench.zoo import kernelbench_problems  # noqa: E402
-from kernels._ops import _forward_cuda, _load_extension, normalize_args  # noqa: E402
+from kernels.internal import forward_cuda, load_extension, normalize_args  # noqa: E402
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"tf32": 2e-3, "bf16": 2e-2, "fp16": 2e-2}
@@ -74,14 +74,14 @@ def measure(q: dict, prec: str, layouts: list[str], splits: list[int], timer: Ti
         x = x_cl if layout == "cl" else x0
 
         def ours(path: str | None, config: int | None, split: int | None, x: torch.Tensor = x) -> str:
-            return _forward_cuda(x, w, b, args, "tf32", force_path=path, force_config=config, force_split=split)[1]
+            return forward_cuda(x, w, b, args, "tf32", force_path=path, force_config=config, force_split=split)[1]
 
-        y, ran = _forward_cuda(x, w, b, args, "tf32")
+        y, ran = forward_cuda(x, w, b, args, "tf32")
         res = {f"default:{ran}": timer(lambda ours=ours: ours(None, None, None))}
         errs = {"default": rel_err(y, ref)}
-        for c in range(int(_load_extension().num_gemm_configs)):
+        for c in range(int(load_extension().num_gemm_configs)):
             for s in splits:
-                y, ran = _forward_cuda(x, w, b, args, "tf32", force_path="gemm", force_config=c, force_split=s)
+                y, ran = forward_cuda(x, w, b, args, "tf32", force_path="gemm", force_config=c, force_split=s)
                 if ran != "gemm":
                     break
                 errs[f"gemm{c}/s{s}"] = rel_err(y, ref)

@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
-from kernels._ops import _forward_cuda  # noqa: E402
 from kernels.functional import (  # noqa: E402
     ConvArgs,
     normalize_args,
     output_size,
     resolve_precision,
 )
+from kernels.internal import forward_cuda  # noqa: E402
 from kernels.tuning import KernelChoice  # noqa: E402
 from service.engine.ops import WeightPacks  # noqa: E402
 
@@ -206,7 +206,7 @@ def served_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     the call (``out=`` may be passed to it) and the kernel choice."""
     packs = WeightPacks(weight)
     c = kernels.tuning.TUNER.choose(x.shape, weight, bias, args, mode, packs=packs)
-    return partial(_forward_cuda, x, weight, bias, args, mode, force_path=c.path, force_config=c.config,
+    return partial(forward_cuda, x, weight, bias, args, mode, force_path=c.path, force_config=c.config,
                    force_split=c.split, force_staged=c.staged, force_round=c.rounded, packs=packs), c
 
 

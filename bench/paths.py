@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import Timer, rel_err  # noqa: E402
-from kernels._ops import _forward_cuda, normalize_args  # noqa: E402
+from kernels.internal import forward_cuda, normalize_args  # noqa: E402
 
 PATHS = ("narrow", "sparse", "tensor_core", "simt")
 TOLERANCES = {"fp32": 1e-5, "tf32": 2e-3, None: 2e-2}
@@ -43,14 +43,14 @@ def run_layer(cfg: dict, n: int, hw: int, timer: Timer) -> dict:
     row: dict = {"layer": cfg["name"], "batch": n, "hw": hw, "dtype": cfg["dtype"], "precision": prec, "paths": {}}
     with torch.no_grad():
         ref = F.conv_transpose2d(x.double(), w.double(), None if b is None else b.double(), **kw)
-        _, row["default_path"] = _forward_cuda(x, w, b, args, precision)
-        row["default_ms"] = round(timer(lambda: _forward_cuda(x, w, b, args, precision)), 4)
+        _, row["default_path"] = forward_cuda(x, w, b, args, precision)
+        row["default_ms"] = round(timer(lambda: forward_cuda(x, w, b, args, precision)), 4)
         for path in PATHS:
-            y, ran = _forward_cuda(x, w, b, args, precision, force_path=path)
+            y, ran = forward_cuda(x, w, b, args, precision, force_path=path)
             if ran != path:  # not eligible: the dispatcher fell back
                 continue
             err = rel_err(y, ref)
-            ms = timer(lambda path=path: _forward_cuda(x, w, b, args, precision, force_path=path))
+            ms = timer(lambda path=path: forward_cuda(x, w, b, args, precision, force_path=path))
             row["paths"][path] = {"ms": round(ms, 4), "rel_err": err, "correct": err <= TOLERANCES[prec]}
         torch.backends.cudnn.allow_tf32 = prec != "fp32"
         row["cudnn_ms"] = round(timer(lambda: F.conv_transpose2d(x, w, b, **kw)), 4)

@@ -1,6 +1,6 @@
 """Bar chart of a kernelbench JSON: speedup over cuDNN per problem and precision (PNG beside the JSON).
 
-    python bench/plot.py docs/benchmarks/kernelbench-nvidia-h200.json
+    python bench/plot.py docs/benchmarks/kernelbench-nvidia-h100.json
 """
 
 from __future__ import annotations

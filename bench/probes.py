@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels
 from bench import layer_kernels, zoo
-from kernels._ops import _forward_cuda, _load_extension, check_tensors, normalize_args
+from kernels.internal import check_tensors, forward_cuda, load_extension, normalize_args
 from kernels.tuning import TUNER, Timer
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
@@ -67,7 +67,7 @@ def staging(problems: Sequence[dict]) -> list[dict]:
             torch.backends.cudnn.benchmark = True
             x, w, b = zoo.inputs(p, dtype)
             args = _args(p)
-            run = partial(_forward_cuda, x, w, b, args, "tf32", force_path="gemm")
+            run = partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm")
             with torch.no_grad():
                 if run()[1] != "gemm":
                     continue
@@ -125,7 +125,7 @@ def tf32(problems: Sequence[dict]) -> list[dict]:
                 got[f"ours_{prec}"] = kernels.conv_transpose2d(x, w, b, precision=prec, **kw)
             args = _args(p)
             for path in ("tensor_core", "gemm", "sparse"):  # what each of our kernel families gives in TF32 mode
-                y, ran = _forward_cuda(x, w, b, args, "tf32", force_path=path)
+                y, ran = forward_cuda(x, w, b, args, "tf32", force_path=path)
                 if ran == path:
                     got[f"ours_tf32_{path}"] = y
             refs = {}
@@ -179,7 +179,7 @@ def _host_row(p: dict, precision: str, dtype: torch.dtype) -> dict:
         row["normalize_us"] = _host_us(partial(normalize_args, kw["stride"], kw["padding"], kw["output_padding"],
                                                kw["groups"], kw["dilation"]), 2000)
         row["check_us"] = _host_us(partial(check_tensors, x, w, b, args), 2000)
-        row["extension_us"] = _host_us(partial(_forward_cuda, x, w, b, args, "tf32"))
+        row["extension_us"] = _host_us(partial(forward_cuda, x, w, b, args, "tf32"))
         row["empty_us"] = _host_us(partial(torch.empty_like, x), 2000)
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -206,8 +206,8 @@ def kernel_times(problems: Sequence[dict]) -> list[dict]:
             args = _args(p)
             packs = WeightPacks(w)
             with torch.no_grad():
-                lib = layer_kernels.kernel_times(partial(_forward_cuda, x, w, b, args, "tf32"), 20)
-                served = layer_kernels.kernel_times(partial(_forward_cuda, x, w, b, args, "tf32", packs=packs), 20)
+                lib = layer_kernels.kernel_times(partial(forward_cuda, x, w, b, args, "tf32"), 20)
+                served = layer_kernels.kernel_times(partial(forward_cuda, x, w, b, args, "tf32", packs=packs), 20)
             rows.append({"name": p["name"], "precision": precision, "library_us": lib, "served_us": served})
             print("kernels", json.dumps(rows[-1]), flush=True)
     return rows
@@ -227,12 +227,12 @@ def weights(problems: Sequence[dict]) -> list[dict]:
             packs = WeightPacks(w)
             row: dict[str, Any] = {"name": p["name"], "precision": precision}
             with torch.no_grad():
-                for c in range(int(_load_extension().num_gemm_configs)):
-                    calls = {"nchw_ms": partial(_forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                for c in range(int(load_extension().num_gemm_configs)):
+                    calls = {"nchw_ms": partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm",
                                                 force_config=c),
-                             "nchw_kept_ms": partial(_forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                             "nchw_kept_ms": partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm",
                                                      force_config=c, packs=packs),
-                             "cl_ms": partial(_forward_cuda, x, w_cl, b, args, "tf32", force_path="gemm",
+                             "cl_ms": partial(forward_cuda, x, w_cl, b, args, "tf32", force_path="gemm",
                                               force_config=c)}
                     if calls["nchw_ms"]()[1] != "gemm":
                         break
@@ -264,10 +264,10 @@ def narrow(problems: Sequence[dict]) -> list[dict]:
                 row: dict[str, Any] = {"name": p["name"], "precision": precision, "layout": layout}
                 with torch.no_grad():
                     calls = {"narrow": dict(force_path="narrow"), "default": {}}
-                    for c in range(int(_load_extension().num_narrow_tiled_configs)):
+                    for c in range(int(load_extension().num_narrow_tiled_configs)):
                         calls[f"narrow_tiled{c}"] = dict(force_path="narrow_tiled", force_config=c)
                     for name, force in calls.items():
-                        run = partial(_forward_cuda, xl, w, b, args, mode, **force)
+                        run = partial(forward_cuda, xl, w, b, args, mode, **force)
                         row[f"{name}_ran"] = run()[1]
                         row[f"{name}_ms"] = round(timer(run), 4)
                     row["best_cudnn_ms"] = round(min(
@@ -296,7 +296,7 @@ def rounding(problems: Sequence[dict]) -> list[dict]:
         row: dict[str, Any] = {"name": p["name"]}
         with torch.no_grad():
             for c in WGMMA_CONFIGS:
-                calls = {f"{layout}_{how}_ms": partial(_forward_cuda, xl, w, b, args, "tf32", force_path="gemm",
+                calls = {f"{layout}_{how}_ms": partial(forward_cuda, xl, w, b, args, "tf32", force_path="gemm",
                                                         force_config=c, force_round=how == "rounded")
                          for layout, xl in (("nchw", x), ("cl", xcl)) for how in ("kernel", "rounded")}
                 if calls["nchw_kernel_ms"]()[1] != "gemm":
@@ -304,8 +304,8 @@ def rounding(problems: Sequence[dict]) -> list[dict]:
                 row[f"gemm{c}"] = {k: round(timer(fn), 4) for k, fn in calls.items()}
             if len(row) == 1:
                 continue
-            row["nchw_default_ms"] = round(timer(partial(_forward_cuda, x, w, b, args, "tf32")), 4)
-            row["cl_default_ms"] = round(timer(partial(_forward_cuda, xcl, w, b, args, "tf32")), 4)
+            row["nchw_default_ms"] = round(timer(partial(forward_cuda, x, w, b, args, "tf32")), 4)
+            row["cl_default_ms"] = round(timer(partial(forward_cuda, xcl, w, b, args, "tf32")), 4)
             row["best_cudnn_ms"] = round(min(
                 timer(partial(F.conv_transpose2d, x, w, b, **kw)),
                 timer(partial(F.conv_transpose2d, xcl, w.contiguous(memory_format=torch.channels_last), b, **kw))), 4)

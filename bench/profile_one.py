@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import PROBLEMS  # noqa: E402
 from bench.layer_zoo import ZOO, problem  # noqa: E402
-from kernels._ops import _forward_cuda, normalize_args  # noqa: E402
+from kernels.internal import forward_cuda, normalize_args  # noqa: E402
 
 DTYPES = {"tf32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,7 +87,7 @@ def main() -> None:
             F.conv_transpose2d(x, w, None, conv_args.stride, conv_args.padding, conv_args.output_padding,
                                conv_args.groups, conv_args.dilation)
         else:
-            _forward_cuda(x, w, None, conv_args, precision, **force)
+            forward_cuda(x, w, None, conv_args, precision, **force)
 
     call()  # outside the profiled range: algorithm selection, first-call work
     torch.cuda.synchronize()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import TOL, Timer, bundled_layers, rel_err  # noqa: E402
-from kernels._ops import _forward_cuda, normalize_args, resolve_precision  # noqa: E402
+from kernels.internal import forward_cuda, normalize_args, resolve_precision  # noqa: E402
 
 SPLITS = (None, 1, 2, 4, 8)  # None: the default choice
 
@@ -61,7 +61,7 @@ def main() -> None:
                 for name, split in zip(names, SPLITS, strict=True):
                     forced = {} if split is None else {"force_split": split, "force_config": args.config,
                                                         "force_path": None if args.config is None else "tensor_core"}
-                    fn = partial(_forward_cuda, x, w, b, conv, precision, **forced)
+                    fn = partial(forward_cuda, x, w, b, conv, precision, **forced)
                     y, path = fn()
                     err = rel_err(y, ref)
                     if not err <= tol:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench import PROBLEMS, TOL, Timer, rel_err  # noqa: E402
-from kernels._ops import _forward_cuda, _load_extension, normalize_args  # noqa: E402
+from kernels.internal import forward_cuda, load_extension, normalize_args  # noqa: E402
 
 
 def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
@@ -42,18 +42,18 @@ def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
     with torch.no_grad():
         ref = F.conv_transpose2d(x.double(), w.double(), b.double(), **kw_)
         row: dict = {"id": p["id"], "precision": mode, "configs": {}}
-        _, path = _forward_cuda(x, w, b, args, precision)
-        row["default_ms"] = round(timer(lambda: _forward_cuda(x, w, b, args, precision)), 4)
+        _, path = forward_cuda(x, w, b, args, precision)
+        row["default_ms"] = round(timer(lambda: forward_cuda(x, w, b, args, precision)), 4)
         row["default_path"] = path
         for c in range(num_configs()):
             try:
-                y, _ = _forward_cuda(x, w, b, args, precision, force_path="tensor_core", force_config=c)
+                y, _ = forward_cuda(x, w, b, args, precision, force_path="tensor_core", force_config=c)
             except RuntimeError as exc:  # shared memory does not fit this problem
                 row["configs"][c] = {"error": str(exc).splitlines()[0][:80]}
                 continue
             err = rel_err(y, ref)
             del y
-            ms = timer(lambda c=c: _forward_cuda(x, w, b, args, precision, force_path="tensor_core",
+            ms = timer(lambda c=c: forward_cuda(x, w, b, args, precision, force_path="tensor_core",
                                                  force_config=c))
             row["configs"][c] = {"ms": round(ms, 4), "rel_err": err, "correct": err <= TOL[mode]}
         del ref
@@ -64,7 +64,7 @@ def sweep_problem(p: dict, mode: str, timer: Timer) -> dict:
 
 def num_configs() -> int:
     """Tensor-core tile configurations the built extension has."""
-    return int(_load_extension().num_tensor_core_configs)
+    return int(load_extension().num_tensor_core_configs)
 
 
 def main() -> None:

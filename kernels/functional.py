@@ -1,6 +1,6 @@
 """``conv_transpose2d``: the CUDA kernels behind PyTorch's exact semantics, with autograd.
 
-Layers, bottom up: the extension (``kernels._ops``) -> ``kernels.op`` (the CUDA call, and the registered operator
+Layers, bottom up: the extension (``kernels.internal``) -> ``kernels.op`` (the CUDA call, and the registered operator
 ``deconv::conv_transpose2d`` with its autograd) -> ``conv_transpose2d`` (argument checks, precision, dtype/device
 routing).
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from kernels._ops import (
+from kernels.internal import (
     FORCE_PATHS,
     KERNEL_PATHS,
     MAX_SPLIT,

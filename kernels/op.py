@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels._ops import ConvArgs, _load_extension, _out_hw, loaded_extension, resolve_precision
+from kernels.internal import ConvArgs, load_extension, loaded_extension, out_hw, resolve_precision
 from kernels.tuning import DEFAULT, TUNER
 
 OP_NAME = "deconv::conv_transpose2d"
@@ -52,7 +52,7 @@ def _rows_aligned(x: torch.Tensor, channels_last: bool) -> bool:
 def _empty_output(x: torch.Tensor, weight: torch.Tensor, args: ConvArgs) -> torch.Tensor:
     """An uninitialised output of a 4-D problem in PyTorch's layout (channels-last when x or the weight suggests
     it)."""
-    h_out, w_out = _out_hw(x.shape, weight, args)
+    h_out, w_out = out_hw(x.shape, weight, args)
     cl = suggests_channels_last(x) or suggests_channels_last(weight)
     return torch.empty((x.shape[0], weight.shape[1] * args.groups, h_out, w_out), dtype=x.dtype, device=x.device,
                        memory_format=torch.channels_last if cl else torch.contiguous_format)
@@ -73,7 +73,7 @@ def run_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
     if TUNER.enabled:  # measured kernel choice (kernels.tuning), tuned on the first call of this problem
         cl = _channels_last(x)
         choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x, cl), channels_last=cl)
-    y, _ = _load_extension().forward(
+    y, _ = load_extension().forward(
         x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding), list(args.dilation),
         args.groups, mode, None, *choice.forced(), None, prepare=prepare, torch_layout=True, remember=remember)
     return y  # type: ignore[no-any-return]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels._ops import FORCE_PATHS, _forward_cuda, _load_extension, _out_hw, loaded_extension
+from kernels.internal import FORCE_PATHS, forward_cuda, load_extension, loaded_extension, out_hw
 
 log = logging.getLogger("deconv.tuning")
 
@@ -337,7 +337,7 @@ class Tuner:
             non-default candidate is only skipped.
         """
         t0 = time.perf_counter()
-        ext = _load_extension()
+        ext = load_extension()
         dev = weight.device
         shape = tuple(int(d) for d in shape)
         numel = shape[0] * shape[1] * shape[2] * shape[3]
@@ -351,7 +351,7 @@ class Tuner:
                 x = x.view(n, h, w, c).permute(0, 3, 1, 2)
             else:
                 x = x.view(shape)
-            h_out, w_out = _out_hw(shape, weight, args)
+            h_out, w_out = out_hw(shape, weight, args)
             # NCHW inputs write into one output; channels-last ones get a new output a call, in the layout the
             # calls get (an NCHW ``out`` would time the gemm kernel writing the other layout).
             out = None if channels_last else torch.empty(
@@ -360,7 +360,7 @@ class Tuner:
             last: list[torch.Tensor] = []
 
             def call(c: KernelChoice) -> str:
-                y, ran = _forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
+                y, ran = forward_cuda(x, weight, bias, args, precision, out=out, force_path=c.path,
                                        force_config=c.config, force_split=c.split, force_staged=c.staged,
                                        force_round=c.rounded, packs=packs)
                 last[:] = [y]

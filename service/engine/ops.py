@@ -6,7 +6,7 @@ memory), ``conv_transpose2d_placed`` (a batch read from and written into places 
 shared memory, memory locked with ``HostPin``; ``conv_transpose2d_direct`` gives it host buffers) and
 ``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers (``service.engine.worker``) run;
 ``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal layer
-(``kernels._ops``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
+(``kernels.internal``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kernels._ops import (
+from kernels.internal import (
     KERNEL_PATHS,
     SUPPORTED_DTYPES,
     ConvArgs,
     ConvTranspose2dArgumentError,
-    _ext_packs,
-    _load_extension,
-    _out_hw,
     check_shapes,
     check_tensors,
+    ext_packs,
+    load_extension,
+    out_hw,
     resolve_precision,
 )
 from kernels.tuning import DEFAULT, KernelChoice
@@ -53,7 +53,7 @@ class WeightPacks:
                 or not weight.is_contiguous():
             raise ConvTranspose2dArgumentError("WeightPacks takes a contiguous 4-D CUDA weight tensor")
         self.weight = weight
-        self._ext = _load_extension().WeightPacks(weight)
+        self._ext = load_extension().WeightPacks(weight)
 
     def __len__(self) -> int:
         """Packed layouts made so far."""
@@ -91,14 +91,14 @@ def conv_transpose2d_staged(
     if out.dtype != input.dtype:
         raise ConvTranspose2dArgumentError(f"out dtype {out.dtype} differs from input dtype {input.dtype}")
     n, c_out = input.shape[0], weight.shape[1] * args.groups
-    h_out, w_out = _out_hw(input.shape, weight, args)
+    h_out, w_out = out_hw(input.shape, weight, args)
     if out.shape != (n, c_out, h_out, w_out) or not out.is_contiguous():
         raise ConvTranspose2dArgumentError(f"out must be a contiguous [{n}, {c_out}, {h_out}, {w_out}] tensor for "
                                            f"input {list(input.shape)}, got {list(out.shape)}")
     mode = resolve_precision(input.dtype, precision)
-    path = _load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
+    path = load_extension().forward_staged(input, weight, bias, list(args.stride), list(args.padding),
                                             list(args.output_padding), list(args.dilation), args.groups, mode, out,
-                                            *choice.forced(), _ext_packs(packs, weight))
+                                            *choice.forced(), ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 
@@ -134,9 +134,9 @@ def conv_transpose2d_gathered(
     check_shapes(dims, weight.dtype, weight.device, weight, bias, args)
     _check_parts(parts, dims, weight.dtype)
     mode = resolve_precision(weight.dtype, precision)
-    return _load_extension().forward_gathered(  # type: ignore[no-any-return]
+    return load_extension().forward_gathered(  # type: ignore[no-any-return]
         list(parts), list(dims), weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
-        list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
+        list(args.dilation), args.groups, mode, *choice.forced(), ext_packs(packs, weight))
 
 
 def _check_dims(shape: Sequence[int], weight: torch.Tensor, name: str) -> tuple[int, ...]:
@@ -212,15 +212,15 @@ def conv_transpose2d_placed(
     _check_places(parts, math.prod(dims) * weight.dtype.itemsize, "input")
     _check_places(outs, _output_bytes(dims, weight, args), "output")
     mode = resolve_precision(weight.dtype, precision)
-    path = _load_extension().forward_placed(
+    path = load_extension().forward_placed(
         list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
-        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
+        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 
 def _output_bytes(dims: tuple[int, ...], weight: torch.Tensor, args: ConvArgs) -> int:
     """The bytes of the output of an input of ``dims`` (checked)."""
-    h_out, w_out = _out_hw(dims, weight, args)
+    h_out, w_out = out_hw(dims, weight, args)
     return dims[0] * weight.shape[1] * args.groups * h_out * w_out * weight.dtype.itemsize
 
 
@@ -271,9 +271,9 @@ def conv_transpose2d_direct(
     if total != want:
         raise ConvTranspose2dArgumentError(f"the output places hold {total} bytes; the output is {want}")
     mode = resolve_precision(weight.dtype, precision)
-    path = _load_extension().forward_direct(
+    path = load_extension().forward_direct(
         list(parts), list(outs), list(dims), weight, bias, list(args.stride), list(args.padding),
-        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), _ext_packs(packs, weight))
+        list(args.output_padding), list(args.dilation), args.groups, mode, *choice.forced(), ext_packs(packs, weight))
     return KERNEL_PATHS[path]
 
 
@@ -299,6 +299,6 @@ class HostPin:
         # The views handed out are of this array, whose finalizer unlocks the pages before the array lets go of
         # ``buffer`` (numpy clears an array's weak references before it releases its base).
         array = np.frombuffer(buffer, dtype=np.uint8)
-        address = int(_load_extension().host_register(array))
+        address = int(load_extension().host_register(array))
         self.view = memoryview(array)
-        weakref.finalize(array, _load_extension().host_unregister, address)
+        weakref.finalize(array, load_extension().host_unregister, address)

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import ConvTranspose2dArgumentError
-from kernels._ops import _pair
 from kernels.functional import ConvArgs, normalize_args
+from kernels.internal import _pair
 
 
 def test_error_is_value_error_and_runtime_error():

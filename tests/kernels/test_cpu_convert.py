@@ -221,7 +221,7 @@ def test_state_dict_loads_into_an_unconverted_model():
 
 def test_layer_built_with_numpy_integers_still_runs_after_convert():
     # Hyper-parameters read with numpy (np.int64) are fine for nn.ConvTranspose2d, which stores them as they are;
-    # after convert() the forward reads them the same way (kernels/_ops.py _pair takes any integer by
+    # after convert() the forward reads them the same way (kernels/internal.py _pair takes any integer by
     # operator.index).
     layer = nn.ConvTranspose2d(4, 6, 3, stride=np.int64(2), padding=np.int64(1), groups=np.int64(2))
     x = torch.randn(1, 4, 5, 5)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-import kernels._ops as ops
 import kernels.functional as kf
+import kernels.internal as ops
 from kernels import ConvTranspose2dArgumentError
 from kernels.functional import normalize_args
 
@@ -208,17 +208,17 @@ def test_empty_batch_keeps_autograd():
 
 @pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
-    monkeypatch.setattr(ops, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
+    monkeypatch.setattr(ops, "load_extension", lambda: pytest.fail("the extension must not be loaded"))
     names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled'"
     with pytest.raises(ConvTranspose2dArgumentError, match=rf"force_path must be None or one of {names}, got "):
-        ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
+        ops.forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
 
 @pytest.mark.parametrize("force_split", [0, 17, -1, 2.0, True, "2"])
 def test_bad_force_split_is_a_clear_error(monkeypatch, force_split):
-    monkeypatch.setattr(ops, "_load_extension", lambda: pytest.fail("the extension must not be loaded"))
+    monkeypatch.setattr(ops, "load_extension", lambda: pytest.fail("the extension must not be loaded"))
     with pytest.raises(ConvTranspose2dArgumentError, match=r"force_split must be None or an int from 1 to 16, got "):
-        ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
+        ops.forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split)
 
 
 @pytest.mark.parametrize(("force_split", "code"), [(None, -1), (1, 1), (8, 8), (16, 16)])
@@ -235,8 +235,8 @@ def test_force_split_staged_and_round_reach_the_extension(monkeypatch, force_spl
             assert args[-1] is None
             return F.conv_transpose2d(*args[:3]), 1
 
-    monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
-    ops._forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split,
+    monkeypatch.setattr(ops, "load_extension", lambda: FakeExtension)
+    ops.forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_split=force_split,
                       force_staged=force_staged, force_round=force_round)
     assert calls == [(code, staged_code, round_code)]
 
@@ -257,9 +257,9 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
             return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4, "narrow_tiled": 5}[ran]
 
-    monkeypatch.setattr(ops, "_load_extension", lambda: FakeExtension)
+    monkeypatch.setattr(ops, "load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
-    y, path = ops._forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
+    y, path = ops.forward_cuda(x, w, None, normalize_args(), "fp32", force_path=force_path)
     assert calls == [(code, -1, -1, -1, -1, None)]
     assert path == ran
     assert torch.equal(y, F.conv_transpose2d(x, w))

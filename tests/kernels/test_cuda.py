@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels._ops import _forward_cuda, _load_extension
 from kernels.functional import normalize_args, output_size
+from kernels.internal import forward_cuda, load_extension
 from service.engine.ops import (
     HostPin,
     conv_transpose2d_direct,
@@ -82,7 +82,7 @@ def run_case(n, c_in, c_out, h, w, k, mode, *, stride=1, padding=0, output_paddi
     wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], args.dilation[1])
     out = torch.full((n, c_out, ho, wo), float("nan"), device="cuda", dtype=dtype)
     mode_prec = precision or "fp32"
-    y, path = _forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config,
+    y, path = forward_cuda(x, wt, b, args, mode_prec, out=out, force_path=force_path, force_config=force_config,
                             force_split=force_split)
     assert y.data_ptr() == out.data_ptr()
     if tf32_reference:
@@ -227,9 +227,9 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
     w = torch.randn(128, 64, 4, 4, device="cuda", generator=g).to(dtype)
     b = torch.randn(64, device="cuda", generator=g).to(dtype)
     args = normalize_args(2, 1, 0, 1, 1)
-    runs = [_forward_cuda(x, w, b, args, precision or "fp32")[0] for _ in range(3)]
+    runs = [forward_cuda(x, w, b, args, precision or "fp32")[0] for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
-    whole, _ = _forward_cuda(x, w, b, args, precision or "fp32", force_split=1)
+    whole, _ = forward_cuda(x, w, b, args, precision or "fp32", force_split=1)
     ref = reference(x, w, b, stride=2, padding=1)
     assert rel_err(runs[0], ref) <= tol
     assert rel_err(whole, ref) <= tol
@@ -238,16 +238,16 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
 
 def test_every_tile_configuration_is_forced_above() -> None:
     """The forced-path tests cover every configuration the extension has (a new tile is not left out)."""
-    assert int(_load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
-    assert int(_load_extension().num_narrow_tiled_configs) == 2
+    assert int(load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
+    assert int(load_extension().num_narrow_tiled_configs) == 2
 
 
 def test_extension_checks_raise_with_their_numbers() -> None:
     """The binding's own checks (behind Python's) raise RuntimeError naming the values; they once ended the
     interpreter with SIGSEGV when a message streamed an integer."""
-    from kernels._ops import _load_extension
+    from kernels.internal import load_extension
 
-    ext = _load_extension()
+    ext = load_extension()
     x = torch.randn(1, 16, 8, 32, device="cuda")
     w = torch.randn(16, 16, 3, 3, device="cuda")
     base = dict(stride=[1, 1], padding=[1, 1], output_padding=[0, 0], dilation=[1, 1], groups=1, precision="tf32")
@@ -438,7 +438,7 @@ def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str, config: i
     x[1, 0, 20, 33] = float("inf")
     w = torch.randn(6, 3, 3, 3, device="cuda", generator=g).to(dtype)
     args = normalize_args(stride=2, padding=1, output_padding=1)
-    y, path = _forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled", force_config=config)
+    y, path = forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled", force_config=config)
     assert path == "narrow_tiled"
     ref = reference(x, w, None, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
                     groups=1, dilation=args.dilation).to(y.device)
@@ -585,7 +585,7 @@ def test_channels_last_input_through_nchw_kernels(route: str, mode: str) -> None
     args = normalize_args(stride, 1, 0, 1, 1)
     ho, wo = (output_size(s, 3, stride, 1) for s in (h, w))
     torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
-    y, _ = _forward_cuda(x, wt, b, args, precision or "fp32", force_path=route)
+    y, _ = forward_cuda(x, wt, b, args, precision or "fp32", force_path=route)
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert not y.is_contiguous()
     ref = reference(x, wt, b, stride=stride, padding=1)
@@ -604,7 +604,7 @@ def test_layout_change_of_small_images(mode: str, hw: tuple[int, int]) -> None:
     wt = torch.randn(70, 66, 1, 2, device="cuda", generator=g).to(dtype)
     args = normalize_args(1, 0, 0, 1, 1)
     torch.full((5 * 66 * h * (w + 1),), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
-    y, _ = _forward_cuda(x, wt, None, args, precision or "fp32", force_path="simt")
+    y, _ = forward_cuda(x, wt, None, args, precision or "fp32", force_path="simt")
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert rel_err(y, reference(x, wt, None)) <= tol, f"{mode} {hw}"
 
@@ -622,7 +622,7 @@ def test_layout_change_of_few_channels(mode: str, c_in: int, c_out: int) -> None
     b = torch.randn(c_out, device="cuda", generator=g).to(dtype)
     args = normalize_args(2, 1, 1, 1, 1)
     torch.full((3 * c_out * 27 * 59 * 2,), float("nan"), device="cuda", dtype=dtype)  # poison the memory y will take
-    y, _ = _forward_cuda(x, wt, b, args, precision or "fp32")
+    y, _ = forward_cuda(x, wt, b, args, precision or "fp32")
     assert y.is_contiguous(memory_format=torch.channels_last)
     ref = reference(x, wt, b, stride=2, padding=1, output_padding=1)
     assert rel_err(y, ref) <= tol, f"{mode} {c_in} -> {c_out}"
@@ -907,7 +907,7 @@ def test_direct_stages_small_host_places_and_copies_the_rest_straight() -> None:
     every kind: page-locked and pageable below the staging size (staged: consecutive ones moved by one copy), and at
     and above it (copied straight). Every byte lands in its place, the poison around each place stays, and the input
     places are only read."""
-    stage = _load_extension().stage_below_bytes
+    stage = load_extension().stage_below_bytes
     assert stage == 256 << 10
     args = normalize_args(2, 1, 0, 1, 1)
     x = torch.randn(3, 64, 32, 32)  # 768 KiB
@@ -1059,7 +1059,7 @@ def test_64bit_indexing(route: str) -> None:
     # y: [2, 4, 16402, 16402] bf16 = 2.15e9 elements (> 2**31)
     x = torch.randn(2, 2, 16400, 16400, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(2, 4, 3, 3, device="cuda", dtype=torch.bfloat16, generator=g)
-    y, path = _forward_cuda(x, w, None, normalize_args(), "fp32", force_path=None if route == "narrow_tiled" else route)
+    y, path = forward_cuda(x, w, None, normalize_args(), "fp32", force_path=None if route == "narrow_tiled" else route)
     assert path == route
     assert y.numel() > 2**31
     # With k = 3 and stride 1, the last 14 output rows depend on the last 14 input rows only.

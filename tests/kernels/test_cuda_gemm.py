@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kernels
-from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
+from kernels.internal import forward_cuda, load_extension, normalize_args, output_size
 from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
 
 pytestmark = pytest.mark.cuda
@@ -95,7 +95,7 @@ def run(problem: dict, mode: str, *, layout: str, config: int | None = None, spl
         torch.full((n * c_out * ho * wo,), float("nan"), device="cuda", dtype=dtype)
     kw_force = dict(force_path="gemm", force_config=config, force_split=split, force_staged=staged,
                     force_round=rounded) if force else {}
-    y, path = _forward_cuda(x, wt, b, args, precision or "fp32", out=out, **kw_force)
+    y, path = forward_cuda(x, wt, b, args, precision or "fp32", out=out, **kw_force)
     if tf32_reference:
         x, wt = round_tf32(x), round_tf32(wt)
     ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
@@ -160,10 +160,10 @@ def test_gemm_reads_channels_last_16bit_weights_without_packing(mode: str) -> No
 
     def allocations(weight: torch.Tensor, config: int | None = None) -> int:
         kw = dict(force_path="gemm", force_config=config, force_split=1)
-        _forward_cuda(x, weight, None, args, precision or "fp32", **kw)  # first-call work
+        forward_cuda(x, weight, None, args, precision or "fp32", **kw)  # first-call work
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        y, path = _forward_cuda(x, weight, None, args, precision or "fp32", **kw)
+        y, path = forward_cuda(x, weight, None, args, precision or "fp32", **kw)
         allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
         assert path == "gemm"
         assert rel_err(y, reference(x, weight, None, stride=2, padding=1)) <= tol
@@ -286,16 +286,16 @@ def test_gemm_is_deterministic_and_split_agrees() -> None:
         memory_format=torch.channels_last)
     w = torch.randn(512, 256, 4, 4, device="cuda", generator=g).to(torch.bfloat16)
     args = normalize_args(2, 1, 0, 1, 1)
-    runs = [_forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=4)[0] for _ in range(3)]
+    runs = [forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=4)[0] for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
-    whole = _forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=1)[0]
+    whole = forward_cuda(x, w, None, args, "fp32", force_path="gemm", force_split=1)[0]
     ref = reference(x, w, None, stride=2, padding=1)
     assert rel_err(runs[0], ref) <= 2e-2
     assert rel_err(whole, ref) <= 2e-2
 
 
 def test_every_gemm_configuration_is_forced_above() -> None:
-    assert int(_load_extension().num_gemm_configs) == NUM_GEMM_CONFIGS
+    assert int(load_extension().num_gemm_configs) == NUM_GEMM_CONFIGS
 
 
 @needs_sm90

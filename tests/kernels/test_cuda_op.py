@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels._ops import _load_extension
+from kernels.internal import load_extension
 from kernels.tuning import TUNER
 
 pytestmark = pytest.mark.cuda
@@ -46,7 +46,7 @@ def problem(dtype: torch.dtype, cl: bool, seed: int = 0, n: int = 4, c_in: int =
 def ext():
     was = TUNER.enabled
     TUNER.enabled = False
-    ext = _load_extension()
+    ext = load_extension()
     ext.clear_call_cache()
     yield ext
     TUNER.enabled = was

@@ -9,7 +9,7 @@ import torch
 import kernels
 import kernels.op
 from kernels import tuning
-from kernels._ops import _forward_cuda, _load_extension, normalize_args, output_size
+from kernels.internal import forward_cuda, load_extension, normalize_args, output_size
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
 from service.engine.ops import WeightPacks, conv_transpose2d_gathered
 from tests.kernels.test_cuda import MODES, reference, rel_err
@@ -59,7 +59,7 @@ def test_tuned_choice_is_correct_and_cached(name: str, mode: str) -> None:
     wo = output_size(x.shape[3], wt.shape[3], args.stride[1], args.padding[1], 0, args.dilation[1])
     out = torch.full((x.shape[0], wt.shape[1] * args.groups, ho, wo), float("nan"), device="cuda", dtype=x.dtype)
     c = result.choice
-    _forward_cuda(x2, wt, b, args, precision, out=out, force_path=c.path, force_config=c.config, force_split=c.split)
+    forward_cuda(x2, wt, b, args, precision, out=out, force_path=c.path, force_config=c.config, force_split=c.split)
     ref = reference(x2, wt, b, stride=args.stride, padding=args.padding, groups=args.groups, dilation=args.dilation)
     assert rel_err(out, ref) <= tol, f"{name}/{mode}: {c.label}"
 
@@ -120,20 +120,20 @@ def test_weight_packs_give_what_per_call_packing_gives(mode: str) -> None:
     x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode=mode)
     packs = WeightPacks(wt)
     choices = [DEFAULT, KernelChoice("narrow"), KernelChoice("simt"), KernelChoice("tensor_core", 5, 4),
-               *(KernelChoice("tensor_core", c) for c in range(int(_load_extension().num_tensor_core_configs)))]
+               *(KernelChoice("tensor_core", c) for c in range(int(load_extension().num_tensor_core_configs)))]
     ref = reference(x, wt, b, stride=2, padding=1)
     for c in choices:
         kw = dict(force_path=c.path, force_config=c.config, force_split=c.split)
-        plain, path = _forward_cuda(x, wt, b, args, precision, **kw)
+        plain, path = forward_cuda(x, wt, b, args, precision, **kw)
         out = torch.full_like(plain, float("nan"))
-        packed, path_packed = _forward_cuda(x, wt, b, args, precision, out=out, packs=packs, **kw)
+        packed, path_packed = forward_cuda(x, wt, b, args, precision, out=out, packs=packs, **kw)
         assert path == path_packed
         assert torch.equal(plain, packed), c.label
         assert rel_err(packed, ref) <= tol, c.label
     made = len(packs)
     assert made >= 2  # the gather tiles and the halo tiles pack differently
     for c in choices:  # every layout is there now: nothing new is made
-        _forward_cuda(x, wt, b, args, precision, force_path=c.path, force_config=c.config, packs=packs)
+        forward_cuda(x, wt, b, args, precision, force_path=c.path, force_config=c.config, packs=packs)
     assert len(packs) == made
 
 
@@ -141,7 +141,7 @@ def test_weight_packs_refuse_another_weight() -> None:
     x, wt, b, args, precision, _ = make(**PROBLEMS["dcgan_up1_b8"], mode="tf32")
     packs = WeightPacks(wt)
     with pytest.raises(kernels.ConvTranspose2dArgumentError, match="another weight"):
-        _forward_cuda(x, wt.clone(), b, args, precision, packs=packs)
+        forward_cuda(x, wt.clone(), b, args, precision, packs=packs)
     with pytest.raises(kernels.ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
         WeightPacks(wt.cpu())
 

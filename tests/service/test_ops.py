@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import tuning
-from kernels._ops import FORCE_PATHS, ConvTranspose2dArgumentError, _ext_packs
+from kernels.internal import FORCE_PATHS, ConvTranspose2dArgumentError, ext_packs
 from kernels.tuning import DEFAULT, KernelChoice
 from service.engine.ops import WeightPacks
 
@@ -56,8 +56,8 @@ def test_weight_packs_take_a_contiguous_4d_cuda_weight_only() -> None:
     with pytest.raises(ConvTranspose2dArgumentError, match="contiguous 4-D CUDA"):
         WeightPacks(torch.randn(16, 8, 4, 4))
     w = torch.randn(16, 8, 4, 4)
-    assert _ext_packs(None, w) is None
+    assert ext_packs(None, w) is None
     packs = object.__new__(WeightPacks)  # as if made for another tensor (no GPU here to make a real one)
     packs.weight = torch.randn(16, 8, 4, 4)
     with pytest.raises(ConvTranspose2dArgumentError, match="another weight tensor"):
-        _ext_packs(packs, w)
+        ext_packs(packs, w)

@@ -1,8 +1,18 @@
 """The kernels' internal layer: argument parsing and checks, the extension's loading and its raw forward call.
 
-Below ``kernels.functional`` (the public ``conv_transpose2d`` and its autograd) and ``kernels.tuning`` (measured
-kernel choice), which both call the extension through ``_forward_cuda``; and below the service's batch calls
-(``service.engine.ops``). Nothing here imports another module of the project but ``kernels.build``.
+For the project's own code above the kernels, not for library users (whose API is the package ``kernels``):
+``kernels.functional`` (the public ``conv_transpose2d`` and its autograd), ``kernels.op`` and ``kernels.tuning``
+(measured kernel choice) inside the package; the service's batch calls (``service.engine.ops``) and the benchmarks
+(``bench/``) outside it. What they use:
+
+- ``forward_cuda``: the raw forward on CUDA tensors, with the kernel choice forced or left to the extension;
+- ``load_extension`` (builds it on first use) and ``loaded_extension`` (never builds): the extension itself, for
+  its other calls (``forward_gathered``, ``forward_placed``, ``host_register``, its configuration counts);
+- ``out_hw``: the output's (H, W); ``check_tensors`` / ``check_shapes``, ``normalize_args``, ``resolve_precision``;
+- ``PackedWeights`` and ``ext_packs``: packed weights as the extension takes them.
+
+Names with a leading underscore are this module's own; code outside ``kernels`` imports none of them (a test under
+tests/ checks every import). Nothing here imports another module of the project but ``kernels.build``.
 """
 
 from __future__ import annotations
@@ -202,7 +212,7 @@ def check_shapes(shape: tuple[int, ...], dtype: torch.dtype, input_device: torch
     c_out = weight.shape[1] * args.groups
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != c_out):
         raise ConvTranspose2dArgumentError(f"bias must have shape [{c_out}] (C_out), got {list(bias.shape)}")
-    h_out, w_out = _out_hw(shape, weight, args)
+    h_out, w_out = out_hw(shape, weight, args)
     if h_out <= 0 or w_out <= 0:
         raise ConvTranspose2dArgumentError(
             f"output size {h_out} x {w_out} is not positive for input {shape[-2]} x {shape[-1]}, "
@@ -212,7 +222,8 @@ def check_shapes(shape: tuple[int, ...], dtype: torch.dtype, input_device: torch
     return h_out, w_out
 
 
-def _out_hw(shape: Sequence[int], weight: torch.Tensor, args: ConvArgs) -> tuple[int, int]:
+def out_hw(shape: Sequence[int], weight: torch.Tensor, args: ConvArgs) -> tuple[int, int]:
+    """The output's (H, W) for an input of ``shape`` ([..., H, W]), unchecked (``check_shapes`` checks it)."""
     return tuple(  # type: ignore[return-value]
         output_size(shape[-2 + i], weight.shape[2 + i], args.stride[i], args.padding[i],
                     args.output_padding[i], args.dilation[i])
@@ -241,7 +252,8 @@ class PackedWeights(Protocol):
     _ext: Any
 
 
-def _load_extension() -> Any:
+def load_extension() -> Any:
+    """The compiled extension (``kernels/csrc``), built and loaded on the first call (``kernels.build``)."""
     from kernels.build import load
 
     return load(verbose=os.environ.get("DECONV_BUILD_VERBOSE", "") == "1")
@@ -254,7 +266,7 @@ def loaded_extension() -> Any:
     return loaded()
 
 
-def _forward_cuda(
+def forward_cuda(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -299,16 +311,16 @@ def _forward_cuda(
     if force_split is not None and (type(force_split) is not int or not 1 <= force_split <= MAX_SPLIT):
         raise ConvTranspose2dArgumentError(f"force_split must be None or an int from 1 to {MAX_SPLIT}, "
                                            f"got {force_split!r}")
-    ext = _load_extension()
+    ext = load_extension()
     y, path = ext.forward(x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding),
                           list(args.dilation), args.groups, precision, out, FORCE_PATHS[force_path],
                           -1 if force_config is None else force_config, -1 if force_split is None else force_split,
                           -1 if force_staged is None else int(force_staged),
-                          -1 if force_round is None else int(force_round), _ext_packs(packs, weight))
+                          -1 if force_round is None else int(force_round), ext_packs(packs, weight))
     return y, KERNEL_PATHS[path]
 
 
-def _ext_packs(packs: PackedWeights | None, weight: torch.Tensor) -> Any:
+def ext_packs(packs: PackedWeights | None, weight: torch.Tensor) -> Any:
     """The extension's packs object of ``packs`` (None for none), after checking it holds ``weight``."""
     if packs is None:
         return None
