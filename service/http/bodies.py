@@ -28,6 +28,7 @@ import functools
 import itertools
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -140,12 +141,31 @@ def json_too_large(what: str) -> PayloadTooLargeError:
 
 
 async def decompress_json(body: bytearray | memoryview, encoding: str | None) -> bytearray | memoryview:
-    """A body that is all JSON, decompressed as ``Content-Encoding`` says (gzip, deflate, identity: the body as it
-    is): no further than ``MAX_JSON_BYTES``, and a step at a time with the event loop let run between steps, so
-    that many such bodies at once delay no other connection by more than a step each.
+    """A body that is all JSON, decompressed as ``Content-Encoding`` says (``decompress``), no further than
+    ``MAX_JSON_BYTES``.
 
     Raises:
         PayloadTooLargeError: more than ``MAX_JSON_BYTES`` once decompressed (413).
+        UnsupportedMediaTypeError: another encoding (415).
+        MalformedBodyError: not valid compressed data (400).
+    """
+    return await decompress(body, encoding, MAX_JSON_BYTES, lambda: json_too_large("the decompressed JSON body"))
+
+
+def body_too_large(limit: int) -> PayloadTooLargeError:
+    """The 413 of a body larger than ``limit`` bytes once decompressed."""
+    return PayloadTooLargeError(f"decompressed body exceeds the limit of {limit} bytes")
+
+
+async def decompress(body: bytearray | memoryview, encoding: str | None, limit: int,
+                     too_large: Callable[[], PayloadTooLargeError] | None = None) -> bytearray | memoryview:
+    """``body`` decompressed as ``Content-Encoding`` says (gzip, deflate, identity: the body as it is), no further
+    than ``limit`` bytes, and a step at a time with the event loop let run between steps, so that many such bodies
+    at once delay no other connection by more than a step each. ``too_large``: the error past the limit (default
+    ``body_too_large``).
+
+    Raises:
+        PayloadTooLargeError: more than ``limit`` bytes once decompressed (413).
         UnsupportedMediaTypeError: another encoding (415).
         MalformedBodyError: not valid compressed data (400).
     """
@@ -161,8 +181,8 @@ async def decompress_json(body: bytearray | memoryview, encoding: str | None) ->
         while True:
             piece = d.decompress(data, DECOMPRESS_STEP)
             out += piece
-            if len(out) > MAX_JSON_BYTES:
-                raise json_too_large("the decompressed JSON body")
+            if len(out) > limit:
+                raise too_large() if too_large is not None else body_too_large(limit)
             data = d.unconsumed_tail
             if not data and len(piece) < DECOMPRESS_STEP:  # all input taken, no output held back
                 break

@@ -15,7 +15,6 @@ import hmac
 import json
 import math
 import time
-import zlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -51,7 +50,14 @@ from service.errors import (
     UnsupportedMediaTypeError,
 )
 from service.http.asgi import Body, Call, FastRoute, FastRoutes, Reply, declared_length, read_body
-from service.http.bodies import MAX_JSON_BYTES, LongNumberError, decompress_json, json_too_large, parse_json
+from service.http.bodies import (
+    MAX_JSON_BYTES,
+    LongNumberError,
+    decompress,
+    decompress_json,
+    json_too_large,
+    parse_json,
+)
 from service.http.shm_regions import RegionError, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -266,22 +272,6 @@ def _layer(engine: Engine, name: str) -> tuple[Layer, LayerQueue]:
     if layer is None:
         raise UnknownLayerError(f"no layer named {name!r}; GET /v1/layers lists them")
     return layer, engine.queues[name]
-
-
-def _decompress(body: bytearray | memoryview, encoding: str | None, limit: int) -> bytearray | memoryview:
-    enc = (encoding or "identity").strip().lower()
-    if enc == "identity":
-        return body
-    if enc not in ("gzip", "deflate"):
-        raise UnsupportedMediaTypeError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate, identity)")
-    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-    try:
-        out = d.decompress(bytes(body), limit + 1)
-    except zlib.error:
-        raise MalformedBodyError(f"body is not valid {enc} data") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise PayloadTooLargeError(f"decompressed body exceeds the limit of {limit} bytes")
-    return bytearray(out)
 
 
 def output_bytes(layer: Layer, x4: AnyTensor) -> int:
@@ -833,7 +823,7 @@ async def v2_infer_call(call: Call) -> Reply:
                 raise json_too_large(f"a JSON body of {declared} bytes")
         raw = await read_body(call, limit, tensor_as_is=binary and identity)
         if binary:
-            body = _decompress(raw, encoding, limit)
+            body = await decompress(raw, encoding, limit)
         else:
             body = await decompress_json(raw, encoding)
         if body is not raw:

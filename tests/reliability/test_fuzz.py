@@ -8,6 +8,7 @@ request below 500 without a traceback or a path of its own. ``DECONV_FUZZ_EXAMPL
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import struct
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from service import codec
 from service.errors import ServiceError
 from service.http import routes
+from service.http.bodies import decompress
 
 from .conftest import count_case, leaks_internals, server_error
 from .strategies import kserve_bodies, npy_bodies, safetensors_bodies
@@ -76,7 +78,7 @@ def test_kserve_decoder_never_fails_but_with_a_4xx(request_body, encoding):
         body = gzip.compress(body)
 
     def decode() -> tuple[torch.Tensor, bytearray]:
-        raw = routes._decompress(bytearray(body), encoding, LIMIT)
+        raw = asyncio.run(decompress(bytearray(body), encoding, LIMIT))
         req, binary = routes._parse_kserve(raw, length)
         x = routes._kserve_input(req, binary, LIMIT)
         routes._wants_binary(req)
