@@ -79,7 +79,7 @@ RUN if [ -n "${CUDA_ARCHS}" ]; then \
 
 EXPOSE 8000
 STOPSIGNAL SIGTERM
-# 200 only once every layer passed its self-test; a cold kernel build (empty cache) takes about a minute.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
+# 200 only once every layer passed its self-test; a cold kernel build (empty cache) takes two to five minutes.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=420s --retries=3 \
     CMD ["python", "/opt/deconv/app/deploy/healthcheck.py"]
 CMD ["python", "-m", "service"]

@@ -7,7 +7,10 @@ flags: a change to any of them builds anew, anything else loads the cached libra
 
 Target architectures: ``DECONV_CUDA_ARCH`` (for example ``"8.0;9.0"``, as in ``TORCH_CUDA_ARCH_LIST``) or,
 when unset, those of the visible GPUs. Naming them explicitly lets an image be built on a machine without a GPU:
-``python -m kernels.build --arch "8.0;9.0"``.
+``python -m kernels.build --arch "8.0;9.0"``; such a build also carries PTX for the newest named architecture, so
+that a newer GPU can compile the kernels when it loads them. A build for the visible GPUs carries machine code
+only: it is for those GPUs, and PTX would cost a third of the build (the compiler's front end runs once more for
+it; bench/NOTES.md v25). nvcc compiles the targets of one build in parallel (``--threads``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ MIN_ARCH = (8, 0)  # mma.sync with TF32/BF16 operands needs sm_80
 # Flags that change the generated code, and so belong in the cache key. No fast-math: exact fp32 must stay exact.
 CXX_FLAGS = ["-O3", "-std=c++17"]
 CUDA_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+# Not in the key (the code is the same): nvcc compiles a build's targets (SASS per architecture, PTX) in parallel.
+NVCC_THREADS = ["--threads", "0"]
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -78,16 +83,23 @@ def _sass_suffix(major: int, minor: int, suffix: str) -> str:
     return "a" if (major, minor) == (9, 0) else suffix
 
 
-def gencode_flags(archs: list[tuple[int, int, str]]) -> list[str]:
-    """SASS for every architecture (9.0 as 9.0a) plus PTX for the newest as named, so that newer GPUs can still
-    JIT the kernels."""
+def gencode_flags(archs: list[tuple[int, int, str]], ptx: bool = True) -> list[str]:
+    """SASS for every architecture (9.0 as 9.0a) plus, with ``ptx``, PTX for the newest as named, so that newer
+    GPUs can still JIT the kernels."""
     flags = []
     for ma, mi, s in archs:
         sa = _sass_suffix(ma, mi, s)
         flags.append(f"-gencode=arch=compute_{ma}{mi}{sa},code=sm_{ma}{mi}{sa}")
-    ma, mi, s = archs[-1]
-    flags.append(f"-gencode=arch=compute_{ma}{mi}{s},code=compute_{ma}{mi}{s}")
+    if ptx:
+        ma, mi, s = archs[-1]
+        flags.append(f"-gencode=arch=compute_{ma}{mi}{s},code=compute_{ma}{mi}{s}")
     return flags
+
+
+def archs_named() -> bool:
+    """Whether the architectures are named (``DECONV_CUDA_ARCH``: an image for GPUs not seen here, which gets PTX
+    too) rather than those of the visible GPUs."""
+    return bool(os.environ.get("DECONV_CUDA_ARCH", "").strip())
 
 
 def arch_defines(archs: list[tuple[int, int, str]]) -> list[str]:
@@ -119,12 +131,12 @@ def _nvcc_version() -> str:
     return out.strip().splitlines()[-1]
 
 
-def build_key(archs: list[tuple[int, int, str]]) -> str:
+def build_key(archs: list[tuple[int, int, str]], ptx: bool = True) -> str:
     """Hash of everything that changes the built library."""
     h = hashlib.sha256()
     for name, text in _sources().items():
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
-    for part in (torch.__version__, str(torch.version.cuda), _nvcc_version(), *gencode_flags(archs),
+    for part in (torch.__version__, str(torch.version.cuda), _nvcc_version(), *gencode_flags(archs, ptx),
                  *arch_defines(archs), *CXX_FLAGS, *CUDA_FLAGS):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
@@ -144,14 +156,16 @@ def load(verbose: bool = False) -> ModuleType:
         from torch.utils.cpp_extension import load_inline
 
         archs = cuda_archs()
-        key = build_key(archs)
+        ptx = archs_named()
+        key = build_key(archs, ptx)
         name = f"deconv_kernels_{key}"
         build_dir = cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         cached = any(build_dir.glob(f"{name}*.so"))
         arch_text = ", ".join(f"sm_{ma}{mi}{s}" for ma, mi, s in archs)
         if not cached:
-            log.info("compiling kernels (first time takes about a minute) for %s into %s", arch_text, build_dir)
+            log.info("compiling kernels for %s into %s (two to three minutes; later starts load them)", arch_text,
+                     build_dir)
         t0 = time.perf_counter()
         src = _sources()
         try:
@@ -160,7 +174,7 @@ def load(verbose: bool = False) -> ModuleType:
                 cpp_sources=[src["binding.cpp"]],
                 cuda_sources=[text for fname, text in src.items() if fname.endswith(".cu")],
                 extra_cflags=CXX_FLAGS,
-                extra_cuda_cflags=[*CUDA_FLAGS, *gencode_flags(archs), *arch_defines(archs)],
+                extra_cuda_cflags=[*CUDA_FLAGS, *NVCC_THREADS, *gencode_flags(archs, ptx), *arch_defines(archs)],
                 extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 verbose=verbose,

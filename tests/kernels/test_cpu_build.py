@@ -282,3 +282,15 @@ def test_nvcc_missing_raises_build_error(monkeypatch):
     monkeypatch.setenv("CUDA_HOME", "/nonexistent/cuda")
     with pytest.raises(KernelBuildError, match="nvcc was not found or failed"):
         kb._nvcc_version()
+
+
+def test_ptx_only_when_the_architectures_are_named(monkeypatch):
+    """A build for the visible GPUs is machine code only; one for named architectures (an image) carries PTX, and
+    the two have different cache keys."""
+    assert kb.gencode_flags([(9, 0, "")], ptx=False) == ["-gencode=arch=compute_90a,code=sm_90a"]
+    monkeypatch.delenv("DECONV_CUDA_ARCH", raising=False)
+    assert not kb.archs_named()
+    monkeypatch.setenv("DECONV_CUDA_ARCH", " 9.0 ")
+    assert kb.archs_named()
+    monkeypatch.setattr(kb, "_nvcc_version", lambda: "Cuda compilation tools, release 13.0, V13.0.88")
+    assert kb.build_key([(9, 0, "")], ptx=True) != kb.build_key([(9, 0, "")], ptx=False)
