@@ -42,6 +42,7 @@ NVCC_THREADS = ["--threads", "0"]
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
+_module_key: str | None = None
 
 
 class KernelBuildError(RuntimeError):
@@ -147,9 +148,14 @@ def loaded() -> ModuleType | None:
     return _module
 
 
+def loaded_key() -> str | None:
+    """The build key (``build_key``) of the extension this process loaded, else None."""
+    return _module_key
+
+
 def load(verbose: bool = False) -> ModuleType:
     """Build (first time) or load (cache hit) the kernels extension; thread-safe, once per process."""
-    global _module
+    global _module, _module_key
     with _lock:
         if _module is not None:
             return _module
@@ -186,7 +192,7 @@ def load(verbose: bool = False) -> ModuleType:
             log.info("loaded kernels for %s from the build cache in %.2f s", arch_text, dt)
         else:
             log.info("compiled kernels for %s in %.1f s", arch_text, dt)
-        _module = module
+        _module, _module_key = module, key
         return module
 
 

@@ -18,6 +18,10 @@ which makes the tensor-core kernels cheaper by their packing kernel). Every choi
 on awkward shapes, so any choice is correct; the tuner still compares each candidate's output with the default
 kernel's and drops a candidate that disagrees (logged as an error: it would be a kernel bug).
 
+Choices are also kept on disk (``kernels.choice_store``: one file per GPU model, driver, torch and kernel build,
+``DECONV_TUNE_CACHE``), so that a problem measured once is not measured again by a later process: a restarted
+server, or the next run of a script, reads the choice instead.
+
 Timing follows bench/kernelbench.py: CUDA events around each call, an L2 flush before each, the median of several
 calls. A first pass times every candidate a few times; the fastest few are timed again, longer, with the default
 among them, and the fastest of that pass wins (the default on a tie within 2%).
@@ -25,6 +29,7 @@ among them, and the fastest of that pass wins (the default on a tie within 2%).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -36,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kernels import choice_store
 from kernels.internal import FORCE_PATHS, forward_cuda, load_extension, loaded_extension, out_hw
 
 log = logging.getLogger("deconv.tuning")
@@ -248,8 +254,10 @@ class Tuner:
         self.max_entries = max_entries
         # Read without the lock (one dict lookup, atomic in CPython: a call's whole cost when tuned); written with it.
         self._cache: dict[Hashable, KernelChoice] = {}
-        self._lock = threading.Lock()  # guards writes to _cache, and _device_locks
+        self._lock = threading.Lock()  # guards writes to _cache, and _device_locks, _files
         self._device_locks: dict[int, threading.Lock] = {}
+        # Per CUDA device index: its choice file and the entries read from it, or None (the store is off or failed).
+        self._files: dict[int, tuple[choice_store.ChoiceFile, dict[str, dict[str, Any]]] | None] = {}
 
     @property
     def enabled(self) -> bool:
@@ -283,10 +291,60 @@ class Tuner:
                 del self._cache[next(iter(self._cache))]
 
     def clear(self) -> None:
-        """Forget every choice (and the extension the calls it remembered with them)."""
+        """Forget every choice held in memory (and the extension the calls it remembered with them). Choices kept on
+        disk are read again on the next call of their problem (``kernels.choice_store``: delete the file, or set
+        ``DECONV_TUNE_CACHE=off``, to measure anew)."""
         with self._lock:
             self._cache.clear()
+            self._files.clear()
         _forget_calls()
+
+    def _file(self, device: torch.device) -> tuple[choice_store.ChoiceFile, dict[str, dict[str, Any]]] | None:
+        """``device``'s choice file and its entries (read once), or None: not a CUDA device, the store off, or
+        failed (logged once)."""
+        if device.type != "cuda":
+            return None
+        index = _index(device)
+        if index in self._files:
+            return self._files[index]
+        found = None
+        try:
+            directory = choice_store.store_dir()
+            if directory is not None:
+                load_extension()
+                from kernels.build import loaded_key
+
+                name = choice_store.identity(torch.device("cuda", index), loaded_key() or "unbuilt")
+                file = choice_store.ChoiceFile(directory / f"{name}.json")
+                found = (file, file.read())
+        except Exception as exc:  # the store is an optimisation: never a reason for a call to fail
+            log.warning("measured kernel choices are kept in memory only: %s", exc)
+        with self._lock:
+            return self._files.setdefault(index, found)
+
+    def _recall(self, key: tuple[Hashable, ...], device: torch.device) -> KernelChoice | None:
+        """The choice kept on disk for ``key``, if any."""
+        found = self._file(device)
+        fields = None if found is None else found[1].get(choice_store.problem_id(key))
+        return None if fields is None else KernelChoice(**fields)
+
+    def _keep(self, key: tuple[Hashable, ...], device: torch.device, choice: KernelChoice) -> None:
+        """Write ``choice`` for ``key`` to ``device``'s choice file (the store turns off for this device if that
+        fails)."""
+        found = self._file(device)
+        if found is None:
+            return
+        file, entries = found
+        problem, fields = choice_store.problem_id(key), dataclasses.asdict(choice)
+        try:
+            file.write(problem, fields)
+        except OSError as exc:
+            log.warning("cannot keep measured kernel choices in %s (%s); they are kept in memory only", file.path,
+                        exc)
+            with self._lock:
+                self._files[_index(device)] = None
+            return
+        entries[problem] = fields
 
     def __len__(self) -> int:
         with self._lock:
@@ -317,6 +375,10 @@ class Tuner:
         with self._device_lock(weight.device.index or 0):
             choice = self.lookup(key)  # another thread may have tuned it meanwhile
             if choice is None:
+                choice = self._recall(key, weight.device)  # measured by an earlier process
+                if choice is not None:
+                    self.store(key, choice)
+                    return choice
                 try:
                     choice = self.tune(shape, weight, bias, args, precision, aligned=aligned, packs=packs,
                                        channels_last=channels_last).choice
@@ -326,6 +388,7 @@ class Tuner:
                     log.warning("tuning %s ran out of GPU memory; the default kernel runs",
                                 _describe(shape, weight, args, precision))
                     return DEFAULT
+                self._keep(key, weight.device, choice)
         return choice
 
     def tune(self, shape: Sequence[int], weight: torch.Tensor, bias: torch.Tensor | None, args: Any,
@@ -423,6 +486,13 @@ class Tuner:
                  _describe(shape, weight, args, precision), choice.label, ms, default_ms, len(result.trials),
                  result.seconds)
         return result
+
+
+def _index(device: torch.device) -> int:
+    """``device``'s index (the current CUDA device's for "cuda"; 0 for others)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
 def _forget_calls() -> None:

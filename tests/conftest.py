@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Measured kernel choices are not kept on disk while testing (kernels.choice_store): a test that tunes measures,
+# whatever ran before it. The store's own tests give it a directory of their own.
+os.environ["DECONV_TUNE_CACHE"] = "off"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

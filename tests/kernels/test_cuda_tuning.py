@@ -3,6 +3,8 @@ cached per problem, and the serving entry points run a given choice (run with ``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -157,3 +159,23 @@ def test_gathered_with_packs_and_a_tuner_that_measured_with_them() -> None:
     host = x.cpu()
     y = conv_transpose2d_gathered([host[:5], host[5:]], host.shape, wt, b, args, precision, choice, packs)
     assert rel_err(y.cuda(), reference(x, wt, b, stride=2, padding=1)) <= tol
+
+
+def test_a_choice_measured_once_is_recalled_from_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A problem measured by one tuner is written to its GPU's choice file (kernels.choice_store); a new tuner (a
+    later process) recalls it without measuring, and the recalled kernel computes the function."""
+    monkeypatch.setenv("DECONV_TUNE_CACHE", str(tmp_path))
+    x, wt, b, args, precision, tol = make(**PROBLEMS["dcgan_up1_b8"], mode="bf16")
+    first = Tuner(enabled=True)
+    choice = first.choose(x.shape, wt, b, args, precision)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1, files
+    assert torch.cuda.get_device_name(0).split()[0] in files[0].name
+
+    later = Tuner(enabled=True)
+    monkeypatch.setattr(later, "tune", lambda *a, **k: pytest.fail("a recalled problem must not be measured"))
+    assert later.choose(x.shape, wt, b, args, precision) == choice
+    y, _ = forward_cuda(x, wt, b, args, precision, force_path=choice.path, force_config=choice.config,
+                        force_split=choice.split, force_staged=choice.staged, force_round=choice.rounded)
+    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, groups=args.groups, dilation=args.dilation)
+    assert rel_err(y, ref) <= tol
