@@ -10,8 +10,8 @@ one of them on the same port (``SO_REUSEPORT``, reserved by the supervisor).
 
 Each request takes the path of its HTTP twin: the API key (``authorization: Bearer <key>`` metadata), the model
 and readiness checks, the input decoded into a ``codec.RawTensor`` over the message's bytes (or a reference to a
-shared-memory region), ``service.http.routes.validate_input``, the bytes taken from the budget, then
-``service.http.routes.run_inference``, which queues it and waits for the result, the deadline (the call's gRPC
+shared-memory region), ``service.http.inference.validate_input``, the bytes taken from the budget, then
+``service.http.inference.run_inference``, which queues it and waits for the result, the deadline (the call's gRPC
 deadline, or ``parameters.timeout``, whichever is earlier, bounds its time in the queue) or the request timeout.
 A client that cancels or goes away cancels the handler's task (grpc.aio does), which drops the request from the
 queue. Every ``ServiceError`` becomes the gRPC status of ``service.errors.grpc_code`` with its message; anything
@@ -62,7 +62,7 @@ from service.errors import (
     grpc_code,
 )
 from service.grpc.messages import SERVICE, message, service
-from service.http.routes import MAX_TIMEOUT_US, output_bytes, run_inference, validate_input
+from service.http.inference import MAX_TIMEOUT_US, output_bytes, run_inference, validate_input
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable, TensorRef, tensor_ref
 from service.http.shm_routes import register_cuda, register_system, unregister_cuda, unregister_system
 
