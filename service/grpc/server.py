@@ -21,12 +21,10 @@ are the dicts of ``service.engine.kserve``, the HTTP routes' own, parsed into th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -62,7 +60,7 @@ from service.errors import (
     grpc_code,
 )
 from service.grpc.messages import SERVICE, message, service
-from service.http.inference import MAX_TIMEOUT_US, output_bytes, run_inference, validate_input
+from service.http.inference import MAX_TIMEOUT_US, Counted, find_layer, output_bytes, run_inference, validate_input
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable, TensorRef, tensor_ref
 from service.http.shm_routes import register_cuda, register_system, unregister_cuda, unregister_system
 
@@ -82,13 +80,20 @@ _TYPED_CONTENTS = {"FP32": ("fp32_contents", np.float32), "FP64": ("fp64_content
 
 
 class _Held:
-    """The bytes one call holds of the process's budget, given back when it ends (``Call.hold`` of HTTP)."""
+    """The bytes one call holds of the process's budget, given back when it ends (``Call.hold`` of HTTP): the
+    context the call runs in."""
 
     __slots__ = ("budget", "held")
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
         self.held = 0
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
     def take(self, n: int) -> None:
         self.budget.take(n)
@@ -286,15 +291,10 @@ class GRPCFrontEnd:
     async def _ModelInfer(self, parsed: _Request, context: grpc.aio.ServicerContext) -> _Answer:
         self._authorize(context)
         request = parsed.message
-        received = time.monotonic()
         engine = self.engine
         name = request.model_name
-        label = name if engine.registry is not None and engine.registry.get(name) else "unknown"
-        status = 500
-        held = _Held(self.budget)
-        try:
-            layer = find_model(engine, name, request.model_version or None)
-            batcher = engine.queues[name]
+        with Counted(engine, name, "grpc") as counted, _Held(self.budget) as held:
+            layer, batcher = find_layer(engine, name, request.model_version or None)
             engine.readiness.check_ready()
             params = _parameters(request.parameters)
             x = self._input(request, parsed.raw, held)
@@ -313,8 +313,8 @@ class GRPCFrontEnd:
             remaining = context.time_remaining()
             timeouts = [t for t in (None if remaining is None else max(0.0, remaining * 1000), _timeout_ms(params))
                         if t is not None]
-            result = await run_inference(engine, layer, batcher, x4, _Cancelled, received,  # type: ignore[arg-type]
-                                         min(timeouts) if timeouts else None)
+            result = await run_inference(engine, layer, batcher, x4, _Cancelled,  # type: ignore[arg-type]
+                                         counted.received, min(timeouts) if timeouts else None)
             y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
             response = message("ModelInferResponse")(model_name=name, model_version=MODEL_VERSION, id=request.id)
             out = response.outputs.add(name=KSERVE_OUTPUT, datatype=KSERVE_NAMES[y.dtype], shape=list(y.shape))
@@ -334,17 +334,7 @@ class GRPCFrontEnd:
             response.parameters["deconv_batch_size"].int64_param = result.batch_samples
             response.parameters["deconv_batch_requests"].int64_param = result.batch_requests
             response.parameters["deconv_queue_ms"].double_param = round(1e3 * result.queue_s, 3)
-            status = 200
             return _Answer(response, raw)
-        except ServiceError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            held.release()
-            engine.metrics.count_request(label, "grpc", status, time.monotonic() - received)
 
     def _input(self, request: Any, raw: Sequence[bytes | memoryview],
                held: _Held) -> AnyTensor | codec.SourceTensor | DeviceTensor:

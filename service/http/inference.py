@@ -3,15 +3,17 @@ the KServe v2 HTTP routes (``service.http.kserve_routes``) and the KServe v2 gRP
 
 A request finds its layer and the layer's queue (``find_layer``), has its decoded input checked against the layer
 (``validate_input``; its output's size: ``output_bytes``), is queued and waited for (``run_inference``: the result,
-the deadline, the request timeout or the client leaving), and is counted in the metrics (``count_request``). Over
-HTTP it is checked first for the API key (``check_api_key``, which the shared-memory routes take too) and its
-deadline header (``deadline_header``); ``get_engine`` gives FastAPI's routes the app's engine.
+the deadline, the request timeout or the client leaving), and is counted in the metrics (``Counted``). Over HTTP
+it is checked first for the API key (``check_api_key``, which the shared-memory routes take too) and its deadline
+header (``deadline_header``); ``get_engine`` gives FastAPI's routes the app's engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +30,7 @@ from service.errors import (
     MalformedBodyError,
     NotReadyError,
     PayloadTooLargeError,
+    ServiceError,
     UnauthorizedError,
 )
 
@@ -196,9 +199,33 @@ async def run_inference(
             item.future.exception()  # mark as retrieved
 
 
-def count_request(engine: Engine, layer_name: str, api: str, status: int, received: float) -> None:
-    """Count a request of ``api`` answered with ``status`` in the metrics, with its time since ``received``."""
-    engine.metrics.count_request(layer_name, api, status, time.monotonic() - received)
+class Counted:
+    """One inference request's count in the metrics, the context its handler runs in: received when it is made,
+    counted when the handler ends, under its layer (``"unknown"`` for a name that is none), its ``api`` and its
+    status: 200 when the handler returns, a ``ServiceError``'s own, ``ClientGoneError``'s (499) when the handler's
+    task is cancelled, 500 for any other error."""
+
+    __slots__ = ("api", "engine", "label", "received")
+
+    def __init__(self, engine: Engine, name: str, api: str) -> None:
+        self.engine = engine
+        self.api = api
+        self.received = time.monotonic()
+        self.label = name if engine.registry is not None and engine.registry.get(name) else "unknown"
+
+    def __enter__(self) -> Counted:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if error is None:
+            status = 200
+        elif isinstance(error, ServiceError):
+            status = error.status
+        elif isinstance(error, asyncio.CancelledError):
+            status = ClientGoneError.status
+        else:
+            status = 500
+        self.engine.metrics.count_request(self.label, self.api, status, time.monotonic() - self.received)
 
 
 def batch_headers(result: Result) -> dict[str, str]:

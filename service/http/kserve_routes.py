@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,7 +29,7 @@ from service.engine.kserve import (
     model_metadata,
 )
 from service.engine.registry import Layer
-from service.errors import ClientGoneError, InvalidInputError, MalformedBodyError, PayloadTooLargeError, ServiceError
+from service.errors import InvalidInputError, MalformedBodyError, PayloadTooLargeError
 from service.http.asgi import Call, Reply, declared_length, read_body
 from service.http.bodies import (
     MAX_JSON_BYTES,
@@ -42,9 +41,9 @@ from service.http.bodies import (
 )
 from service.http.inference import (
     MAX_TIMEOUT_US,
+    Counted,
     batch_headers,
     check_api_key,
-    count_request,
     deadline_header,
     find_layer,
     get_engine,
@@ -394,11 +393,8 @@ async def v2_infer_call(call: Call) -> Reply:
     check_api_key(call)
     deadline_ms = deadline_header(call)
     name, version = call.params["name"], call.params.get("version")
-    received = time.monotonic()
     engine = call.engine
-    label = name if engine.registry is not None and engine.registry.get(name) else "unknown"
-    status = 500
-    try:
+    with Counted(engine, name, "kserve") as counted:
         layer, batcher = find_layer(engine, name)
         check_version(version)
         engine.readiness.check_ready()
@@ -445,7 +441,7 @@ async def v2_infer_call(call: Call) -> Reply:
         if isinstance(x4, DeviceTensor) or out_device is not None:
             x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
         timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
-        result = await run_inference(engine, layer, batcher, x4, call, received,
+        result = await run_inference(engine, layer, batcher, x4, call, counted.received,
                                      min(timeouts) if timeouts else None)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         out: dict[str, Any] = {"name": KSERVE_OUTPUT, "datatype": KSERVE_NAMES[y.dtype], "shape": list(y.shape)}
@@ -472,13 +468,4 @@ async def v2_infer_call(call: Call) -> Reply:
             reply = Reply((head, data), "application/octet-stream", headers)
         else:
             reply = Reply(await _json_answer(response, out, y), "application/json", headers)
-        status = 200
         return reply
-    except ServiceError as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = ClientGoneError.status
-        raise
-    finally:
-        count_request(engine, label, "kserve", status, received)

@@ -5,8 +5,6 @@ and ``GET /metrics``; the FastAPI routes on ``router``.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import torch
@@ -14,12 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service import codec
-from service.errors import ClientGoneError, InvalidInputError, ServiceError, UnsupportedMediaTypeError
+from service.errors import InvalidInputError, UnsupportedMediaTypeError
 from service.http.asgi import Call, Reply, read_body
 from service.http.inference import (
+    Counted,
     batch_headers,
     check_api_key,
-    count_request,
     deadline_header,
     find_layer,
     get_engine,
@@ -45,11 +43,8 @@ async def deconv_call(call: Call) -> Reply:
     """``POST /deconv``: run layer ``layer`` on the tensor in the body; the output in the negotiated format."""
     check_api_key(call)
     layer, x_deadline_ms = query_layer(call), deadline_header(call)
-    received = time.monotonic()
     engine = call.engine
-    label = layer if engine.registry is not None and engine.registry.get(layer) else "unknown"
-    status = 500
-    try:
+    with Counted(engine, layer, "native") as counted:
         spec, batcher = find_layer(engine, layer)
         headers = call.headers
         media = codec.media_type_of(headers.get("content-type"))
@@ -62,19 +57,9 @@ async def deconv_call(call: Call) -> Reply:
         if out_media == codec.NPY and spec.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
         call.hold(output_bytes(spec, x4))
-        result = await run_inference(engine, spec, batcher, x4, call, received, x_deadline_ms)
+        result = await run_inference(engine, spec, batcher, x4, call, counted.received, x_deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
-        reply = Reply(codec.encode_parts(y, out_media), out_media, batch_headers(result))
-        status = 200
-        return reply
-    except ServiceError as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = ClientGoneError.status
-        raise
-    finally:
-        count_request(engine, label, "native", status, received)
+        return Reply(codec.encode_parts(y, out_media), out_media, batch_headers(result))
 
 
 @router.get("/v1/layers", tags=["layers"], summary="Describe every layer", response_model=LayerList)
