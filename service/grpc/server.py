@@ -60,7 +60,16 @@ from service.errors import (
     grpc_code,
 )
 from service.grpc.messages import SERVICE, message, service
-from service.http.inference import MAX_TIMEOUT_US, Counted, find_layer, output_bytes, run_inference, validate_input
+from service.http.inference import (
+    MAX_TIMEOUT_US,
+    Counted,
+    find_layer,
+    output_bytes,
+    output_place,
+    region_input,
+    run_inference,
+    validate_input,
+)
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable, TensorRef, tensor_ref
 from service.http.shm_routes import register_cuda, register_system, unregister_cuda, unregister_system
 
@@ -364,10 +373,7 @@ class GRPCFrontEnd:
             if ref.byte_size != need:
                 raise RegionError(f"input shared_memory_byte_size is {ref.byte_size}; shape {list(shape)} of "
                                   f"{spec.datatype} needs {need} bytes")
-            if self.regions.by_reference(ref.region):
-                return self.regions.device_tensor(ref.region, ref.offset, ref.byte_size, dtype, shape)
-            held.take(need)
-            return codec.SourceTensor(self.regions.reader(ref.region, ref.offset, ref.byte_size), dtype, shape)
+            return region_input(self.regions, ref, dtype, shape, held.take)
         if raw:
             if len(raw) != 1 or typed:
                 raise MalformedBodyError("the input's bytes come as one raw_input_contents entry, or as its "
@@ -404,18 +410,13 @@ class GRPCFrontEnd:
 
     def _output_region(self, layer: Layer, x4: AnyTensor | DeviceTensor, ref: TensorRef,
                        held: _Held) -> DeviceTensor | None:
-        """Check the output's region (as HTTP's ``_output_region``): the output's place in a region the engine maps
-        (the engine writes it there), or None for another system region (written here, its bytes held)."""
-        need = output_bytes(layer, x4)  # type: ignore[arg-type]
-        if ref.byte_size < need:
-            raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
-        if self.regions.by_reference(ref.region):
-            n, _, h, w = (int(d) for d in x4.shape)
-            shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
-            return self.regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
-        self.regions.check(ref.region, ref.offset, ref.byte_size)
-        held.take(need)
-        return None
+        """The output's place in a region the engine maps (``output_place``), or None for another system region
+        (written here, its bytes checked now and held)."""
+        place = output_place(self.regions, layer, x4, ref)
+        if place is None:
+            self.regions.check(ref.region, ref.offset, ref.byte_size)
+            held.take(output_bytes(layer, x4))
+        return place
 
 
 class _Request(NamedTuple):

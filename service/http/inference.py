@@ -2,10 +2,11 @@
 the KServe v2 HTTP routes (``service.http.kserve_routes``) and the KServe v2 gRPC service (``service.grpc.server``).
 
 A request finds its layer and the layer's queue (``find_layer``), has its decoded input checked against the layer
-(``validate_input``; its output's size: ``output_bytes``), is queued and waited for (``run_inference``: the result,
-the deadline, the request timeout or the client leaving), and is counted in the metrics (``Counted``). Over HTTP
-it is checked first for the API key (``check_api_key``, which the shared-memory routes take too) and its deadline
-header (``deadline_header``); ``get_engine`` gives FastAPI's routes the app's engine.
+(``validate_input``; its output's size: ``output_bytes``) and an input or output in a shared-memory region found and
+checked (``region_input``, ``output_place``), is queued and waited for (``run_inference``: the result, the deadline,
+the request timeout or the client leaving), and is counted in the metrics (``Counted``). Over HTTP it is checked
+first for the API key (``check_api_key``, which the shared-memory routes take too) and its deadline header
+(``deadline_header``); ``get_engine`` gives FastAPI's routes the app's engine.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 
 from service import codec
-from service.codec import AnyTensor
+from service.codec import AnyTensor, DeviceTensor
 from service.engine.interface import LayerQueue, Result, Ticket
 from service.engine.kserve import find_model
 from service.engine.registry import Layer
@@ -30,6 +32,7 @@ from service.errors import (
     MalformedBodyError,
     NotReadyError,
     PayloadTooLargeError,
+    RegionError,
     ServiceError,
     UnauthorizedError,
 )
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 
     from service.engine.interface import Engine
     from service.http.asgi import Call
+    from service.http.shm_regions import RegionTable, TensorRef
 
 # The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
 # anything longer is a mistake; the request timeout bounds every request anyway).
@@ -89,7 +93,7 @@ def find_layer(engine: Engine, name: str, version: str | None = None) -> tuple[L
     return find_model(engine, name, version), engine.queues[name]
 
 
-def output_bytes(layer: Layer, x4: AnyTensor) -> int:
+def output_bytes(layer: Layer, x4: AnyTensor | DeviceTensor) -> int:
     """Bytes of the output of ``x4`` ([N, C_in, H, W], validated) in its dtype."""
     n, _, h, w = x4.shape
     return layer.output_bytes(int(n), int(h), int(w))
@@ -134,6 +138,40 @@ def validate_input(layer: Layer, x: AnyTensor) -> tuple[AnyTensor, bool]:
         raise PayloadTooLargeError(f"output of {out_bytes} bytes exceeds layer {c.name!r}'s max_batch_bytes of "
                               f"{limits.max_batch_bytes}; send fewer samples or a smaller input")
     return x4, unbatched
+
+
+def region_input(regions: RegionTable, ref: TensorRef, dtype: torch.dtype, shape: tuple[int, ...],
+                 hold: Callable[[int], None]) -> codec.SourceTensor | DeviceTensor:
+    """The input in its region (its size checked by the caller). In a region the engine maps (a CUDA region, or a
+    system region it page-locked) it stays there: the request names it, and the engine's GPU worker reads it. In
+    another system region its bytes are read when the request is queued, straight into the engine link's arena
+    where its queue takes them there (``RemoteQueue.takes_sources``), else into a copy; they are held in the
+    bytes-in-flight budget either way (``hold``). The caller queues the request with no await between this
+    check and the read."""
+    if regions.by_reference(ref.region):
+        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, dtype, shape)
+    hold(ref.byte_size)
+    return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), dtype, shape)
+
+
+def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
+                 ref: TensorRef) -> DeviceTensor | None:
+    """Check the output's region: large enough for the output of ``x4``, and (in a region the engine maps) its bytes
+    inside it. The output's place in a region the engine maps (the engine writes it there, under the registration
+    checked now); None for another system region, which the front end checks, and writes once the result is back.
+
+    Raises:
+        RegionError: the region is too small for the output, or the bytes are not all inside it.
+        UnknownRegionError: no such region.
+    """
+    need = output_bytes(layer, x4)
+    if ref.byte_size < need:
+        raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
+    if regions.by_reference(ref.region):
+        n, _, h, w = (int(d) for d in x4.shape)
+        shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
+        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
+    return None
 
 
 async def run_inference(

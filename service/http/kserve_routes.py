@@ -48,7 +48,9 @@ from service.http.inference import (
     find_layer,
     get_engine,
     output_bytes,
+    output_place,
     output_values,
+    region_input,
     run_inference,
     validate_input,
 )
@@ -311,33 +313,15 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
     return None
 
 
-def _region_input(call: Call, regions: RegionTable, x: RegionInput) -> codec.SourceTensor | DeviceTensor:
-    """The input in its region, checked. In a region the engine maps (a CUDA region, or a system region it
-    page-locked) it stays there: the request names it, and the engine's GPU worker reads it. In another system
-    region its bytes are read when the request is queued, straight into the engine link's arena where its queue
-    takes them there (``RemoteQueue.takes_sources``), else into a copy (held in the bytes-in-flight budget either
-    way); no await comes between the check and the read."""
-    ref = x.ref
-    if regions.by_reference(ref.region):
-        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x.dtype, x.shape)
-    call.hold(ref.byte_size)
-    return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), x.dtype, x.shape)
-
-
 def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
                    ref: TensorRef) -> DeviceTensor | RegionWriter:
-    """Check the output's region: large enough, and its bytes inside it. The output's place in a region the engine
-    maps (the engine writes it there, under the registration checked now); for another system region, what writes
-    it here once the result is back, into the object checked now (``RegionWriter``, held in the budget)."""
-    need = output_bytes(layer, x4)
-    if ref.byte_size < need:
-        raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
-    if regions.by_reference(ref.region):
-        n, _, h, w = (int(d) for d in x4.shape)
-        shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
-        return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
+    """The output's place in a region the engine maps (``output_place``); for another system region, what writes it
+    here once the result is back, into the object checked now (``RegionWriter``, held in the budget)."""
+    place = output_place(regions, layer, x4, ref)
+    if place is not None:
+        return place
     writer = regions.writer(ref.region, ref.offset, ref.byte_size)
-    call.hold(need)
+    call.hold(output_bytes(layer, x4))
     return writer
 
 
@@ -416,7 +400,8 @@ async def v2_infer_call(call: Call) -> Reply:
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),
                                                 limit)
         regions: RegionTable = call.scope["app"].state.regions
-        x = _region_input(call, regions, parsed) if isinstance(parsed, RegionInput) else parsed
+        x = (region_input(regions, parsed.ref, parsed.dtype, parsed.shape, call.hold)
+             if isinstance(parsed, RegionInput) else parsed)
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
