@@ -10,8 +10,8 @@ one of them on the same port (``SO_REUSEPORT``, reserved by the supervisor).
 
 Each request takes the path of its HTTP twin: the API key (``authorization: Bearer <key>`` metadata), the model
 and readiness checks, the input decoded into a ``codec.RawTensor`` over the message's bytes (or a reference to a
-shared-memory region), ``service.http.routes.validate_input``, the bytes taken from the budget, then
-``service.http.routes.run_inference``, which queues it and waits for the result, the deadline (the call's gRPC
+shared-memory region), ``service.http.inference.validate_input``, the bytes taken from the budget, then
+``service.http.inference.run_inference``, which queues it and waits for the result, the deadline (the call's gRPC
 deadline, or ``parameters.timeout``, whichever is earlier, bounds its time in the queue) or the request timeout.
 A client that cancels or goes away cancels the handler's task (grpc.aio does), which drops the request from the
 queue. Every ``ServiceError`` becomes the gRPC status of ``service.errors.grpc_code`` with its message; anything
@@ -21,12 +21,10 @@ are the dicts of ``service.engine.kserve``, the HTTP routes' own, parsed into th
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -62,7 +60,16 @@ from service.errors import (
     grpc_code,
 )
 from service.grpc.messages import SERVICE, message, service
-from service.http.routes import MAX_TIMEOUT_US, output_bytes, run_inference, validate_input
+from service.http.inference import (
+    MAX_TIMEOUT_US,
+    Counted,
+    find_layer,
+    output_bytes,
+    output_place,
+    region_input,
+    run_inference,
+    validate_input,
+)
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable, TensorRef, tensor_ref
 from service.http.shm_routes import register_cuda, register_system, unregister_cuda, unregister_system
 
@@ -82,13 +89,20 @@ _TYPED_CONTENTS = {"FP32": ("fp32_contents", np.float32), "FP64": ("fp64_content
 
 
 class _Held:
-    """The bytes one call holds of the process's budget, given back when it ends (``Call.hold`` of HTTP)."""
+    """The bytes one call holds of the process's budget, given back when it ends (``Call.hold`` of HTTP): the
+    context the call runs in."""
 
     __slots__ = ("budget", "held")
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
         self.held = 0
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
     def take(self, n: int) -> None:
         self.budget.take(n)
@@ -286,15 +300,10 @@ class GRPCFrontEnd:
     async def _ModelInfer(self, parsed: _Request, context: grpc.aio.ServicerContext) -> _Answer:
         self._authorize(context)
         request = parsed.message
-        received = time.monotonic()
         engine = self.engine
         name = request.model_name
-        label = name if engine.registry is not None and engine.registry.get(name) else "unknown"
-        status = 500
-        held = _Held(self.budget)
-        try:
-            layer = find_model(engine, name, request.model_version or None)
-            batcher = engine.queues[name]
+        with Counted(engine, name, "grpc") as counted, _Held(self.budget) as held:
+            layer, batcher = find_layer(engine, name, request.model_version or None)
             engine.readiness.check_ready()
             params = _parameters(request.parameters)
             x = self._input(request, parsed.raw, held)
@@ -313,8 +322,8 @@ class GRPCFrontEnd:
             remaining = context.time_remaining()
             timeouts = [t for t in (None if remaining is None else max(0.0, remaining * 1000), _timeout_ms(params))
                         if t is not None]
-            result = await run_inference(engine, layer, batcher, x4, _Cancelled, received,  # type: ignore[arg-type]
-                                         min(timeouts) if timeouts else None)
+            result = await run_inference(engine, layer, batcher, x4, _Cancelled,  # type: ignore[arg-type]
+                                         counted.received, min(timeouts) if timeouts else None)
             y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
             response = message("ModelInferResponse")(model_name=name, model_version=MODEL_VERSION, id=request.id)
             out = response.outputs.add(name=KSERVE_OUTPUT, datatype=KSERVE_NAMES[y.dtype], shape=list(y.shape))
@@ -334,17 +343,7 @@ class GRPCFrontEnd:
             response.parameters["deconv_batch_size"].int64_param = result.batch_samples
             response.parameters["deconv_batch_requests"].int64_param = result.batch_requests
             response.parameters["deconv_queue_ms"].double_param = round(1e3 * result.queue_s, 3)
-            status = 200
             return _Answer(response, raw)
-        except ServiceError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            held.release()
-            engine.metrics.count_request(label, "grpc", status, time.monotonic() - received)
 
     def _input(self, request: Any, raw: Sequence[bytes | memoryview],
                held: _Held) -> AnyTensor | codec.SourceTensor | DeviceTensor:
@@ -374,10 +373,7 @@ class GRPCFrontEnd:
             if ref.byte_size != need:
                 raise RegionError(f"input shared_memory_byte_size is {ref.byte_size}; shape {list(shape)} of "
                                   f"{spec.datatype} needs {need} bytes")
-            if self.regions.by_reference(ref.region):
-                return self.regions.device_tensor(ref.region, ref.offset, ref.byte_size, dtype, shape)
-            held.take(need)
-            return codec.SourceTensor(self.regions.reader(ref.region, ref.offset, ref.byte_size), dtype, shape)
+            return region_input(self.regions, ref, dtype, shape, held.take)
         if raw:
             if len(raw) != 1 or typed:
                 raise MalformedBodyError("the input's bytes come as one raw_input_contents entry, or as its "
@@ -414,18 +410,13 @@ class GRPCFrontEnd:
 
     def _output_region(self, layer: Layer, x4: AnyTensor | DeviceTensor, ref: TensorRef,
                        held: _Held) -> DeviceTensor | None:
-        """Check the output's region (as HTTP's ``_output_region``): the output's place in a region the engine maps
-        (the engine writes it there), or None for another system region (written here, its bytes held)."""
-        need = output_bytes(layer, x4)  # type: ignore[arg-type]
-        if ref.byte_size < need:
-            raise RegionError(f"output shared_memory_byte_size is {ref.byte_size}; the output needs {need} bytes")
-        if self.regions.by_reference(ref.region):
-            n, _, h, w = (int(d) for d in x4.shape)
-            shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
-            return self.regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
-        self.regions.check(ref.region, ref.offset, ref.byte_size)
-        held.take(need)
-        return None
+        """The output's place in a region the engine maps (``output_place``), or None for another system region
+        (written here, its bytes checked now and held)."""
+        place = output_place(self.regions, layer, x4, ref)
+        if place is None:
+            self.regions.check(ref.region, ref.offset, ref.byte_size)
+            held.take(output_bytes(layer, x4))
+        return place
 
 
 class _Request(NamedTuple):

@@ -20,7 +20,7 @@ from service.config import VERSION, Settings, inflight_limit
 from service.engine.interface import Engine
 from service.engine.local import LocalEngine
 from service.errors import install_error_handlers
-from service.http import model_routes, routes, shm_routes
+from service.http import kserve_routes, model_routes, native_routes, routes, shm_routes
 from service.http.asgi import App
 from service.http.bodies import BodyPool
 from service.http.shm_regions import RegionTable
@@ -91,6 +91,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.companions = tuple(companions)
     install_error_handlers(app)
     app.include_router(model_routes.router)  # first: /v2/models/stats before /v2/models/{name}
-    app.include_router(routes.router)
+    app.include_router(native_routes.router)
+    app.include_router(kserve_routes.router)
     app.include_router(shm_routes.router)
     return app

@@ -3,7 +3,7 @@ model configuration (``GET /v2/models/{name}[/versions/{version}]/config``), the
 (``POST /v2/repository/index``) and statistics (``GET /v2/models[/{name}[/versions/{version}]]/stats``).
 
 Like the model metadata and ``/metrics`` they answer without the API key: they describe the layers and count
-requests, and compute nothing. The app includes this router before ``service.http.routes``'s, so that
+requests, and compute nothing. The app includes this router before ``service.http.kserve_routes``'s, so that
 ``/v2/models/stats`` is the statistics, not the metadata of a layer called ``stats``.
 """
 
@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from service.engine import kserve
 from service.errors import MalformedBodyError, PayloadTooLargeError
-from service.http.routes import KSERVE_ERRORS, get_engine
+from service.http.inference import get_engine
+from service.http.schemas import KSERVE_ERRORS
 
 router = APIRouter()
 

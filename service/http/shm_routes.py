@@ -35,7 +35,7 @@ from service.engine.interface import CudaMemory
 from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError, ServiceError
 from service.http.asgi import call_of
 from service.http.bodies import LongNumberError, parse_json
-from service.http.routes import check_api_key
+from service.http.inference import check_api_key
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable
 
 log = logging.getLogger("deconv.service")

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from service import codec
 from service.errors import ServiceError
-from service.http import routes
+from service.http import kserve_routes as routes
 from service.http.bodies import decompress
 
 from .conftest import count_case, leaks_internals, server_error

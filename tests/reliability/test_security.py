@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
-from service.http import model_routes, routes, shm_routes
+from service.http import kserve_routes, model_routes, native_routes, routes, shm_routes
 from service.http.app import create_app
 from tests.service.conftest import NPY, npy_bytes, run, serve_app, write_layer
 
@@ -119,9 +119,10 @@ def _inference_requests() -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_every_inference_route_needs_the_key(repo, monkeypatch):
-    api = [r for r in routes.router.routes + model_routes.router.routes if isinstance(r, APIRoute)]
+    api = [r for r in native_routes.router.routes + kserve_routes.router.routes + model_routes.router.routes
+           if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
-    # The router holds every FastAPI route the app serves but the shared-memory ones, which check the key
+    # The routers hold every FastAPI route the app serves but the shared-memory ones, which check the key
     # themselves, status included (tests/service/test_system_shm.py and test_cuda_shm_routes.py:
     # test_every_route_needs_the_api_key); the inference routes, which the app answers itself, are the only POST
     # routes, but the repository index (a read: its body only filters the list).

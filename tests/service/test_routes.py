@@ -25,8 +25,8 @@ from service.config import Settings
 from service.engine import worker as worker_module
 from service.engine.local import LocalEngine
 from service.http.app import create_app
-from service.http.routes import (
-    MAX_DEADLINE_MS,
+from service.http.inference import MAX_DEADLINE_MS
+from service.http.schemas import (
     DeadlineHeader,
     ErrorBody,
     KServeError,
@@ -752,7 +752,8 @@ def test_unexpected_error_on_an_inference_route_is_a_bare_500(repo, monkeypatch,
     def broken(*_: Any) -> Any:
         raise RuntimeError("secret detail at /srv/deconv/service/http/routes.py")
 
-    monkeypatch.setattr("service.http.routes.validate_input", broken)
+    monkeypatch.setattr("service.http.native_routes.validate_input", broken)
+    monkeypatch.setattr("service.http.kserve_routes.validate_input", broken)
 
     async def main() -> None:
         async with serve_app(settings(repo)) as (_, client):
@@ -829,7 +830,7 @@ def test_kserve_json_data_takes_only_numbers(repo, value):
 
 def test_json_answers_are_encoded_a_slice_at_a_time(monkeypatch):
     # A large JSON answer used to be encoded in one go, holding the event loop for as long as it took.
-    from service.http import routes
+    from service.http import kserve_routes as routes
 
     monkeypatch.setattr(routes, "JSON_VALUES_PER_STEP", 1000)
     y = torch.tensor(np.random.default_rng(0).standard_normal((2, 3, 40, 50)), dtype=torch.float32)
@@ -866,7 +867,7 @@ def test_a_large_kserve_json_input_is_parsed_off_the_event_loop_and_counted_in_t
     # waiting) and its Python objects, many times the body's size, were counted nowhere.
     import threading
 
-    from service.http import routes
+    from service.http import kserve_routes as routes
 
     monkeypatch.setattr(routes, "JSON_INLINE_BYTES", 1000)
     parsed_on: list[threading.Thread] = []
