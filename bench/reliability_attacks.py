@@ -141,10 +141,34 @@ def demo_output(x: np.ndarray) -> np.ndarray:
 SWAP_ENV = {"DECONV_TEST_MODE": "1", "DECONV_FAULTS": "hold:layer=demo", "DECONV_LOG_LEVEL": "warning"}
 
 
-async def region_swap(server: Any, *, shape: tuple[int, ...] = (1, 16, 128, 128)) -> dict[str, Any]:
+def grpc_region_infer(address: str, region: str, shape: tuple[int, ...], in_bytes: int,
+                      out_bytes: int) -> tuple[int | str, bytes]:
+    """The request of ``region_infer_body`` over KServe gRPC (tritonclient.grpc, blocking): (200, b"") when
+    answered, else (the gRPC status code's name, its message)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        tensor = grpcclient.InferInput("input", list(shape), "FP32")
+        tensor.set_shared_memory(region, in_bytes)
+        output = grpcclient.InferRequestedOutput("output")
+        output.set_shared_memory(region, out_bytes, offset=in_bytes)
+        client.infer("demo", [tensor], outputs=[output], client_timeout=120)
+        return 200, b""
+    except InferenceServerException as exc:
+        return str(exc.status()).removeprefix("StatusCode."), str(exc.message()).encode()
+    finally:
+        client.close()
+
+
+async def region_swap(server: Any, *, shape: tuple[int, ...] = (1, 16, 128, 128),
+                      grpc: str | None = None) -> dict[str, Any]:
     """Region ``r`` on object X holds the input (output after it); the request is held in its batch; meanwhile ``r``
     is unregistered and registered on object Y; SIGTERM releases the batch. Y must be untouched; X holds the
-    request's output if it answered 200, else (4xx) X is untouched too. The server has ``SWAP_ENV`` and stops."""
+    request's output if it was answered (200, or OK over gRPC), else (4xx, or INVALID_ARGUMENT) X is untouched too.
+    ``grpc``: the server's gRPC address (``DECONV_GRPC_PORT``): the request goes over KServe gRPC instead of HTTP.
+    The server has ``SWAP_ENV`` and stops."""
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     in_bytes = x.nbytes
     out_bytes = 2 * in_bytes  # demo: half the channels, twice H and W
@@ -156,17 +180,23 @@ async def region_swap(server: Any, *, shape: tuple[int, ...] = (1, 16, 128, 128)
         yo.create(b"\x77")
         y_before = yo.read()
         steps = {"register_x": await register(server.url, "r", xo.key, size)}
-        host, port = rel._host_port(server.url)
-        reader, writer = await asyncio.open_connection(host, port)
-        body = region_infer_body("r", shape, in_bytes, out_bytes)
-        writer.write(rel.head("/v2/models/demo/infer", len(body), content_type=JSON) + body)
-        await writer.drain()
+        if grpc is None:
+            host, port = rel._host_port(server.url)
+            reader, writer = await asyncio.open_connection(host, port)
+            body = region_infer_body("r", shape, in_bytes, out_bytes)
+            writer.write(rel.head("/v2/models/demo/infer", len(body), content_type=JSON) + body)
+            await writer.drain()
+        else:
+            call = asyncio.ensure_future(asyncio.to_thread(grpc_region_infer, grpc, "r", shape, in_bytes, out_bytes))
         await asyncio.to_thread(server.wait_log, "fault injected: hold")  # checked, queued, held in its batch
         steps["unregister"] = await unregister(server.url, "r")
         steps["register_y"] = await register(server.url, "r", yo.key, size)
         server.proc.send_signal(signal.SIGTERM)  # the drain releases the batch
-        status, _, answer = await rel.read_answer(reader, 120)
-        writer.close()
+        if grpc is None:
+            status, _, answer = await rel.read_answer(reader, 120)
+            writer.close()
+        else:
+            status, answer = await asyncio.wait_for(call, 120)
         code = await asyncio.to_thread(server.proc.wait, 120)
         y_after, x_out = yo.read(), xo.read(in_bytes)
     finally:
@@ -179,9 +209,9 @@ async def region_swap(server: Any, *, shape: tuple[int, ...] = (1, 16, 128, 128)
         got = np.frombuffer(x_out, np.float32).reshape(shape[0], 8, 2 * shape[2], 2 * shape[3])
         ref = demo_output(x)
         x_right = bool(np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-3)
+    refused = (isinstance(status, int) and 400 <= status < 500) or status == "INVALID_ARGUMENT"
     checks = {"y_never_written": not y_written,
-              "answered_200_into_x_or_4xx_untouched": (status == 200 and x_right)
-              or (isinstance(status, int) and 400 <= status < 500 and not x_written),
+              "answered_200_into_x_or_4xx_untouched": (status == 200 and x_right) or (refused and not x_written),
               "steps_200": all(v == 200 for v in steps.values()), "exit_status_0": code == 0}
     return {"status": status, "answer": answer.decode(errors="replace")[:300], "y_written": y_written,
             "x_written": x_written, "x_holds_its_output": x_right, "steps": steps, "exit_status": code,

@@ -49,7 +49,6 @@ from service.engine.kserve import (
     model_statistics,
     repository_index,
 )
-from service.engine.registry import Layer
 from service.errors import (
     InternalError,
     InvalidInputError,
@@ -70,7 +69,7 @@ from service.http.inference import (
     run_inference,
     validate_input,
 )
-from service.http.shm_regions import CUDA, SYSTEM, RegionTable, TensorRef, tensor_ref
+from service.http.shm_regions import CUDA, SYSTEM, RegionTable, RegionWriter, TensorRef, tensor_ref
 from service.http.shm_routes import register_cuda, register_system, unregister_cuda, unregister_system
 
 if TYPE_CHECKING:
@@ -309,9 +308,11 @@ class GRPCFrontEnd:
             x = self._input(request, parsed.raw, held)
             out_ref = self._output_ref(request)
             x4, unbatched = validate_input(layer, x)
-            out_device = None
+            out_device = out_writer = None
             if out_ref is not None:
-                out_device = self._output_region(layer, x4, out_ref, held)
+                out_device = output_place(self.regions, layer, x4, out_ref, held.take)
+                if isinstance(out_device, RegionWriter):  # written here, into the object checked now
+                    out_device, out_writer = None, out_device
             else:
                 held.take(output_bytes(layer, x4))
             if isinstance(x4, codec.SourceTensor) and (out_device is not None
@@ -328,9 +329,9 @@ class GRPCFrontEnd:
             response = message("ModelInferResponse")(model_name=name, model_version=MODEL_VERSION, id=request.id)
             out = response.outputs.add(name=KSERVE_OUTPUT, datatype=KSERVE_NAMES[y.dtype], shape=list(y.shape))
             if out_ref is not None:
-                if out_device is None:
+                if out_writer is not None:
                     data = codec.bytes_of(y)
-                    self.regions.write(out_ref.region, out_ref.offset, data)
+                    out_writer.write(data)
                     written = data.nbytes
                 else:  # the engine wrote it into the region
                     written = math.prod(y.shape) * y.element_size()
@@ -407,16 +408,6 @@ class GRPCFrontEnd:
                                         f"{KSERVE_OUTPUT!r}")
             ref = tensor_ref(_parameters(out.parameters), "output")
         return ref
-
-    def _output_region(self, layer: Layer, x4: AnyTensor | DeviceTensor, ref: TensorRef,
-                       held: _Held) -> DeviceTensor | None:
-        """The output's place in a region the engine maps (``output_place``), or None for another system region
-        (written here, its bytes checked now and held)."""
-        place = output_place(self.regions, layer, x4, ref)
-        if place is None:
-            self.regions.check(ref.region, ref.offset, ref.byte_size)
-            held.take(output_bytes(layer, x4))
-        return place
 
 
 class _Request(NamedTuple):

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from service.engine.interface import Engine
     from service.http.asgi import Call
-    from service.http.shm_regions import RegionTable, TensorRef
+    from service.http.shm_regions import RegionTable, RegionWriter, TensorRef
 
 # The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
 # anything longer is a mistake; the request timeout bounds every request anyway).
@@ -154,11 +154,12 @@ def region_input(regions: RegionTable, ref: TensorRef, dtype: torch.dtype, shape
     return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), dtype, shape)
 
 
-def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
-                 ref: TensorRef) -> DeviceTensor | None:
-    """Check the output's region: large enough for the output of ``x4``, and (in a region the engine maps) its bytes
-    inside it. The output's place in a region the engine maps (the engine writes it there, under the registration
-    checked now); None for another system region, which the front end checks, and writes once the result is back.
+def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor, ref: TensorRef,
+                 hold: Callable[[int], None]) -> DeviceTensor | RegionWriter:
+    """Check the output's region: large enough for the output of ``x4``, and its bytes inside it. In a region the
+    engine maps: the output's place there (the engine writes it, under the registration checked now). In another
+    system region: a ``RegionWriter`` that the front end writes the result through once it is back, into the object
+    checked now whatever the region's name stands for by then; the output's bytes are taken with ``hold``.
 
     Raises:
         RegionError: the region is too small for the output, or the bytes are not all inside it.
@@ -171,7 +172,9 @@ def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTenso
         n, _, h, w = (int(d) for d in x4.shape)
         shape = (n, layer.config.out_channels, *layer.output_hw(h, w))
         return regions.device_tensor(ref.region, ref.offset, ref.byte_size, x4.dtype, shape)
-    return None
+    writer = regions.writer(ref.region, ref.offset, ref.byte_size)
+    hold(need)
+    return writer
 
 
 async def run_inference(

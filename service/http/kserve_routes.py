@@ -28,7 +28,6 @@ from service.engine.kserve import (
     check_version,
     model_metadata,
 )
-from service.engine.registry import Layer
 from service.errors import InvalidInputError, MalformedBodyError, PayloadTooLargeError
 from service.http.asgi import Call, Reply, declared_length, read_body
 from service.http.bodies import (
@@ -313,18 +312,6 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
     return None
 
 
-def _output_region(call: Call, regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor,
-                   ref: TensorRef) -> DeviceTensor | RegionWriter:
-    """The output's place in a region the engine maps (``output_place``); for another system region, what writes it
-    here once the result is back, into the object checked now (``RegionWriter``, held in the budget)."""
-    place = output_place(regions, layer, x4, ref)
-    if place is not None:
-        return place
-    writer = regions.writer(ref.region, ref.offset, ref.byte_size)
-    call.hold(output_bytes(layer, x4))
-    return writer
-
-
 def _timeout_ms(request: dict[str, Any]) -> float | None:
     """tritonclient's ``timeout`` argument (``parameters.timeout``, microseconds) in ms; None when absent or 0.
 
@@ -407,7 +394,7 @@ async def v2_infer_call(call: Call) -> Reply:
         x4, unbatched = validate_input(layer, x)
         out_device = out_writer = None
         if out_ref is not None:
-            out_device = _output_region(call, regions, layer, x4, out_ref)
+            out_device = output_place(regions, layer, x4, out_ref, call.hold)
             if isinstance(out_device, RegionWriter):
                 out_device, out_writer = None, out_device
         elif binary_out:

@@ -1,5 +1,5 @@
-"""KServe system shared memory against a live server, one and two HTTP processes: a request's output never lands in
-an object registered after its check, and an object replaced under its key is refused."""
+"""KServe system shared memory against a live server, one and two HTTP processes: a request's output (over HTTP and
+over gRPC) never lands in an object registered after its check, and an object replaced under its key is refused."""
 
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ def test_an_output_never_lands_in_an_object_registered_after_the_check(attacks, 
     # "hold" until the drain releases it, after the name moved).
     server = start_server({**attacks.SWAP_ENV, "DECONV_HTTP_PROCESSES": str(processes)})
     result = asyncio.run(attacks.region_swap(server))
+    assert result["ok"], explain(result)
+    assert not result["y_written"]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_grpc_output_never_lands_in_an_object_registered_after_the_check(rel, attacks, start_server, processes):
+    # Before: a gRPC request wrote its output by the region's name once the result was back, so here (the request
+    # held in its batch while "r" moved from object X to object Y) it answered OK and wrote into Y.
+    pytest.importorskip("tritonclient.grpc")
+    port = rel.free_port()
+    server = start_server({**attacks.SWAP_ENV, "DECONV_HTTP_PROCESSES": str(processes),
+                           "DECONV_GRPC_PORT": str(port)})
+    result = asyncio.run(attacks.region_swap(server, grpc=f"127.0.0.1:{port}"))
     assert result["ok"], explain(result)
     assert not result["y_written"]
 
