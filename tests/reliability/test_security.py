@@ -122,7 +122,7 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
     api = [r for r in routes.router.routes + model_routes.router.routes if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
     # The router holds every FastAPI route the app serves but the shared-memory ones, which check the key
-    # themselves, status included (tests/service/test_system_shm.py and test_cuda_shm_routes.py:
+    # themselves, status included (tests/service/http/test_system_shm.py and test_cuda_shm_routes.py:
     # test_every_route_needs_the_api_key); the inference routes, which the app answers itself, are the only POST
     # routes, but the repository index (a read: its body only filters the list).
     shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -15,7 +14,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -32,17 +30,6 @@ from service.http.app import create_app
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NPY = "application/x-npy"
 SAFETENSORS = "application/vnd.safetensors"
-
-
-def bench_module(name: str) -> ModuleType:
-    """A script of bench/ (``bench/<name>.py``, not a package) loaded as the module ``bench_<name>``."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:

@@ -29,7 +29,7 @@ from deconv_client import AsyncClient, Client, InvalidInputError, cuda_ipc
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
 
-from . import test_load_generator
+from ..bench import test_load_generator
 from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda

@@ -16,7 +16,7 @@ from service.engine.worker import Worker, WorkerPool, kernel_forward, select_dev
 from service.errors import InternalError
 from service.metrics import Metrics
 
-from .conftest import metric_value, run
+from ..conftest import metric_value, run
 
 LIMITS = BatchLimits(64, 1 << 28, 2.0, 256)
 
@@ -327,7 +327,7 @@ def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
     requests are answered with the reference's numbers whichever worker ran them."""
     from service.config import Settings
 
-    from .conftest import NPY, load_npy, npy_bytes, serve_app
+    from ..conftest import NPY, load_npy, npy_bytes, serve_app
 
     layer = layers["demo"]
     xs = [torch.randn(n, layer.config.in_channels, 6, 5) for n in (1, 2, 3, 1, 2, 4)]

@@ -20,7 +20,7 @@ from service.engine.registry import BatchLimits, Layer, LayerConfig
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics
 
-from .conftest import REPO_ROOT, metric_value, run
+from ..conftest import REPO_ROOT, metric_value, run
 
 
 def make_layer(max_batch_size: int = 8, max_batch_bytes: int = 1 << 30, delay_ms: float = 50.0,

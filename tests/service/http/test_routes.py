@@ -37,8 +37,9 @@ from service.http.routes import (
     VersionedModelPath,
 )
 
-from .conftest import (
+from ..conftest import (
     NPY,
+    REPO_ROOT,
     SAFETENSORS,
     load_npy,
     metric_value,
@@ -1109,7 +1110,7 @@ def test_tritonclient_reads_the_configuration_index_and_statistics(tmp_path, ser
 
 def test_the_protocol_page_lists_every_route_and_extension(repo):
     """docs/protocol.md's route table names every operation of the app and every extension GET /v2 can list."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    doc = (REPO_ROOT / "docs" / "protocol.md").read_text()
     table = doc[doc.index("## Routes"):doc.index("## `POST /deconv`")]
     app = create_app(settings(repo))
     routes = [f"`{method.upper()} {path}`" for path, item in app.openapi()["paths"].items() for method in item]

@@ -22,7 +22,7 @@ from deconv_client import cuda_ipc
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
 
-from .conftest import ServerProcess, free_port
+from ..conftest import ServerProcess, free_port
 
 pytestmark = pytest.mark.cuda
 grpcclient = pytest.importorskip("tritonclient.grpc")
