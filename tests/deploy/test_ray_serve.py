@@ -56,6 +56,7 @@ from service.ray_serve import (
     server_options,
     wait_until_ready,
 )
+from tests.numerics import rel_err
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NPY = "application/x-npy"
@@ -81,10 +82,6 @@ def demo_reference(x: np.ndarray) -> np.ndarray:
         stride=tuple(config["stride"]), padding=tuple(config["padding"]),
         output_padding=tuple(config["output_padding"]), groups=config["groups"], dilation=tuple(config["dilation"]))
     return y.numpy()
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 # --- configuration --------------------------------------------------------------------------------------------

@@ -68,12 +68,6 @@ def reference(module: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
                               module.groups, module.dilation)
 
 
-def rel_err(y: Any, ref: torch.Tensor) -> float:
-    """Norm-wise relative error of ``y`` against ``ref``."""
-    y = y.double() if isinstance(y, torch.Tensor) else torch.tensor(np.asarray(y, dtype=np.float64))
-    return float(torch.linalg.vector_norm(y - ref) / torch.linalg.vector_norm(ref))
-
-
 @contextlib.asynccontextmanager
 async def serve_app(settings: Settings, *, wait_ready: bool = True,
                     timeout: float = 30.0) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.numerics import rel_err
+
 from .conftest import (
     NPY,
     REPO_ROOT,
@@ -29,7 +31,6 @@ from .conftest import (
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     write_layer,
 )

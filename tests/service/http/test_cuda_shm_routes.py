@@ -34,8 +34,9 @@ from service.engine.remote import EngineClient, RemoteCudaMemory, RemoteQueue
 from service.errors import RegionError, UnknownRegionError
 from service.ipc import frames
 from service.metrics import Metrics
+from tests.numerics import rel_err
 
-from ..conftest import reference, rel_err, run, serve_app
+from ..conftest import reference, run, serve_app
 from . import test_system_shm
 from .test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, _settings
 

@@ -36,6 +36,7 @@ from service.http.routes import (
     ModelPath,
     VersionedModelPath,
 )
+from tests.numerics import rel_err
 
 from ..conftest import (
     NPY,
@@ -45,7 +46,6 @@ from ..conftest import (
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     serve_app,
     write_layer,

@@ -32,6 +32,7 @@ from service.engine.worker import Worker
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
 from service.ipc import frames, shm
 from service.supervisor import SERVING, ConnectionDispatcher, _stop_all
+from tests.numerics import rel_err
 
 from ..conftest import (
     NPY,
@@ -41,7 +42,6 @@ from ..conftest import (
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     write_layer,
 )
