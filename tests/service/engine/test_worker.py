@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -118,7 +120,8 @@ def test_pool_picks_the_least_busy_worker_with_a_free_slot(layers):
         second = await pool.acquire()
         assert second is a
         waiter = asyncio.ensure_future(pool.acquire())
-        await asyncio.sleep(0.05)
+        for _ in range(20):  # every turn of the loop the waiter could take
+            await asyncio.sleep(0)
         assert not waiter.done()  # no free slot: waits
         pool.release(b)
         assert await asyncio.wait_for(waiter, 5) is b
@@ -253,11 +256,12 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
 
     layer = layers["demo"]
     gate = asyncio.Event()  # set on the loop once the first batch is executing
+    queued = threading.Event()  # set once the second batch is in the thread's queue, behind the first
 
     def dies_on_three(x, w, b, lay):
         if x.shape[0] == 3:
             loop.call_soon_threadsafe(gate.set)
-            time.sleep(0.2)  # the second batch waits behind this one in the thread's queue
+            queued.wait(60)  # (the bound only limits how long a second batch that never comes is waited for)
             raise WorkerCrash("simulated thread death")
         return kernel_forward(x, w, b, lay)
 
@@ -267,6 +271,15 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
         m = Metrics()
         worker = Worker(torch.device("cpu"), m, forward=dies_on_three)
         worker.load(layer)
+        submit = worker.submit
+
+        def submit_and_tell(lay: Layer, inputs: list[torch.Tensor]) -> Any:
+            future = submit(lay, inputs)
+            if inputs[0].shape[0] == 1:
+                queued.set()
+            return future
+
+        worker.submit = submit_and_tell  # type: ignore[method-assign]
         pool = WorkerPool([worker], m)
         try:
             first = asyncio.ensure_future(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]))
@@ -288,8 +301,6 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
 
 
 def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
-    import threading
-
     layer = layers["demo"]
     release = threading.Event()
 
