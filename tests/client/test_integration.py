@@ -143,12 +143,21 @@ class Server:
 
 
 def _wait_ready(app: Any) -> None:
+    """Until the in-process service's start-up ends: its readiness calls its listeners (on the portal's event loop)
+    after every change."""
     readiness = app.state.engine.readiness
-    end = time.monotonic() + READY_TIMEOUT_S
-    while not readiness.ready:
-        if readiness.state == "failed" or time.monotonic() > end:
-            pytest.fail(f"the in-process service did not become ready: {readiness.reason}")
-        time.sleep(0.02)
+    changed = threading.Event()
+    readiness.listeners.append(changed.set)
+    try:
+        end = time.monotonic() + READY_TIMEOUT_S  # only how long a start-up that never ends is waited for
+        while True:
+            changed.clear()  # before the look, so that a change after it is not missed
+            if readiness.state != "starting" or not changed.wait(max(0.0, end - time.monotonic())):
+                break
+    finally:
+        readiness.listeners.remove(changed.set)
+    if not readiness.ready:
+        pytest.fail(f"the in-process service did not become ready: {readiness.reason}")
 
 
 @contextlib.contextmanager

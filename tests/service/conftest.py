@@ -77,20 +77,40 @@ async def serve_app(settings: Settings, *, wait_ready: bool = True,
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=timeout) as client:
             if wait_ready:
-                await wait_until_ready(client, timeout)
+                state = await started(app, timeout)
+                assert state == "ready", f"not ready: {app.state.engine.readiness.reason}"
             yield app, client
 
 
-async def wait_until_ready(client: httpx.AsyncClient, timeout: float = 30.0) -> None:
-    """Poll /health/ready until 200."""
+async def started(app: Any, timeout: float = 60.0) -> str:
+    """Wait until the start-up of ``app``'s engine ends, ready or failed, and return that state. The event: its
+    readiness calls its listeners after every change; ``timeout`` only bounds how long a start-up that never ends is
+    waited for."""
+    readiness = app.state.engine.readiness
+    changed = asyncio.Event()
+
+    async def settle() -> None:
+        while readiness.state == "starting":
+            changed.clear()
+            await changed.wait()
+
+    readiness.listeners.append(changed.set)
+    try:
+        await asyncio.wait_for(settle(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"still starting after {timeout:g} s: {readiness.reason}") from None
+    finally:
+        readiness.listeners.remove(changed.set)
+    return readiness.state
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition``, a state that offers no event to wait on, until it holds; ``timeout`` only bounds how long
+    one that never comes is waited for."""
     deadline = time.monotonic() + timeout
-    while True:
-        r = await client.get("/health/ready")
-        if r.status_code == 200:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not ready after {timeout} s: {r.text}")
-        await asyncio.sleep(0.02)
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        await asyncio.sleep(0.01)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

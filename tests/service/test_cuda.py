@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,12 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         clients = [httpx.AsyncClient(base_url=proc.url, timeout=60) for _ in jobs]  # one connection each
         try:
             await asyncio.gather(*(one(cl, *job) for cl, job in zip(clients, jobs, strict=True)))
-            await asyncio.sleep(1.5)  # the engine samples GPU memory once a second
-            text = (await clients[0].get("/metrics")).text
+            # The engine process samples GPU memory once a second (no event reaches this process): poll, bounded.
+            deadline = time.monotonic() + 60
+            while metric_value(text := (await clients[0].get("/metrics")).text, "deconv_gpu_memory_bytes",
+                               device="cuda:0", kind="allocated") <= 0:
+                assert time.monotonic() < deadline, "no GPU memory sample within 60 s"
+                await asyncio.sleep(0.1)
         finally:
             for cl in clients:
                 await cl.aclose()
