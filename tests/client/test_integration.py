@@ -51,6 +51,8 @@ from deconv_client._tensor import encode_input
 from deconv_client.cli import main as cli_main
 from deconv_client.codec import NPY_MEDIA_TYPE, Payload
 
+from tests.numerics import rel_err
+
 from .conftest import Mirror, npy_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,12 +143,21 @@ class Server:
 
 
 def _wait_ready(app: Any) -> None:
+    """Until the in-process service's start-up ends: its readiness calls its listeners (on the portal's event loop)
+    after every change."""
     readiness = app.state.engine.readiness
-    end = time.monotonic() + READY_TIMEOUT_S
-    while not readiness.ready:
-        if readiness.state == "failed" or time.monotonic() > end:
-            pytest.fail(f"the in-process service did not become ready: {readiness.reason}")
-        time.sleep(0.02)
+    changed = threading.Event()
+    readiness.listeners.append(changed.set)
+    try:
+        end = time.monotonic() + READY_TIMEOUT_S  # only how long a start-up that never ends is waited for
+        while True:
+            changed.clear()  # before the look, so that a change after it is not missed
+            if readiness.state != "starting" or not changed.wait(max(0.0, end - time.monotonic())):
+                break
+    finally:
+        readiness.listeners.remove(changed.set)
+    if not readiness.ready:
+        pytest.fail(f"the in-process service did not become ready: {readiness.reason}")
 
 
 @contextlib.contextmanager
@@ -266,10 +277,6 @@ def reference(name: str, x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def rel_error(y: torch.Tensor, y_ref: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(y.double() - y_ref) / torch.linalg.vector_norm(y_ref))
-
-
 def tolerance(name: str) -> float:
     cfg = bundled_config(name)
     if cfg["dtype"] in ("bfloat16", "float16"):
@@ -319,7 +326,7 @@ def test_numbers_match_pytorch(client: Mirror, name: str) -> None:
     assert tuple(got.shape) == tuple(expected.shape)
     h_out, w_out = client.layer(name).output_hw(9, 7)
     assert tuple(got.shape) == (2, bundled_config(name)["out_channels"], h_out, w_out)
-    assert rel_error(got, expected) <= tolerance(name)
+    assert rel_err(got, expected) <= tolerance(name)
 
 
 def test_torch_in_torch_out_and_unbatched(client: Mirror) -> None:
@@ -327,11 +334,11 @@ def test_torch_in_torch_out_and_unbatched(client: Mirror) -> None:
     y = client.deconv("demo", x)
     assert isinstance(y, torch.Tensor)
     assert y.dtype == torch.float32
-    assert rel_error(y, reference("demo", x)) <= tolerance("demo")
+    assert rel_err(y, reference("demo", x)) <= tolerance("demo")
     x3 = x[1]  # [C, H, W] in, [C_out, H_out, W_out] out
     y3 = client.deconv("demo", x3.numpy())
     assert y3.shape == tuple(reference("demo", x3[None])[0].shape)
-    assert rel_error(torch.from_numpy(y3), reference("demo", x3[None])[0]) <= tolerance("demo")
+    assert rel_err(torch.from_numpy(y3), reference("demo", x3[None])[0]) <= tolerance("demo")
     y_st = client.deconv("demo_fp16", random_input("demo_fp16").numpy(), wire_format="safetensors")
     assert y_st.dtype == np.float16
 
@@ -340,7 +347,7 @@ def test_a_large_tensor_round_trips(client: Mirror) -> None:
     x = random_input("demo", n=8, h=128, w=128, seed=2)  # 8 MiB in, 16 MiB out: many body chunks each way
     y = client.deconv("demo", x.numpy())
     assert y.shape == (8, 8, 256, 256)
-    assert rel_error(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
+    assert rel_err(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
 
 
 def test_deconv_many_keeps_order(client: Mirror) -> None:
@@ -348,13 +355,13 @@ def test_deconv_many_keeps_order(client: Mirror) -> None:
     ys = client.deconv_many("dcgan_up2", [x.numpy() for x in xs], concurrency=6)
     assert len(ys) == len(xs)
     for x, y in zip(xs, ys, strict=True):
-        assert rel_error(torch.from_numpy(y), reference("dcgan_up2", x)) <= tolerance("dcgan_up2")
+        assert rel_err(torch.from_numpy(y), reference("dcgan_up2", x)) <= tolerance("dcgan_up2")
 
 
 def test_deadline_header_is_accepted(client: Mirror) -> None:
     x = random_input("demo", n=1)
     y = client.deconv("demo", x.numpy(), deadline_ms=30_000)
-    assert rel_error(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
+    assert rel_err(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
 
 
 # --- every error type, from the server ------------------------------------------------------------------------
@@ -460,7 +467,7 @@ def test_overloaded_is_retried_after_retry_after(server: Server, make: Callable[
     t0 = time.monotonic()
     y = client.deconv("tight", x.numpy())  # 429 first, then in once the queue is free again
     assert time.monotonic() - t0 >= 1.0  # waited the server's Retry-After (1 s) at least once
-    assert rel_error(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
+    assert rel_err(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
     holder.join(timeout=30)
     assert len(results) == 1
 
@@ -575,7 +582,7 @@ def test_cli_against_the_live_server(live_server: Server, tmp_path: Path, capsys
     )
     assert "float32 [2, 8, 18, 14]" in capsys.readouterr().out
     y = np.load(tmp_path / "out.npy", allow_pickle=False)
-    assert rel_error(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
+    assert rel_err(torch.from_numpy(y), reference("demo", x)) <= tolerance("demo")
 
     assert cli_main([*common, "bench", "--layer", "demo", "-n", "24", "-c", "6", "--warmup", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -591,7 +598,7 @@ def test_cli_against_the_live_server(live_server: Server, tmp_path: Path, capsys
     assert cli_main(argv) == 0
     yb = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))["output"]
     assert yb.dtype == torch.bfloat16
-    assert rel_error(yb, reference("dcgan_up2_bf16", xb)) <= tolerance("dcgan_up2_bf16")
+    assert rel_err(yb, reference("dcgan_up2_bf16", xb)) <= tolerance("dcgan_up2_bf16")
     assert cli_main([*common, "bench", "--layer", "dcgan_up2_bf16", "-n", "4", "--warmup", "0"]) == 0
     assert "bfloat16 [1, 64, 32, 32]" in capsys.readouterr().out
 

@@ -12,6 +12,8 @@ import torch
 from deconv_client import InvalidInputError
 from deconv_client._shm import MIN_REGION_BYTES, RegionPool
 
+from tests.numerics import rel_err
+
 from .conftest import Mirror
 from .test_integration import (  # noqa: F401  (fixtures)
     asgi_server,
@@ -20,7 +22,6 @@ from .test_integration import (  # noqa: F401  (fixtures)
     make,
     random_input,
     reference,
-    rel_error,
     server,
     tolerance,
 )
@@ -38,18 +39,18 @@ def test_deconv_through_shared_memory(make) -> None:  # noqa: F811  (the importe
     y = client.deconv("demo", x.numpy())
     assert isinstance(y, np.ndarray)
     assert y.dtype == np.float32
-    assert rel_error(torch.from_numpy(y), reference("demo", x)) < tolerance("demo")
+    assert rel_err(torch.from_numpy(y), reference("demo", x)) < tolerance("demo")
     y = client.deconv("demo", x[0])  # torch, unbatched
     assert isinstance(y, torch.Tensor)
-    assert rel_error(y, reference("demo", x[:1])[0]) < tolerance("demo")
+    assert rel_err(y, reference("demo", x[:1])[0]) < tolerance("demo")
     for name in ("demo_fp16", "dcgan_up2_bf16"):  # half precision, bfloat16 through torch
         xh = random_input(name, n=1, h=5, w=5, seed=3)
-        assert rel_error(client.deconv(name, xh), reference(name, xh)) < tolerance(name)
+        assert rel_err(client.deconv(name, xh), reference(name, xh)) < tolerance(name)
     mine = _names(plain.shared_memory_status()) - before
     assert len(mine) == 1  # one region, reused by every call
     # a tensor larger than the region: a new region, the old one unregistered
     big = random_input("demo", n=4, h=40, w=40, seed=5)
-    assert rel_error(torch.from_numpy(client.deconv("demo", big.numpy())), reference("demo", big)) < tolerance("demo")
+    assert rel_err(torch.from_numpy(client.deconv("demo", big.numpy())), reference("demo", big)) < tolerance("demo")
     now = _names(plain.shared_memory_status()) - before
     assert len(now) == 1
     assert now != mine
@@ -65,7 +66,7 @@ def test_errors_come_through_and_the_region_is_reused(make) -> None:  # noqa: F8
     with pytest.raises(InvalidInputError, match="channels"):
         client.deconv("demo", np.zeros((1, 3, 4, 4), np.float32))
     x = random_input("demo", n=1, h=4, w=4)
-    assert rel_error(torch.from_numpy(client.deconv("demo", x.numpy())), reference("demo", x)) < tolerance("demo")
+    assert rel_err(torch.from_numpy(client.deconv("demo", x.numpy())), reference("demo", x)) < tolerance("demo")
     assert len(_names(plain.shared_memory_status()) - before) == 1
 
 
@@ -74,7 +75,7 @@ def test_deconv_many_through_shared_memory(make) -> None:  # noqa: F811  (the im
     xs = [random_input("demo", n=1, h=6, w=6, seed=i) for i in range(6)]
     ys = client.deconv_many("demo", [x.numpy() for x in xs], concurrency=3)
     for x, y in zip(xs, ys, strict=True):
-        assert rel_error(torch.from_numpy(y), reference("demo", x)) < tolerance("demo")
+        assert rel_err(torch.from_numpy(y), reference("demo", x)) < tolerance("demo")
 
 
 def test_region_pool_reuses_and_retires() -> None:

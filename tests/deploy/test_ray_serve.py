@@ -56,6 +56,7 @@ from service.ray_serve import (
     server_options,
     wait_until_ready,
 )
+from tests.numerics import rel_err
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NPY = "application/x-npy"
@@ -81,10 +82,6 @@ def demo_reference(x: np.ndarray) -> np.ndarray:
         stride=tuple(config["stride"]), padding=tuple(config["padding"]),
         output_padding=tuple(config["output_padding"]), groups=config["groups"], dilation=tuple(config["dilation"]))
     return y.numpy()
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 # --- configuration --------------------------------------------------------------------------------------------
@@ -225,23 +222,22 @@ def test_replica_app_serves_a_forwarded_request_with_correct_numbers():
     (["starting"], 0.2, "not ready after"),
 ])
 def test_wait_until_ready_fails_with_the_reason(states, timeout_s, fragment):
-    readiness = SimpleNamespace(state=states[0], reason="self-test failed: demo")
-    app = SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(readiness=readiness)))
+    class Readiness:
+        """The first look at the state sees the first of ``states``, each later one the next (the last one stays): the
+        state changes while the service waits, however long it takes between looks."""
 
-    async def scenario() -> None:
-        async def advance() -> None:
-            for state in states[1:]:
-                await asyncio.sleep(0.1)
-                readiness.state = state
+        reason = "self-test failed: demo"
 
-        task = asyncio.ensure_future(advance())
-        try:
-            await wait_until_ready(app, timeout_s)  # type: ignore[arg-type]
-        finally:
-            await task
+        def __init__(self) -> None:
+            self.states = list(states)
 
+        @property
+        def state(self) -> str:
+            return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    app = SimpleNamespace(state=SimpleNamespace(engine=SimpleNamespace(readiness=Readiness())))
     with pytest.raises(RuntimeError, match=fragment):
-        asyncio.run(asyncio.wait_for(scenario(), 10))
+        asyncio.run(asyncio.wait_for(wait_until_ready(app, timeout_s), 10))  # type: ignore[arg-type]
 
 
 class _FakeHandle:

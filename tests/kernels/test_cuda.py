@@ -29,6 +29,7 @@ from service.engine.ops import (
     conv_transpose2d_placed,
     conv_transpose2d_staged,
 )
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
 
@@ -47,12 +48,6 @@ MODES = {
 NUM_TC_CONFIGS = 14
 HALO_CONFIGS = range(4, NUM_TC_CONFIGS)
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    y64 = y.double()
-    assert torch.isfinite(y64).all(), "output holds NaN/Inf: an element was not written (poisoned) or overflowed"
-    return ((y64 - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:

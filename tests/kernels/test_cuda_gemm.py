@@ -17,7 +17,8 @@ import torch
 
 import kernels
 from kernels.internal import forward_cuda, load_extension, normalize_args, output_size
-from tests.kernels.test_cuda import MODES, reference, rel_err, round_tf32
+from tests.kernels.test_cuda import MODES, reference, round_tf32
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
 

@@ -12,6 +12,7 @@ from torch import nn
 import kernels
 from kernels.internal import load_extension
 from kernels.tuning import TUNER
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
 
@@ -20,10 +21,6 @@ if not torch.cuda.is_available():
 
 SM90 = torch.cuda.get_device_capability() == (9, 0)
 TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **kw: object) -> torch.Tensor:

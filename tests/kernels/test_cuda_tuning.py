@@ -14,7 +14,8 @@ from kernels import tuning
 from kernels.internal import forward_cuda, load_extension, normalize_args, output_size
 from kernels.tuning import DEFAULT, KernelChoice, Tuner
 from service.engine.ops import WeightPacks, conv_transpose2d_gathered
-from tests.kernels.test_cuda import MODES, reference, rel_err
+from tests.kernels.test_cuda import MODES, reference
+from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
 

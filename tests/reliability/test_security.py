@@ -5,7 +5,6 @@ cannot leave the repository, weights only from safetensors, no tracebacks or int
 from __future__ import annotations
 
 import ast
-import asyncio
 import hmac
 import json
 import os
@@ -25,7 +24,7 @@ from service.engine import worker as worker_module
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
 from service.http import kserve_routes, model_routes, native_routes, routes, shm_routes
 from service.http.app import create_app
-from tests.service.conftest import NPY, npy_bytes, run, serve_app, write_layer
+from tests.service.conftest import NPY, npy_bytes, run, serve_app, started, write_layer
 
 from .conftest import REPO_ROOT, leaks_internals
 
@@ -123,7 +122,7 @@ def test_every_inference_route_needs_the_key(repo, monkeypatch):
            if isinstance(r, APIRoute)]
     documented = create_app(Settings(layer_repository=repo, devices="cpu")).openapi()["paths"]
     # The routers hold every FastAPI route the app serves but the shared-memory ones, which check the key
-    # themselves, status included (tests/service/test_system_shm.py and test_cuda_shm_routes.py:
+    # themselves, status included (tests/service/http/test_system_shm.py and test_cuda_shm_routes.py:
     # test_every_route_needs_the_api_key); the inference routes, which the app answers itself, are the only POST
     # routes, but the repository index (a read: its body only filters the list).
     shm = [r for r in shm_routes.router.routes if isinstance(r, APIRoute)]
@@ -261,12 +260,9 @@ def test_a_failed_warm_up_says_why_without_internals(repo, monkeypatch):
     monkeypatch.setattr(worker_module.WorkerPool, "load", broken_load)
 
     async def main() -> None:
-        async with serve_app(Settings(layer_repository=repo, devices="cpu"), wait_ready=False) as (_, client):
-            for _ in range(100):
-                r = await client.get("/health/ready")
-                if "warm-up failed" in r.text:
-                    break
-                await asyncio.sleep(0.02)
+        async with serve_app(Settings(layer_repository=repo, devices="cpu"), wait_ready=False) as (app, client):
+            assert await started(app) == "failed"
+            r = await client.get("/health/ready")
             assert r.status_code == 503
             assert "warm-up failed (OSError)" in r.text
             assert str(REPO_ROOT) not in r.text

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -15,7 +14,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -32,17 +30,6 @@ from service.http.app import create_app
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NPY = "application/x-npy"
 SAFETENSORS = "application/vnd.safetensors"
-
-
-def bench_module(name: str) -> ModuleType:
-    """A script of bench/ (``bench/<name>.py``, not a package) loaded as the module ``bench_<name>``."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
@@ -81,12 +68,6 @@ def reference(module: nn.ConvTranspose2d, x: torch.Tensor) -> torch.Tensor:
                               module.groups, module.dilation)
 
 
-def rel_err(y: Any, ref: torch.Tensor) -> float:
-    """Norm-wise relative error of ``y`` against ``ref``."""
-    y = y.double() if isinstance(y, torch.Tensor) else torch.tensor(np.asarray(y, dtype=np.float64))
-    return float(torch.linalg.vector_norm(y - ref) / torch.linalg.vector_norm(ref))
-
-
 @contextlib.asynccontextmanager
 async def serve_app(settings: Settings, *, wait_ready: bool = True,
                     timeout: float = 30.0) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
@@ -96,20 +77,40 @@ async def serve_app(settings: Settings, *, wait_ready: bool = True,
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=timeout) as client:
             if wait_ready:
-                await wait_until_ready(client, timeout)
+                state = await started(app, timeout)
+                assert state == "ready", f"not ready: {app.state.engine.readiness.reason}"
             yield app, client
 
 
-async def wait_until_ready(client: httpx.AsyncClient, timeout: float = 30.0) -> None:
-    """Poll /health/ready until 200."""
+async def started(app: Any, timeout: float = 60.0) -> str:
+    """Wait until the start-up of ``app``'s engine ends, ready or failed, and return that state. The event: its
+    readiness calls its listeners after every change; ``timeout`` only bounds how long a start-up that never ends is
+    waited for."""
+    readiness = app.state.engine.readiness
+    changed = asyncio.Event()
+
+    async def settle() -> None:
+        while readiness.state == "starting":
+            changed.clear()
+            await changed.wait()
+
+    readiness.listeners.append(changed.set)
+    try:
+        await asyncio.wait_for(settle(), timeout)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"still starting after {timeout:g} s: {readiness.reason}") from None
+    finally:
+        readiness.listeners.remove(changed.set)
+    return readiness.state
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition``, a state that offers no event to wait on, until it holds; ``timeout`` only bounds how long
+    one that never comes is waited for."""
     deadline = time.monotonic() + timeout
-    while True:
-        r = await client.get("/health/ready")
-        if r.status_code == 200:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not ready after {timeout} s: {r.text}")
-        await asyncio.sleep(0.02)
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        await asyncio.sleep(0.01)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors.torch import save as st_save
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
 from service.engine.local import GPU_WORKERS, LocalEngine
 from service.engine.registry import Layer
+from tests.numerics import rel_err
 
 from .conftest import NPY, SAFETENSORS, ServerProcess, load_npy, metric_value, npy_bytes, run, serve_app
 
@@ -30,10 +32,6 @@ def _reference(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     b = layer.bias.double() if layer.bias is not None else None
     return F.conv_transpose2d(x.double().cpu(), layer.weight.double(), b, c.stride, c.padding, c.output_padding,
                               c.groups, c.dilation)
-
-
-def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 def _gpu_workers() -> list[str]:
@@ -67,7 +65,7 @@ def test_every_bundled_layer_on_every_gpu_matches_float64():
                         assert r.status_code == 200, r.text[:300]
                         y = torch.from_numpy(load_npy(r.content).copy())
                     assert y.dtype == layer.dtype
-                    err = _err(y, _reference(layer, x))
+                    err = rel_err(y, _reference(layer, x))
                     assert err <= layer.tolerance, f"{c.name} {list(x.shape)}: {err:.2e} > {layer.tolerance:.0e}"
 
     run(main(), COMPILE_TIMEOUT_S + 120)
@@ -85,7 +83,7 @@ def test_concurrent_requests_batch_on_the_gpu_and_split_back_correctly():
             for x, r in zip(xs, responses, strict=True):
                 assert r.status_code == 200, r.text[:300]
                 sizes.add(int(r.headers["x-deconv-batch-size"]))
-                assert _err(torch.from_numpy(load_npy(r.content).copy()), _reference(layer, x)) <= layer.tolerance
+                assert rel_err(torch.from_numpy(load_npy(r.content).copy()), _reference(layer, x)) <= layer.tolerance
             assert max(sizes) > 8  # several requests shared a kernel call
             text = (await client.get("/metrics")).text
             assert metric_value(text, "deconv_gpu_memory_bytes", device="cuda:0", kind="allocated") > 0
@@ -108,7 +106,7 @@ def test_kserve_on_gpu():
             assert r.status_code == 200, r.text[:300]
             n = int(r.headers["inference-header-content-length"])
             y = torch.from_numpy(np.frombuffer(r.content[n:], np.float32).reshape(2, 64, 18, 22).copy())
-            assert _err(y, _reference(layer, x)) <= layer.tolerance
+            assert rel_err(y, _reference(layer, x)) <= layer.tolerance
 
     run(main(), COMPILE_TIMEOUT_S + 120)
 
@@ -134,7 +132,7 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text[:300]
         y = st_load(r.content)["output"] if ctype == SAFETENSORS else torch.from_numpy(load_npy(r.content).copy())
         assert y.dtype == layer.dtype
-        assert _err(y, _reference(layer, x)) <= layer.tolerance, c.name
+        assert rel_err(y, _reference(layer, x)) <= layer.tolerance, c.name
 
     async def main() -> None:
         big = registry.get("dcgan_up1")  # [n, 128, 32, 32] fp32: 0.5 MiB a sample in, 1 MiB out
@@ -144,8 +142,12 @@ def test_multi_process_server_on_gpu(tmp_path: Path) -> None:
         clients = [httpx.AsyncClient(base_url=proc.url, timeout=60) for _ in jobs]  # one connection each
         try:
             await asyncio.gather(*(one(cl, *job) for cl, job in zip(clients, jobs, strict=True)))
-            await asyncio.sleep(1.5)  # the engine samples GPU memory once a second
-            text = (await clients[0].get("/metrics")).text
+            # The engine process samples GPU memory once a second (no event reaches this process): poll, bounded.
+            deadline = time.monotonic() + 60
+            while metric_value(text := (await clients[0].get("/metrics")).text, "deconv_gpu_memory_bytes",
+                               device="cuda:0", kind="allocated") <= 0:
+                assert time.monotonic() < deadline, "no GPU memory sample within 60 s"
+                await asyncio.sleep(0.1)
         finally:
             for cl in clients:
                 await cl.aclose()

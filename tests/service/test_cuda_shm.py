@@ -28,8 +28,9 @@ from deconv_client import AsyncClient, Client, InvalidInputError, cuda_ipc
 
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
+from tests.numerics import rel_err
 
-from . import test_load_generator
+from ..bench import test_load_generator
 from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda
@@ -46,11 +47,6 @@ def _reference(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     y = F.conv_transpose2d(x4 if x4.dim() == 4 else x4[None], layer.weight.double(), b, c.stride, c.padding,
                            c.output_padding, c.groups, c.dilation)
     return y if x.dim() == 4 else y[0]
-
-
-def _err(y: Any, ref: torch.Tensor) -> float:
-    y = torch.as_tensor(np.asarray(y)) if not isinstance(y, torch.Tensor) else y
-    return float((y.double().cpu() - ref).norm() / ref.norm())
 
 
 @pytest.fixture(scope="module", params=["1", "2"], ids=["single", "multi"])
@@ -119,12 +115,12 @@ def test_tritonclient_infers_through_cuda_shared_memory(live: ServerProcess, reg
             assert output["parameters"]["shared_memory_region"] == f"out-{tag}"
             assert output["parameters"]["shared_memory_byte_size"] == out_bytes
             y = cudashm.get_contents_as_numpy(outs, np.float32, y_shape)
-            assert _err(y, ref) <= layer.tolerance
+            assert rel_err(y, ref) <= layer.tolerance
         # the input in CUDA shared memory, the output as binary data
         inp = triton.InferInput("input", list(x.shape), "FP32")
         inp.set_shared_memory(f"in-{tag}", in_bytes)
         result = clients[3].infer("demo", [inp], outputs=[triton.InferRequestedOutput("output", binary_data=True)])
-        assert _err(result.as_numpy("output"), ref) <= layer.tolerance
+        assert rel_err(result.as_numpy("output"), ref) <= layer.tolerance
         # unregistered through one connection: no connection can use it any more
         clients[0].unregister_cuda_shared_memory(f"in-{tag}")
         for client in clients[1:]:
@@ -170,7 +166,7 @@ def test_system_regions_go_between_the_region_and_the_gpu(live: ServerProcess, r
             result = client.infer("dcgan_up1", [inp], outputs=[out])
             assert result.get_output("output")["parameters"]["shared_memory_byte_size"] == n_out
             y = np.array(sysshm.get_contents_as_numpy(outs, np.float32, [x.shape[0], 64, 64, 64], offset=at_out))
-            assert _err(y, _reference(layer, x)) <= layer.tolerance
+            assert rel_err(y, _reference(layer, x)) <= layer.tolerance
             at_in, at_out = at_in + n_in, at_out + n_out
         if metric_value(httpx.get(live.url + "/metrics").text, "deconv_http_processes") == 2:
             assert _ipc_by_reference(live) - before == len(xs)
@@ -230,16 +226,16 @@ def test_kserve_requests_name_regions_of_torch_allocations(live: ServerProcess, 
             # both in CUDA regions
             r = await c.post("/v2/models/demo/infer", json=body(x_param, y_param, [3, 16, 13, 29]))
             assert r.status_code == 200, r.text
-            assert _err(y, ref) <= layer.tolerance
+            assert rel_err(y, ref) <= layer.tolerance
             # input in a region, output as JSON; input as JSON, output in a region
             r = await c.post("/v2/models/demo/infer", json=body(x_param, None, [3, 16, 13, 29]))
             assert r.status_code == 200, r.text
-            assert _err(np.array(r.json()["outputs"][0]["data"]).reshape(3, 8, 26, 58), ref) <= layer.tolerance
+            assert rel_err(np.array(r.json()["outputs"][0]["data"]).reshape(3, 8, 26, 58), ref) <= layer.tolerance
             y.fill_(float("nan"))
             torch.cuda.synchronize()
             r = await c.post("/v2/models/demo/infer", json=body(None, y_param, [3, 16, 13, 29]))
             assert r.status_code == 200, r.text
-            assert _err(y, ref) <= layer.tolerance
+            assert rel_err(y, ref) <= layer.tolerance
             # one unbatched sample, both in regions
             y.fill_(float("nan"))
             torch.cuda.synchronize()
@@ -248,7 +244,7 @@ def test_kserve_requests_name_regions_of_torch_allocations(live: ServerProcess, 
             r = await c.post("/v2/models/demo/infer", json=body(one_in, one_out, [16, 13, 29]))
             assert r.status_code == 200, r.text
             assert r.json()["outputs"][0]["shape"] == [8, 26, 58]
-            assert _err(y[0], ref[0]) <= layer.tolerance
+            assert rel_err(y[0], ref[0]) <= layer.tolerance
             assert torch.isnan(y[1:]).all()  # nothing written past the request's output
             # mistakes: 400, nothing run
             r = await c.post("/v2/models/demo/infer", json=body(
@@ -290,7 +286,7 @@ def test_the_sdk_passes_cuda_tensors_in_place(live: ServerProcess, registry: Reg
                 assert y.is_cuda
                 assert y.device == x.device
                 assert y.dtype == x.dtype
-                assert _err(y, _reference(layer, x)) <= layer.tolerance, (name, list(x.shape))
+                assert rel_err(y, _reference(layer, x)) <= layer.tolerance, (name, list(x.shape))
         mine = {s["name"] for s in client.cuda_shared_memory_status() if s["name"].startswith("deconv-cuda-")}
         assert mine
         x = inputs["demo"][0]
@@ -310,7 +306,7 @@ def test_the_sdk_passes_cuda_tensors_in_place(live: ServerProcess, registry: Reg
             ys = await client.deconv_many("demo", xs, concurrency=4)
             for x, y in zip(xs, ys, strict=True):
                 assert y.is_cuda
-                assert _err(y, _reference(layer, x)) <= layer.tolerance
+                assert rel_err(y, _reference(layer, x)) <= layer.tolerance
             assert await client.cuda_shared_memory_status()
         async with AsyncClient(live.url) as plain:
             assert not any(s["name"].startswith(f"deconv-cuda-{os.getpid()}-")

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.numerics import rel_err
+
 from .conftest import (
     NPY,
     REPO_ROOT,
@@ -29,7 +31,6 @@ from .conftest import (
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     write_layer,
 )
@@ -159,8 +160,12 @@ def test_disconnected_client_is_dropped_before_execution(server):
                                reason="disconnected")
             text = await _metrics(client)
             assert metric_value(text, "deconv_queue_depth", layer="slow") == 0
-            await asyncio.sleep(SLOW_DELAY_MS / 1000 + 0.2)  # its batch would have run by now
-            assert metric_value(await _metrics(client), "deconv_batch_size_count", layer="slow") == batches
+            # A request of the same shape waits its own batching delay: had the dropped one stayed queued, it would
+            # ride in that batch, or have run in one of its own by the time this one's answer comes.
+            r = await _post(client, "slow", _x())
+            assert r.status_code == 200, r.text[:300]
+            assert r.headers["x-deconv-batch-size"] == "1"
+            assert metric_value(await _metrics(client), "deconv_batch_size_count", layer="slow") == batches + 1
 
     run(main())
 

@@ -1,6 +1,6 @@
 """The multi-process server (``DECONV_HTTP_PROCESSES`` > 1): its frames, and what its supervisor does when a
-process fails. Behaviour seen from outside (batching, 429, 504, drain, tritonclient) is covered by test_server.py,
-which runs every server test in both modes."""
+process fails. Behaviour seen from outside (batching, 429, 504, drain, tritonclient) is covered by
+tests/service/test_server.py, which runs every server test in both modes."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ from service.engine.worker import Worker
 from service.errors import DeadlineExceededError, InternalError, OverloadedError
 from service.ipc import frames, shm
 from service.supervisor import SERVING, ConnectionDispatcher, _stop_all
+from tests.numerics import rel_err
 
-from .conftest import (
+from ..conftest import (
     NPY,
     REPO_ROOT,
     ServerProcess,
@@ -41,7 +42,6 @@ from .conftest import (
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     write_layer,
 )

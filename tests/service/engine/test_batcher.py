@@ -20,7 +20,7 @@ from service.engine.registry import BatchLimits, Layer, LayerConfig
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics
 
-from .conftest import REPO_ROOT, metric_value, run
+from ..conftest import REPO_ROOT, metric_value, run
 
 
 def make_layer(max_batch_size: int = 8, max_batch_bytes: int = 1 << 30, delay_ms: float = 50.0,
@@ -41,6 +41,7 @@ class FakeExecutor:
         self.times: list[float] = []
         self.fail = fail  # fail this many batches first
         self.hold: asyncio.Event | None = None  # set: batches wait for it before finishing
+        self.started = asyncio.Event()  # set whenever a batch starts
 
     async def acquire(self, device: int | None = None) -> str:
         while self.slots == 0:
@@ -57,6 +58,7 @@ class FakeExecutor:
         try:
             self.batches.append([int(x.shape[0]) for x in inputs])
             self.times.append(time.monotonic())
+            self.started.set()
             if self.hold is not None:
                 await self.hold.wait()
             if self.fail:
@@ -67,9 +69,21 @@ class FakeExecutor:
         finally:
             self.release(slot)
 
+    async def wait_batches(self, n: int) -> None:
+        """Until ``n`` batches have started."""
+        while len(self.batches) < n:
+            self.started.clear()
+            await self.started.wait()
+
 
 def x(n: int = 1, h: int = 4, w: int = 4, value: float = 1.0) -> torch.Tensor:
     return torch.full((n, 2, h, w), value)
+
+
+async def settle() -> None:
+    """Let every task that can run, run (the batcher's loop reacts within a few event-loop iterations)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
 
 
 def test_requests_with_the_same_shape_share_a_batch():
@@ -143,9 +157,9 @@ def test_batches_grow_while_the_workers_are_busy():
         b = Batcher(make_layer(delay_ms=0), ex)
         b.start()
         first = b.submit(x())
-        await asyncio.sleep(0.05)  # first batch holds the only slot
+        await ex.wait_batches(1)  # the first batch holds the only slot
         rest = [b.submit(x()) for _ in range(5)]
-        await asyncio.sleep(0.05)
+        await settle()
         assert b.depth == 5
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
@@ -167,14 +181,16 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
         b = Batcher(make_layer(max_batch_size=max_batch_size, delay_ms=0), ex)
         b.start()
         first = b.submit(x())
-        await asyncio.sleep(0.05)  # the first batch runs (held)
+        await ex.wait_batches(1)  # the first batch runs (held)
         rest = [b.submit(x()) for _ in range(3)]
-        await asyncio.sleep(0.05)
         if max_batch_size > 1:
+            await settle()
             assert ex.batches == [[1]]  # a slot is free, but the next batch waits to be packed
             assert b.depth == 3
         else:
-            assert ex.batches == [[1], [1]]  # the free slot took the next one-sample batch at once
+            await ex.wait_batches(2)  # the free slot took the next one-sample batch
+            await settle()
+            assert ex.batches == [[1], [1]]  # and no other: both slots are taken
             assert b.depth == 2
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
@@ -182,12 +198,6 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
         await b.drain()
 
     run(main(), 120)
-
-
-async def settle() -> None:
-    """Let every task that can run, run (the batcher's loop reacts within a few event-loop iterations)."""
-    for _ in range(50):
-        await asyncio.sleep(0)
 
 
 def held_batcher(workers: int, devices: int) -> tuple[FakeExecutor, Batcher]:
@@ -302,7 +312,7 @@ def test_the_next_batch_starts_before_the_results_go_out():
         b = Batcher(make_layer(delay_ms=0), ex)
         b.start()
         first = [b.submit(x()) for _ in range(2)]
-        await asyncio.sleep(0.05)  # the first batch runs (held)
+        await ex.wait_batches(1)  # the first batch runs (held)
         rest = [b.submit(x()) for _ in range(3)]
         started_when_answered: list[int] = []
         for item in first:
@@ -399,15 +409,21 @@ def test_requests_with_on_done_are_answered_through_it_once_each():
         b = Batcher(make_layer(delay_ms=20), ex)
         b.start()
         got: list[tuple[str, object]] = []
+        answered = asyncio.Event()
 
         def on_done(key: str, outcome: object) -> None:
             got.append((key, outcome))
+            answered.set()
             if key == "boom":
                 raise RuntimeError("a broken answer")
 
+        async def answers(n: int) -> None:
+            while len(got) < n:
+                answered.clear()
+                await answered.wait()
+
         failed = [b.submit(x(), on_done=on_done, key=k) for k in ("f1", "f2")]
-        while len(got) < 2:
-            await asyncio.sleep(0.001)
+        await answers(2)
         assert [k for k, _ in got] == ["f1", "f2"]
         assert all(isinstance(o, InternalError) for _, o in got)
         assert all(i.future.done() for i in failed)
@@ -420,8 +436,7 @@ def test_requests_with_on_done_are_answered_through_it_once_each():
         await asyncio.sleep(0)
         assert got == [("gone", None)]
         assert not gone.future.cancel()  # once
-        while len(got) < 4:
-            await asyncio.sleep(0.001)
+        await answers(4)
         assert [k for k, _ in got] == ["gone", "a", "boom", "c"]  # "boom" raised; "c" was still answered
         for (_, outcome), v in zip(got[1:], (1, 2, 3), strict=True):
             assert isinstance(outcome, Result)

@@ -23,8 +23,9 @@ import torch
 
 from service.config import Settings
 from service.http.shm_regions import RegionError, RegionTable, UnknownRegionError
+from tests.numerics import rel_err
 
-from .conftest import ServerProcess, reference, rel_err, run, serve_app, write_layer
+from ..conftest import ServerProcess, reference, run, serve_app, write_layer
 
 API_KEY = "shm-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -18,7 +18,8 @@ from service.engine import worker as worker_module
 from service.engine.batcher import Batcher
 from service.engine.registry import BatchLimits, load_repository
 
-from .conftest import bench_module, run
+from ..service.conftest import run
+from .conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 

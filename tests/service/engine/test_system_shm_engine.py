@@ -24,11 +24,12 @@ from service.engine.cuda_shm import CudaRegions
 from service.errors import InternalError, RegionError, UnknownRegionError
 from service.http.shm_regions import RegionTable
 from service.ipc import frames
+from tests.numerics import rel_err
 
-from . import test_system_shm
-from .conftest import reference, rel_err, run, serve_app
-from .test_cuda_shm_routes import HostMemory, _body, _deliver, _infer_body, _parts, _Transport
-from .test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, Objects, _settings
+from ..conftest import reference, run, serve_app
+from ..http import test_system_shm
+from ..http.test_cuda_shm_routes import HostMemory, _body, _deliver, _infer_body, _parts, _Transport
+from ..http.test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, Objects, _settings
 
 repo = test_system_shm.repo  # the system regions' tests' layer repository (a fixture)
 

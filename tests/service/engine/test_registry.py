@@ -13,7 +13,7 @@ from service.config import DEFAULT_LAYER_REPOSITORY, Settings
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
 from service.http.app import create_app
 
-from .conftest import run, write_layer
+from ..conftest import run, write_layer
 
 DEFAULTS = BatchLimits(max_batch_size=64, max_batch_bytes=1 << 28, max_queue_delay_ms=2.0, max_queue_size=256)
 

@@ -16,8 +16,9 @@ import torch
 from service.config import Settings
 from service.engine.local import LocalEngine
 from service.http.bodies import GRAIN, MIN_BYTES, BodyPool
+from tests.numerics import rel_err
 
-from .conftest import NPY, load_npy, npy_bytes, reference, rel_err, run, serve_app, write_layer
+from ..conftest import NPY, load_npy, npy_bytes, reference, run, serve_app, write_layer
 
 MiB = 2**20
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,8 +20,9 @@ from deconv_client import cuda_ipc
 
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
+from tests.numerics import rel_err
 
-from .conftest import ServerProcess, free_port
+from ..conftest import ServerProcess, free_port
 
 pytestmark = pytest.mark.cuda
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -35,11 +35,6 @@ def _reference(layer: Layer, x: torch.Tensor) -> torch.Tensor:
     b = layer.bias.double() if layer.bias is not None else None
     return F.conv_transpose2d(x.double().cpu(), layer.weight.double(), b, c.stride, c.padding, c.output_padding,
                               c.groups, c.dilation)
-
-
-def _err(y: Any, ref: torch.Tensor) -> float:
-    y = torch.as_tensor(np.asarray(y)) if not isinstance(y, torch.Tensor) else y
-    return float((y.double().cpu() - ref).norm() / ref.norm())
 
 
 @pytest.fixture(scope="module", params=["1", "2"], ids=["single", "multi"])
@@ -75,7 +70,7 @@ def test_binary_inference_on_the_gpu(live: tuple[ServerProcess, str], registry: 
         tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x.numpy())
         y = client.infer("dcgan_up1", [tensor]).as_numpy("output")
-        assert _err(y.copy(), _reference(layer, x)) <= layer.tolerance
+        assert rel_err(y.copy(), _reference(layer, x)) <= layer.tolerance
 
 
 def test_system_shared_memory_by_reference(live: tuple[ServerProcess, str], registry: Registry) -> None:
@@ -100,7 +95,7 @@ def test_system_shared_memory_by_reference(live: tuple[ServerProcess, str], regi
         result = client.infer("dcgan_up1", [tensor], outputs=[output])
         assert result.get_output("output").parameters["shared_memory_byte_size"].int64_param == out_bytes
         y = np.array(sysshm.get_contents_as_numpy(outs, np.float32, [4, 64, 64, 64]))
-        assert _err(y, _reference(layer, x)) <= layer.tolerance
+        assert rel_err(y, _reference(layer, x)) <= layer.tolerance
         client.unregister_system_shared_memory()
     finally:
         sysshm.destroy_shared_memory_region(ins)
@@ -133,7 +128,7 @@ def test_cuda_shared_memory_of_torch_allocations(live: tuple[ServerProcess, str]
         output = grpcclient.InferRequestedOutput("output")
         output.set_shared_memory(rout, y.numel() * 4, offset=at_out)
         client.infer("dcgan_up1", [tensor], outputs=[output])
-        assert _err(y.cpu(), _reference(layer, x.cpu())) <= layer.tolerance
+        assert rel_err(y.cpu(), _reference(layer, x.cpu())) <= layer.tolerance
     finally:
         client.unregister_cuda_shared_memory()
     assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}

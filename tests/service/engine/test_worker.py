@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +17,9 @@ from service.engine.registry import BatchLimits, Layer, load_repository
 from service.engine.worker import Worker, WorkerPool, kernel_forward, select_devices
 from service.errors import InternalError
 from service.metrics import Metrics
+from tests.numerics import rel_err
 
-from .conftest import metric_value, run
+from ..conftest import metric_value, run
 
 LIMITS = BatchLimits(64, 1 << 28, 2.0, 256)
 
@@ -43,7 +46,7 @@ def test_cpu_worker_splits_the_batch_back_per_request(layers):
     assert [tuple(y.shape) for y in outputs] == [(n, 24, *layer.output_hw(5, 6)) for n in (1, 3, 2)]
     for x, y in zip(inputs, outputs, strict=True):
         ref = _reference(layer, x)
-        assert float((y.double() - ref).norm() / ref.norm()) < 1e-5
+        assert rel_err(y, ref) < 1e-5
     worker.shutdown()
 
 
@@ -117,7 +120,8 @@ def test_pool_picks_the_least_busy_worker_with_a_free_slot(layers):
         second = await pool.acquire()
         assert second is a
         waiter = asyncio.ensure_future(pool.acquire())
-        await asyncio.sleep(0.05)
+        for _ in range(20):  # every turn of the loop the waiter could take
+            await asyncio.sleep(0)
         assert not waiter.done()  # no free slot: waits
         pool.release(b)
         assert await asyncio.wait_for(waiter, 5) is b
@@ -252,11 +256,12 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
 
     layer = layers["demo"]
     gate = asyncio.Event()  # set on the loop once the first batch is executing
+    queued = threading.Event()  # set once the second batch is in the thread's queue, behind the first
 
     def dies_on_three(x, w, b, lay):
         if x.shape[0] == 3:
             loop.call_soon_threadsafe(gate.set)
-            time.sleep(0.2)  # the second batch waits behind this one in the thread's queue
+            queued.wait(60)  # (the bound only limits how long a second batch that never comes is waited for)
             raise WorkerCrash("simulated thread death")
         return kernel_forward(x, w, b, lay)
 
@@ -266,6 +271,15 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
         m = Metrics()
         worker = Worker(torch.device("cpu"), m, forward=dies_on_three)
         worker.load(layer)
+        submit = worker.submit
+
+        def submit_and_tell(lay: Layer, inputs: list[torch.Tensor]) -> Any:
+            future = submit(lay, inputs)
+            if inputs[0].shape[0] == 1:
+                queued.set()
+            return future
+
+        worker.submit = submit_and_tell  # type: ignore[method-assign]
         pool = WorkerPool([worker], m)
         try:
             first = asyncio.ensure_future(pool.run(await pool.acquire(), layer, [torch.randn(3, 16, 4, 4)]))
@@ -287,8 +301,6 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
 
 
 def test_a_stalled_worker_thread_is_replaced_by_the_watchdog(layers):
-    import threading
-
     layer = layers["demo"]
     release = threading.Event()
 
@@ -327,7 +339,7 @@ def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
     requests are answered with the reference's numbers whichever worker ran them."""
     from service.config import Settings
 
-    from .conftest import NPY, load_npy, npy_bytes, serve_app
+    from ..conftest import NPY, load_npy, npy_bytes, serve_app
 
     layer = layers["demo"]
     xs = [torch.randn(n, layer.config.in_channels, 6, 5) for n in (1, 2, 3, 1, 2, 4)]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO_ROOT, bench_module
+from ..service.conftest import REPO_ROOT
+from .conftest import bench_module
 
 pytest.importorskip("tritonclient.grpc")
 

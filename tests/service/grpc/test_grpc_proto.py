@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from service import errors
 from service.grpc import messages
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
 

@@ -36,17 +36,20 @@ from service.http.schemas import (
     ModelPath,
     VersionedModelPath,
 )
+from tests.numerics import rel_err
 
-from .conftest import (
+from ..conftest import (
     NPY,
+    REPO_ROOT,
     SAFETENSORS,
     load_npy,
     metric_value,
     npy_bytes,
     reference,
-    rel_err,
     run,
     serve_app,
+    started,
+    until,
     write_layer,
 )
 
@@ -321,10 +324,7 @@ def test_full_queue_429_and_shutdown_answers_the_queued(repo):
         async with serve_app(settings(repo)) as (app, client):
             queued = [asyncio.ensure_future(post_npy(client, "slow", x)) for _ in range(2)]
             engine: LocalEngine = app.state.engine
-            for _ in range(200):
-                if engine.queues["slow"].depth == 2:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.queues["slow"].depth == 2, "two requests queued")
             r = await post_npy(client, "slow", x)
             assert_error(r, 429, "overloaded")
             # Refused at once rather than after waiting for room: the queued two leave only when their 10-minute
@@ -350,10 +350,7 @@ def test_cancelled_request_is_dropped_before_execution(repo):
         async with serve_app(settings(repo)) as (app, client):
             task = asyncio.ensure_future(post_npy(client, "slow", np.ones((1, 4, 5, 5), np.float32)))
             engine: LocalEngine = app.state.engine
-            for _ in range(200):
-                if engine.queues["slow"].depth == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: engine.queues["slow"].depth == 1, "the request queued")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             assert engine.queues["slow"].depth == 0
@@ -378,7 +375,7 @@ def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
             await original(self)
 
         monkeypatch.setattr(LocalEngine, "_prepare", gated)
-        async with serve_app(settings(repo), wait_ready=False) as (_, client):
+        async with serve_app(settings(repo), wait_ready=False) as (app, client):
             assert (await client.get("/health/live")).json() == {"status": "live"}
             assert (await client.get("/v2/health/live")).status_code == 200
             r = await client.get("/health/ready")
@@ -389,10 +386,7 @@ def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
             assert_error(await post_npy(client, "small", np.ones((1, 4, 5, 5), np.float32)), 503, "not_ready")
             assert "deconv_ready 0.0" in (await client.get("/metrics")).text
             gate.set()
-            deadline = time.monotonic() + 60  # only how long a server that never turns ready is waited for
-            while (await client.get("/health/ready")).status_code != 200:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            assert await started(app) == "ready"
             assert (await client.get("/health/ready")).json() == {"status": "ready"}
             assert "deconv_ready 1.0" in (await client.get("/metrics")).text
 
@@ -404,13 +398,9 @@ def test_failed_self_test_keeps_the_server_unready_with_the_reason(repo, monkeyp
     monkeypatch.setattr(worker_module, "kernel_forward", lambda x, w, b, layer: real(x, w, b, layer) + 1.0)
 
     async def main() -> None:
-        async with serve_app(settings(repo), wait_ready=False) as (_, client):
-            for _ in range(500):
-                r = await client.get("/health/ready")
-                if "self-test failed" in r.text:
-                    break
-                await asyncio.sleep(0.01)
-            body = assert_error(r, 503, "not_ready")
+        async with serve_app(settings(repo), wait_ready=False) as (app, client):
+            assert await started(app) == "failed"
+            body = assert_error(await client.get("/health/ready"), 503, "not_ready")
             assert "self-test failed" in body["error"]["message"]
             assert "'small'" in body["error"]["message"]
 
@@ -1110,7 +1100,7 @@ def test_tritonclient_reads_the_configuration_index_and_statistics(tmp_path, ser
 
 def test_the_protocol_page_lists_every_route_and_extension(repo):
     """docs/protocol.md's route table names every operation of the app and every extension GET /v2 can list."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    doc = (REPO_ROOT / "docs" / "protocol.md").read_text()
     table = doc[doc.index("## Routes"):doc.index("## `POST /deconv`")]
     app = create_app(settings(repo))
     routes = [f"`{method.upper()} {path}`" for path, item in app.openapi()["paths"].items() for method in item]

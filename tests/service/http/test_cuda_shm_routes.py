@@ -34,9 +34,10 @@ from service.engine.remote import EngineClient, RemoteCudaMemory, RemoteQueue
 from service.errors import RegionError, UnknownRegionError
 from service.ipc import frames
 from service.metrics import Metrics
+from tests.numerics import rel_err
 
+from ..conftest import reference, run, serve_app
 from . import test_system_shm
-from .conftest import reference, rel_err, run, serve_app
 from .test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, _settings
 
 repo = test_system_shm.repo  # the system regions' tests' layer repository (a fixture) and settings serve here too

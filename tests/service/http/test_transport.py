@@ -18,7 +18,7 @@ from uvicorn.server import ServerState
 from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, Call
 from service.http.server import CoalescingTransport, HTTPProtocol
 
-from .conftest import REPO_ROOT
+from ..conftest import REPO_ROOT
 
 
 class FakeTransport(asyncio.Transport):

@@ -16,8 +16,8 @@ from types import ModuleType
 import httpx
 import pytest
 
+from ..service.conftest import REPO_ROOT, ServerProcess
 from . import test_load_generator
-from .conftest import REPO_ROOT, ServerProcess
 
 load_module = test_load_generator.load_module  # the fixture: bench/service_load.py as a module
 feed = test_load_generator.feed

@@ -16,14 +16,14 @@ from service.engine.registry import MAX_WARM_SHAPES, BatchLimits, Layer, Reposit
 from service.engine.worker import Worker, WorkerPool, batch_buckets, kernel_forward, serving_choice
 from service.export import ExportError, export_model, main
 
-from .conftest import run, write_layer
+from ..conftest import run, write_layer
 
 DEFAULTS = BatchLimits(max_batch_size=64, max_batch_bytes=1 << 28, max_queue_delay_ms=2.0, max_queue_size=256)
 TUNED = KernelChoice("tensor_core", 5, 2)
 
 
 def _small_model() -> nn.Module:
-    """For the export CLI (``tests.service.test_tuning_service:_small_model``)."""
+    """For the export CLI (``tests.service.engine.test_tuning_service:_small_model``)."""
     torch.manual_seed(1)
     return nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1), nn.ReLU(),
                          nn.ConvTranspose2d(6, 2, 4, stride=2, padding=1, bias=False))

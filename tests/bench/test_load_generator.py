@@ -119,16 +119,21 @@ def test_connection_close_and_errors_are_counted_and_clients_go_on(load_module: 
 
 def test_a_request_without_an_answer_times_out(load_module: ModuleType) -> None:
     async def main() -> None:
+        done = asyncio.Event()
+
         async def one_silent(n: int, writer: asyncio.StreamWriter) -> bool:
             if n == 2:
-                await asyncio.sleep(3)  # longer than the client's timeout
+                await done.wait()  # silent until the load is over: only the client's timeout ends its wait
                 return False
             await answer(writer)
             return True
 
         server, url, received = await serve(one_silent)
         async with server:
-            load = await run_load(load_module, url, count=10, clients=2, timeout=0.5)
+            try:
+                load = await run_load(load_module, url, count=10, clients=2, timeout=0.5)
+            finally:
+                done.set()
         assert load.statuses == {"200": 9, "TimeoutError": 1}
         assert len(received) == 10
 

@@ -1,6 +1,6 @@
 """The shared-memory engine link (service/ipc/shm.py): the arena's slots, the HELLO that passes it, the frames that
 name slots, the worker writing outputs into slots, and the HTTP process's slot lifetime. The multi-process server
-tests (test_server.py, test_multiprocess.py) run requests through it end to end."""
+tests (tests/service/test_server.py, test_multiprocess.py) run requests through it end to end."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from service.errors import InternalError, OverloadedError
 from service.ipc import frames, shm
 from service.metrics import Metrics
 
-from .conftest import run
+from ..conftest import run
 
 # --- the arena's slots ----------------------------------------------------------------------------------------
 

@@ -27,7 +27,9 @@ import pytest
 import torch
 from torch import nn
 
-from .conftest import REPO_ROOT, ServerProcess, free_port, metric_value, reference, rel_err, write_layer
+from tests.numerics import rel_err
+
+from ..conftest import REPO_ROOT, ServerProcess, free_port, metric_value, reference, write_layer
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
