@@ -223,22 +223,36 @@ def test_ready(make_client: MakeClient) -> None:
 
 class Slow:
     """A fake server that takes longer for earlier requests (so answers come back out of order) and counts
-    the requests in flight. Sync flavour: called concurrently from worker threads; async: awaited on the loop."""
+    the requests in flight. Sync flavour: called concurrently from worker threads; async: awaited on the loop.
+    ``gate``: the first ``gate`` requests are held until that many are in flight together (so that a client bounded
+    at ``gate`` reaches its bound whatever the machine's pace; one that sends fewer at once fails the wait)."""
 
-    def __init__(self, fail_on: float | None = None) -> None:
+    GATE_TIMEOUT_S = 60.0
+
+    def __init__(self, fail_on: float | None = None, gate: int = 0) -> None:
         self.lock = threading.Lock()
+        self.opened = threading.Condition(self.lock)
         self.in_flight = 0
         self.peak = 0
         self.calls = 0
         self.fail_on = fail_on
+        self.gate = gate
+        self.gate_open = False
+        self._gate_event: asyncio.Event | None = None  # the async flavour's, made on its loop
 
-    def _enter(self, request: httpx.Request) -> tuple[np.ndarray, float]:
+    def _enter(self, request: httpx.Request) -> tuple[np.ndarray, float, bool]:
         x = decode_npy(request.read())
         with self.lock:
             self.in_flight += 1
             self.calls += 1
             self.peak = max(self.peak, self.in_flight)
-        return x, 0.002 * (10 - float(x.flat[0]) % 10)
+            held = self.calls <= self.gate
+            if self.in_flight >= self.gate and not self.gate_open:
+                self.gate_open = True
+                self.opened.notify_all()
+                if self._gate_event is not None:
+                    self._gate_event.set()
+        return x, 0.002 * (10 - float(x.flat[0]) % 10), held
 
     def _answer(self, x: np.ndarray) -> httpx.Response:
         if self.fail_on is not None and float(x.flat[0]) == self.fail_on:
@@ -250,16 +264,25 @@ class Slow:
             self.in_flight -= 1
 
     def sync(self, request: httpx.Request) -> httpx.Response:
-        x, delay = self._enter(request)
+        x, delay, held = self._enter(request)
         try:
+            if held:
+                with self.opened:
+                    assert self.opened.wait_for(lambda: self.gate_open, self.GATE_TIMEOUT_S), "gate never opened"
             time.sleep(delay)
             return self._answer(x)
         finally:
             self._leave()
 
     async def async_(self, request: httpx.Request) -> httpx.Response:
-        x, delay = self._enter(request)
+        if self._gate_event is None:
+            self._gate_event = asyncio.Event()
+            if self.gate_open:
+                self._gate_event.set()
+        x, delay, held = self._enter(request)
         try:
+            if held:
+                await asyncio.wait_for(self._gate_event.wait(), self.GATE_TIMEOUT_S)
             await asyncio.sleep(delay)  # the async client cancels this when another request fails
             return self._answer(x)
         finally:
@@ -271,7 +294,7 @@ def _slow_client(mirror_factory: MakeClient, slow: Slow, flavour: str) -> Mirror
 
 
 def test_deconv_many_keeps_order_and_bounds_concurrency(make_client: MakeClient, flavour: str) -> None:
-    slow = Slow()
+    slow = Slow(gate=5)  # five in flight at once, then never a sixth
     client = _slow_client(make_client, slow, flavour)
     xs = [np.full((1, 3, 2, 2), i, np.float32) for i in range(40)]
     ys = client.deconv_many("up1", xs, concurrency=5)
