@@ -60,13 +60,13 @@ from service.errors import (
 )
 from service.grpc.messages import SERVICE, message, service
 from service.http.inference import (
-    MAX_TIMEOUT_US,
     Counted,
     find_layer,
     output_bytes,
     output_place,
     region_input,
     run_inference,
+    timeout_ms,
     validate_input,
 )
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable, RegionWriter, TensorRef, tensor_ref
@@ -133,22 +133,6 @@ def _parameters(params: Any) -> dict[str, Any]:
         which = param.WhichOneof("parameter_choice")
         values[key] = getattr(param, which) if which is not None else None
     return values
-
-
-def _timeout_ms(params: dict[str, Any]) -> float | None:
-    """``parameters.timeout`` (microseconds, as tritonclient's ``timeout`` argument sends it) in ms; None when
-    absent or 0. It bounds the time in the queue, as on HTTP.
-
-    Raises:
-        InvalidInputError: not a number, or outside 0..``MAX_TIMEOUT_US``.
-    """
-    value = params.get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_TIMEOUT_US:
-        raise InvalidInputError(f"parameters.timeout must be a number of microseconds between 0 and "
-                                f"{MAX_TIMEOUT_US}")
-    return value / 1000 if value > 0 else None
 
 
 class GRPCFrontEnd:
@@ -321,7 +305,7 @@ class GRPCFrontEnd:
             if isinstance(x4, DeviceTensor) or out_device is not None:
                 x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
             remaining = context.time_remaining()
-            timeouts = [t for t in (None if remaining is None else max(0.0, remaining * 1000), _timeout_ms(params))
+            timeouts = [t for t in (None if remaining is None else max(0.0, remaining * 1000), timeout_ms(params))
                         if t is not None]
             result = await run_inference(engine, layer, batcher, x4, _Cancelled,  # type: ignore[arg-type]
                                          counted.received, min(timeouts) if timeouts else None)

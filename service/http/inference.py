@@ -154,6 +154,24 @@ def region_input(regions: RegionTable, ref: TensorRef, dtype: torch.dtype, shape
     return codec.SourceTensor(regions.reader(ref.region, ref.offset, ref.byte_size), dtype, shape)
 
 
+def timeout_ms(params: object) -> float | None:
+    """KServe's ``parameters.timeout`` (microseconds, as tritonclient's ``timeout`` argument sends it) in ms; None
+    when absent or 0. ``params``: the request's parameters (anything but a dict holds none). It bounds the time in
+    the queue, like X-Deadline-Ms; HTTP and gRPC read it alike.
+
+    Raises:
+        InvalidInputError: not a number, or outside 0..``MAX_TIMEOUT_US`` (422 over HTTP).
+    """
+    value = params.get("timeout") if isinstance(params, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInputError(f"parameters.timeout must be a number of microseconds, got {type(value).__name__}")
+    if not 0 <= value <= MAX_TIMEOUT_US:  # NaN and infinity too; a huge integer compares without converting
+        raise InvalidInputError(f"parameters.timeout must be between 0 and {MAX_TIMEOUT_US} microseconds")
+    return value / 1000 if value > 0 else None
+
+
 def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTensor, ref: TensorRef,
                  hold: Callable[[int], None]) -> DeviceTensor | RegionWriter:
     """Check the output's region: large enough for the output of ``x4``, and its bytes inside it. In a region the

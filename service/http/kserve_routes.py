@@ -39,7 +39,6 @@ from service.http.bodies import (
     parse_json,
 )
 from service.http.inference import (
-    MAX_TIMEOUT_US,
     Counted,
     batch_headers,
     check_api_key,
@@ -51,6 +50,7 @@ from service.http.inference import (
     output_values,
     region_input,
     run_inference,
+    timeout_ms,
     validate_input,
 )
 from service.http.schemas import KSERVE_ERRORS
@@ -312,25 +312,6 @@ def _output_ref(request: dict[str, Any]) -> TensorRef | None:
     return None
 
 
-def _timeout_ms(request: dict[str, Any]) -> float | None:
-    """tritonclient's ``timeout`` argument (``parameters.timeout``, microseconds) in ms; None when absent or 0.
-
-    It bounds the time in the queue, like X-Deadline-Ms.
-
-    Raises:
-        InvalidInputError: not a number, or outside 0..``MAX_TIMEOUT_US`` (422).
-    """
-    params = request.get("parameters") or {}
-    value = params.get("timeout") if isinstance(params, dict) else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInputError(f"parameters.timeout must be a number of microseconds, got {type(value).__name__}")
-    if not 0 <= value <= MAX_TIMEOUT_US:  # NaN and infinity too; a huge integer compares without converting
-        raise InvalidInputError(f"parameters.timeout must be between 0 and {MAX_TIMEOUT_US} microseconds")
-    return value / 1000 if value > 0 else None
-
-
 # The most bytes one output value takes in JSON: a float64's shortest repr ("-2.2250738585072014e-308") and a comma.
 JSON_BYTES_PER_VALUE = 25
 # Values encoded between two returns to the event loop (~20 ms of encoding on one core).
@@ -412,7 +393,7 @@ async def v2_infer_call(call: Call) -> Reply:
             x4 = x4.load()
         if isinstance(x4, DeviceTensor) or out_device is not None:
             x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
-        timeouts = [t for t in (deadline_ms, _timeout_ms(req)) if t is not None]
+        timeouts = [t for t in (deadline_ms, timeout_ms(req.get("parameters"))) if t is not None]
         result = await run_inference(engine, layer, batcher, x4, call, counted.received,
                                      min(timeouts) if timeouts else None)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output

@@ -25,6 +25,7 @@ from service import codec
 from service.errors import ServiceError
 from service.http import kserve_routes as routes
 from service.http.bodies import decompress
+from service.http.inference import timeout_ms
 
 from .conftest import count_case, leaks_internals, server_error
 from .strategies import kserve_bodies, npy_bodies, safetensors_bodies
@@ -82,7 +83,7 @@ def test_kserve_decoder_never_fails_but_with_a_4xx(request_body, encoding):
         req, binary = routes._parse_kserve(raw, length)
         x = routes._kserve_input(req, binary, LIMIT)
         routes._wants_binary(req)
-        routes._timeout_ms(req)
+        timeout_ms(req.get("parameters"))
         return x, raw
 
     out = _outcome(decode)
