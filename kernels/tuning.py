@@ -326,7 +326,9 @@ class Tuner:
         """The choice kept on disk for ``key``, if any."""
         found = self._file(device)
         fields = None if found is None else found[1].get(choice_store.problem_id(key))
-        return None if fields is None else KernelChoice(**fields)
+        if fields is None or fields["path"] not in FORCE_PATHS:  # a kernel family this code does not know
+            return None
+        return KernelChoice(**fields)
 
     def _keep(self, key: tuple[Hashable, ...], device: torch.device, choice: KernelChoice) -> None:
         """Write ``choice`` for ``key`` to ``device``'s choice file (the store turns off for this device if that

@@ -196,3 +196,14 @@ def test_no_store_for_cpu_tensors_or_when_off(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("DECONV_TUNE_CACHE", "off")
     monkeypatch.setattr(tuning, "load_extension", lambda: pytest.fail("the store off must not load the kernels"))
     assert tuner._file(torch.device("cuda", 0)) is None
+
+
+def test_a_stored_kernel_family_this_code_does_not_know_is_measured(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    tuner, measured = _tuner(monkeypatch, path, KernelChoice("gemm", 1))
+    key = Tuner.key((2, 16, 8, 8), WEIGHT, False, ARGS, "fp32", True)
+    ChoiceFile(path).write(problem_id(key), {**GEMM, "path": "a_family_of_another_build"})
+    tuner._files.clear()
+    assert tuner.choose((2, 16, 8, 8), WEIGHT, None, ARGS, "fp32") == KernelChoice("gemm", 1)
+    assert measured.calls == 1
