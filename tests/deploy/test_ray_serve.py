@@ -379,6 +379,8 @@ def test_ray_scenario_is_bounded(ray_run):
 # --- the documented local commands, as docs/deploy.md writes them ----------------------------------------------
 
 DOCUMENTED_TIMEOUT_S = 300  # Ray's start, Serve's start and two replicas' self-tests: about 60 s on 2 cores
+RAY_START_ATTEMPTS = 3  # starts of the cluster when a port chosen for it was taken meanwhile
+SERVE_START_TIMEOUT_S = 60  # one `serve start` (it waits for the cluster: a stopped one is checked again after it)
 
 
 def _documented_commands() -> list[list[str]]:
@@ -425,28 +427,40 @@ def test_the_documented_local_commands_serve_two_cpu_replicas_on_two_cores_besid
     assert "--http-port" in serve_start
     assert serve_start[serve_start.index("--http-port") + 1] != "8000"
     assert "num_cpus=0.5" in serve_run
-    gcs, dashboard, client, agent, http = _free_ports(5)
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     bindir = Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DECONV_"))}
-    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=f"127.0.0.1:{gcs}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])))
-    serve_start[serve_start.index("--http-port") + 1] = str(http)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     logs = tmp_path / "ray.log"
-    ray = subprocess.Popen(
-        [str(bindir / "ray"), *ray_start[1:], "--block", "--num-cpus=2", f"--port={gcs}",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent}", f"--temp-dir={temp}"],
-        cwd=REPO_ROOT, env=env, stdout=logs.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    run = None
+    ray = run = None
     deadline = time.monotonic() + DOCUMENTED_TIMEOUT_S
     try:
-        started = None
-        while started is None or started.returncode != 0:  # `serve start` once the cluster takes connections
-            assert ray.poll() is None, logs.read_text()[-4000:]
-            assert time.monotonic() < deadline, started.stderr[-4000:] if started else ""
-            started = subprocess.run([str(bindir / "serve"), *serve_start[1:]], cwd=REPO_ROOT, env=env,
-                                     capture_output=True, text=True, timeout=DOCUMENTED_TIMEOUT_S)
+        # Ray's own processes take ports of their own as they start, so a port found free for it here can be
+        # taken by the time its part binds it ("Address already in use"): then the cluster stops, and it is
+        # started again on other ports, a bounded number of times.
+        for attempt in range(RAY_START_ATTEMPTS):
+            gcs, dashboard, client, agent, http = _free_ports(5)
+            env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+            serve_start[serve_start.index("--http-port") + 1] = str(http)
+            ray = subprocess.Popen(
+                [str(bindir / "ray"), *ray_start[1:], "--block", "--num-cpus=2", f"--port={gcs}",
+                 f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}",
+                 f"--dashboard-agent-listen-port={agent}", f"--temp-dir={temp}"],
+                cwd=REPO_ROOT, env=env, stdout=logs.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+            started = None
+            while ray.poll() is None and (started is None or started.returncode != 0):
+                # `serve start` once the cluster takes connections
+                assert time.monotonic() < deadline, started.stderr[-4000:] if started else ""
+                with contextlib.suppress(subprocess.TimeoutExpired):  # the cluster stopped meanwhile
+                    started = subprocess.run([str(bindir / "serve"), *serve_start[1:]], cwd=REPO_ROOT, env=env,
+                                             capture_output=True, text=True, timeout=SERVE_START_TIMEOUT_S)
+            if ray.poll() is None:
+                break
+            _stop_group(ray, signal.SIGTERM, 60)  # what is left of the stopped cluster
+            text = logs.read_text()
+            assert "already in use" in text, text[-4000:]
+            assert attempt + 1 < RAY_START_ATTEMPTS, f"ports taken on every one of {RAY_START_ATTEMPTS} starts"
         run = subprocess.Popen([str(bindir / "serve"), *serve_run[1:]], cwd=REPO_ROOT, env=env,
                                stdout=(tmp_path / "run.log").open("wb"), stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -481,5 +495,6 @@ def test_the_documented_local_commands_serve_two_cpu_replicas_on_two_cores_besid
     finally:
         if run is not None:
             _stop_group(run, signal.SIGINT, 60)  # Ctrl-C: serve run removes the application
-        _stop_group(ray, signal.SIGTERM, 60)  # `ray start --block` stops its cluster
+        if ray is not None:
+            _stop_group(ray, signal.SIGTERM, 60)  # `ray start --block` stops its cluster
         shutil.rmtree(temp, ignore_errors=True)
