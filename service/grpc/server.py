@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -35,7 +34,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from service import codec
-from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor
+from service.codec import AnyTensor, DeviceTensor, RawTensor
 from service.config import VERSION, inflight_limit
 from service.engine.kserve import (
     KSERVE_DTYPES,
@@ -61,10 +60,12 @@ from service.errors import (
 from service.grpc.messages import SERVICE, message, service
 from service.http.inference import (
     Counted,
+    engine_request,
     find_layer,
     output_bytes,
     output_place,
     region_input,
+    region_output,
     run_inference,
     timeout_ms,
     validate_input,
@@ -299,11 +300,7 @@ class GRPCFrontEnd:
                     out_device, out_writer = None, out_device
             else:
                 held.take(output_bytes(layer, x4))
-            if isinstance(x4, codec.SourceTensor) and (out_device is not None
-                                                       or not getattr(batcher, "takes_sources", False)):
-                x4 = x4.load()
-            if isinstance(x4, DeviceTensor) or out_device is not None:
-                x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
+            x4 = engine_request(x4, out_device, batcher)
             remaining = context.time_remaining()
             timeouts = [t for t in (None if remaining is None else max(0.0, remaining * 1000), timeout_ms(params))
                         if t is not None]
@@ -313,12 +310,7 @@ class GRPCFrontEnd:
             response = message("ModelInferResponse")(model_name=name, model_version=MODEL_VERSION, id=request.id)
             out = response.outputs.add(name=KSERVE_OUTPUT, datatype=KSERVE_NAMES[y.dtype], shape=list(y.shape))
             if out_ref is not None:
-                if out_writer is not None:
-                    data = codec.bytes_of(y)
-                    out_writer.write(data)
-                    written = data.nbytes
-                else:  # the engine wrote it into the region
-                    written = math.prod(y.shape) * y.element_size()
+                written = region_output(y, out_writer)
                 out.parameters["shared_memory_region"].string_param = out_ref.region
                 out.parameters["shared_memory_byte_size"].int64_param = written
                 if out_ref.offset:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -193,6 +194,28 @@ def output_place(regions: RegionTable, layer: Layer, x4: AnyTensor | DeviceTenso
     writer = regions.writer(ref.region, ref.offset, ref.byte_size)
     hold(need)
     return writer
+
+
+def engine_request(x4: AnyTensor | DeviceTensor | codec.SourceTensor, out_device: DeviceTensor | None,
+                   batcher: LayerQueue) -> AnyTensor | codec.CudaJob:
+    """The form in which a checked request is queued: a region input read now unless its queue reads it where the
+    request is sent (``takes_sources``) and its output goes nowhere the engine maps; a ``CudaJob`` for the engine's
+    GPU worker of the regions when the input or the output lies in a region it maps."""
+    if isinstance(x4, codec.SourceTensor) and (out_device is not None or not getattr(batcher, "takes_sources", False)):
+        x4 = x4.load()
+    if isinstance(x4, DeviceTensor) or out_device is not None:
+        return codec.CudaJob(x4, out_device)
+    return x4  # type: ignore[return-value]
+
+
+def region_output(y: AnyTensor, writer: RegionWriter | None) -> int:
+    """The output's bytes in its region: written here through ``writer`` (a system region the engine does not map;
+    ``output_place``), else already there (the engine wrote them)."""
+    if writer is None:
+        return math.prod(y.shape) * y.element_size()
+    data = codec.bytes_of(y)
+    writer.write(data)
+    return data.nbytes
 
 
 async def run_inference(

@@ -17,7 +17,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from service import codec
-from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor
+from service.codec import AnyTensor, RawTensor
 from service.config import VERSION
 from service.engine.kserve import (
     KSERVE_DTYPES,
@@ -43,12 +43,14 @@ from service.http.inference import (
     batch_headers,
     check_api_key,
     deadline_header,
+    engine_request,
     find_layer,
     get_engine,
     output_bytes,
     output_place,
     output_values,
     region_input,
+    region_output,
     run_inference,
     timeout_ms,
     validate_input,
@@ -388,11 +390,7 @@ async def v2_infer_call(call: Call) -> Reply:
                     f"{engine.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
                     "true, or binary_data: true in the output's parameters)")
             call.hold(json_bytes)
-        if isinstance(x4, codec.SourceTensor) and (out_device is not None or not getattr(batcher, "takes_sources",
-                                                                                            False)):
-            x4 = x4.load()
-        if isinstance(x4, DeviceTensor) or out_device is not None:
-            x4 = CudaJob(x4, out_device)  # for the engine's GPU worker of the regions
+        x4 = engine_request(x4, out_device, batcher)
         timeouts = [t for t in (deadline_ms, timeout_ms(req.get("parameters"))) if t is not None]
         result = await run_inference(engine, layer, batcher, x4, call, counted.received,
                                      min(timeouts) if timeouts else None)
@@ -403,12 +401,7 @@ async def v2_infer_call(call: Call) -> Reply:
             response["id"] = req["id"]
         headers = batch_headers(result)
         if out_ref is not None:
-            if out_writer is not None:
-                data = codec.bytes_of(y)
-                out_writer.write(data)
-                written = data.nbytes
-            else:  # the engine wrote it into the region
-                written = math.prod(y.shape) * y.element_size()
+            written = region_output(y, out_writer)
             out["parameters"] = {"shared_memory_region": out_ref.region, "shared_memory_byte_size": written}
             if out_ref.offset:
                 out["parameters"]["shared_memory_offset"] = out_ref.offset
