@@ -3,7 +3,9 @@
 The sources are the real files in ``kernels/csrc``; their text is handed to ``load_inline``. Builds are cached
 in a stable directory (``DECONV_KERNEL_CACHE``, default ``~/.cache/deconv/kernels``) under a key made of the
 sources, the torch version, the CUDA version (torch's and nvcc's), the target architectures and the compiler
-flags: a change to any of them builds anew, anything else loads the cached library in about a second.
+flags: a change to any of them builds anew, anything else loads the cached library in about a second. A cached
+library is imported directly, without running the build tool again, so that a process that finds its build (an image,
+a copied cache) needs neither ninja nor a compiler to start; one that cannot be imported is built again.
 
 Target architectures: ``DECONV_CUDA_ARCH`` (for example ``"8.0;9.0"``, as in ``TORCH_CUDA_ARCH_LIST``) or,
 when unset, those of the visible GPUs. Naming them explicitly lets an image be built on a machine without a GPU:
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -153,6 +156,16 @@ def loaded_key() -> str | None:
     return _module_key
 
 
+def _import_built(name: str, path: Path) -> ModuleType:
+    """Import the extension library ``path`` as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an importable extension")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load(verbose: bool = False) -> ModuleType:
     """Build (first time) or load (cache hit) the kernels extension; thread-safe, once per process."""
     global _module, _module_key
@@ -167,12 +180,21 @@ def load(verbose: bool = False) -> ModuleType:
         name = f"deconv_kernels_{key}"
         build_dir = cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
-        cached = any(build_dir.glob(f"{name}*.so"))
         arch_text = ", ".join(f"sm_{ma}{mi}{s}" for ma, mi, s in archs)
-        if not cached:
-            log.info("compiling kernels for %s into %s (two to three minutes; later starts load them)", arch_text,
-                     build_dir)
         t0 = time.perf_counter()
+        built = sorted(build_dir.glob(f"{name}*.so"))
+        if built:
+            try:
+                module = _import_built(name, built[0])
+            except (ImportError, OSError) as exc:  # a damaged or partial library: link it again
+                log.warning("the cached kernels in %s could not be loaded (%s); building them again", build_dir, exc)
+                built[0].unlink(missing_ok=True)
+            else:
+                log.info("loaded kernels for %s from the build cache in %.2f s", arch_text, time.perf_counter() - t0)
+                _module, _module_key = module, key
+                return module
+        log.info("compiling kernels for %s into %s (two to three minutes; later starts load them)", arch_text,
+                 build_dir)
         src = _sources()
         try:
             module = load_inline(
@@ -187,11 +209,7 @@ def load(verbose: bool = False) -> ModuleType:
             )
         except Exception as exc:  # compiler output is in the exception text
             raise KernelBuildError(f"building the CUDA kernels failed: {exc}") from exc
-        dt = time.perf_counter() - t0
-        if cached:
-            log.info("loaded kernels for %s from the build cache in %.2f s", arch_text, dt)
-        else:
-            log.info("compiled kernels for %s in %.1f s", arch_text, dt)
+        log.info("compiled kernels for %s in %.1f s", arch_text, time.perf_counter() - t0)
         _module, _module_key = module, key
         return module
 

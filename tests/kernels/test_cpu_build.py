@@ -294,3 +294,57 @@ def test_ptx_only_when_the_architectures_are_named(monkeypatch):
     assert kb.archs_named()
     monkeypatch.setattr(kb, "_nvcc_version", lambda: "Cuda compilation tools, release 13.0, V13.0.88")
     assert kb.build_key([(9, 0, "")], ptx=True) != kb.build_key([(9, 0, "")], ptx=False)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path, fake_toolchain):
+    """``kb.load`` in a state where nothing is loaded, with an empty cache and a recording fake ``load_inline``."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(kb, "_module", None)
+    monkeypatch.setattr(kb, "_module_key", None)
+    monkeypatch.setattr(kb, "cuda_archs", lambda: [(9, 0, "a")])
+    monkeypatch.delenv("DECONV_CUDA_ARCH", raising=False)
+    monkeypatch.setenv("DECONV_KERNEL_CACHE", str(tmp_path))
+    built = []
+
+    def fake_load_inline(name, build_directory, **kwargs):
+        built.append(name)
+        return f"compiled {name}"
+
+    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    key = kb.build_key([(9, 0, "a")], ptx=False)
+    library = tmp_path / key / f"deconv_kernels_{key}.so"
+    return built, library
+
+
+def test_a_cached_library_is_imported_without_the_build_tool(fresh_load, monkeypatch):
+    built, library = fresh_load
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"\x7fELF")
+    imported = []
+    monkeypatch.setattr(kb, "_import_built", lambda name, path: imported.append((name, path)) or f"imported {name}")
+    module = kb.load()
+    assert imported == [(library.stem, library)]
+    assert module == f"imported {library.stem}"
+    assert built == []
+    assert kb.loaded_key() == library.parent.name
+
+
+def test_a_cached_library_that_cannot_be_imported_is_built_again(fresh_load, caplog):
+    built, library = fresh_load
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"not a shared object")  # a build cut short
+    with caplog.at_level("WARNING", logger="deconv.kernels"):
+        module = kb.load()
+    assert "could not be loaded" in caplog.text
+    assert not library.exists(), "the damaged library is removed, so that the build tool links it again"
+    assert built == [library.stem]
+    assert module == f"compiled {library.stem}"
+
+
+def test_without_a_cached_library_the_kernels_are_built(fresh_load, monkeypatch):
+    built, library = fresh_load
+    monkeypatch.setattr(kb, "_import_built", lambda name, path: pytest.fail("nothing to import"))
+    assert kb.load() == f"compiled {library.stem}"
+    assert built == [library.stem]
