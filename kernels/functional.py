@@ -92,8 +92,8 @@ def conv_transpose2d(
 
     CPU tensors run PyTorch's reference implementation. CUDA tensors run this project's kernels; under
     ``torch.autocast`` they are cast to the autocast dtype first, as PyTorch does for convolutions. With measured
-    kernel choice on (``kernels.tuning.enable()`` or ``DECONV_TUNE=1``, like ``torch.backends.cudnn.benchmark``),
-    the first call of each problem times the candidate kernels and later calls run the fastest. Gradients
+    kernel choice (``kernels.tuning``, on unless ``DECONV_TUNE=0``; like ``torch.backends.cudnn.benchmark``), the
+    first call of each problem times the candidate kernels and later calls run the fastest. Gradients
     (input, weight, bias) come from PyTorch's ``aten.convolution_backward``.
 
     Raises:
@@ -123,9 +123,11 @@ def conv_transpose2d(
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
     if torch.compiler.is_compiling() or _traced(x, weight, bias) or (x.is_cuda and _needs_grad(x, weight, bias)):
+        # Prepared weight copies unless the weight is being trained (kernels.op: ``prepare``).
+        prepare = not (torch.is_grad_enabled() and weight.requires_grad)
         y = torch.ops.deconv.conv_transpose2d.default(
             x, weight, bias, list(args.stride), list(args.padding), list(args.output_padding), args.groups,
-            list(args.dilation), precision)
+            list(args.dilation), precision, prepare)
     elif not x.is_cuda:
         return F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding, args.groups,
                                   args.dilation)

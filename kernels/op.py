@@ -6,9 +6,18 @@ captures a CUDA graph), the weights' packed copies prepared once per weight vers
 goes from ``kernels.conv_transpose2d`` to the launch in one extension call (the extension's ``fast_forward``).
 
 The operator (``torch.ops.deconv.conv_transpose2d``) is what torch.compile, torch.export, CUDA-graph captures and
-other tracers see: a ``torch.library`` custom op with a fake (meta) implementation that gives the output's shape and
-strides, and autograd through PyTorch's own ``aten.convolution_backward`` (cuDNN on GPUs). ``kernels.functional``
-calls it whenever gradients are needed or the call is being traced, and ``run_cuda`` directly otherwise.
+other tracers see. Its schema and Python kernels are defined here: a fake (meta) implementation that gives the
+output's shape and strides, autograd through PyTorch's own ``aten.convolution_backward`` (cuDNN on GPUs), and a
+kernel for every device (PyTorch's reference on the CPU, ``run_cuda`` on CUDA). Once the extension is loaded, it
+adds C++ kernels for CUDA tensors (kernels/csrc/binding.cpp): the autograd step and the call itself, which runs a
+remembered problem's plan without entering Python and hands any other call to ``conv_transpose2d_op`` below. So
+a compiled model's call of the operator costs what a call of PyTorch's own convolution costs on the host.
+``kernels.functional`` calls the operator whenever gradients are needed or the call is being traced, and
+``run_cuda`` directly otherwise.
+
+``prepare`` (the schema's last argument): whether the call may use the weight's prepared copies. The functional call
+passes True unless the weight is being trained (grad mode on and the weight requires gradients): then packed copies
+would be made anew every step, and writes through ``.data`` (still common in training code) would go unseen.
 """
 
 from typing import Optional  # torch.library reads the annotations at run time: no string annotations here
@@ -71,6 +80,8 @@ def run_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a
         return _empty_output(x, weight, args)
     choice = DEFAULT
     if TUNER.enabled:  # measured kernel choice (kernels.tuning), tuned on the first call of this problem
+        if torch.cuda.is_current_stream_capturing():
+            remember = False  # the default runs in a capture; the choice is measured by a later call outside one
         cl = _channels_last(x)
         choice = TUNER.choose(x.shape, weight, bias, args, mode, aligned=_rows_aligned(x, cl), channels_last=cl)
     y, _ = load_extension().forward(
@@ -97,17 +108,29 @@ def refresh_weights(target: torch.Tensor | nn.Module | None = None) -> int:
     return sum(int(ext.forget_prepared(t)) for t in tensors if t.is_cuda)
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
+SCHEMA = ("conv_transpose2d(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
+          "int[] output_padding, int groups, int[] dilation, str? precision, bool prepare=False) -> Tensor")
+_LIB = torch.library.Library("deconv", "DEF")
+_LIB.define(SCHEMA)
+
+
+def _args(stride: list[int], padding: list[int], output_padding: list[int], groups: int,
+          dilation: list[int]) -> ConvArgs:
+    return ConvArgs(tuple(stride), tuple(padding), tuple(output_padding), tuple(dilation), groups)  # type: ignore[arg-type]
+
+
 def conv_transpose2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],  # noqa: UP045
                         padding: list[int], output_padding: list[int], groups: int, dilation: list[int],
-                        precision: Optional[str]) -> Tensor:  # noqa: UP045
+                        precision: Optional[str], prepare: bool = False) -> Tensor:  # noqa: UP045
     """``conv_transpose2d`` of a checked 4-D problem (``kernels.functional`` checks and normalises the arguments):
-    on CUDA tensors our kernels, on others PyTorch's reference, the output in PyTorch's layout on both."""
-    args = ConvArgs(tuple(stride), tuple(padding), tuple(output_padding), tuple(dilation), groups)  # type: ignore[arg-type]
+    on CUDA tensors our kernels, on others PyTorch's reference, the output in PyTorch's layout on both.
+
+    The operator's kernel for every device until the extension adds its own for CUDA; after that, the extension's
+    kernel calls it for a CUDA call whose problem it has not remembered yet, so that the kernel choice is made (or
+    measured) and the problem remembered, and the next call stays in C++."""
+    args = _args(stride, padding, output_padding, groups, dilation)
     if input.is_cuda:
-        # A weight that requires gradients is being trained: packed copies would be made anew every step, and
-        # writes through .data (still common in training code) would go unseen. Such calls pack per call.
-        return run_cuda(input, weight, bias, args, precision, prepare=not weight.requires_grad)
+        return run_cuda(input, weight, bias, args, precision, prepare=prepare, remember=True)
     y = F.conv_transpose2d(input, weight, bias, args.stride, args.padding, args.output_padding, args.groups,
                            args.dilation)
     if suggests_channels_last(input) or suggests_channels_last(weight):
@@ -115,16 +138,18 @@ def conv_transpose2d_op(input: Tensor, weight: Tensor, bias: Optional[Tensor], s
     return y
 
 
-@conv_transpose2d_op.register_fake
+_LIB.impl("conv_transpose2d", conv_transpose2d_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME, lib=_LIB)
 def _fake(input: Tensor, weight: Tensor, bias: Optional[Tensor], stride: list[int],  # noqa: UP045
           padding: list[int], output_padding: list[int], groups: int, dilation: list[int],
-          precision: Optional[str]) -> Tensor:  # noqa: UP045
-    args = ConvArgs(tuple(stride), tuple(padding), tuple(output_padding), tuple(dilation), groups)  # type: ignore[arg-type]
-    return _empty_output(input, weight, args)
+          precision: Optional[str], prepare: bool = False) -> Tensor:  # noqa: UP045
+    return _empty_output(input, weight, _args(stride, padding, output_padding, groups, dilation))
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
-    input, weight, bias, stride, padding, output_padding, groups, dilation, _ = inputs
+    input, weight, bias, stride, padding, output_padding, groups, dilation, *_ = inputs
     ctx.save_for_backward(input, weight)
     ctx.conv = (list(stride), list(padding), list(output_padding), groups, list(dilation))  # type: ignore[attr-defined]
     ctx.has_bias = bias is not None  # type: ignore[attr-defined]
@@ -141,7 +166,7 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_y: Tensor) -> tuple
         grad_y, x, weight, [weight.shape[1] * groups] if ctx.has_bias else None,  # type: ignore[attr-defined]
         stride, padding, dilation, True, output_padding, groups, mask,
     )
-    return gx, gw, gb, None, None, None, None, None, None
+    return gx, gw, gb, None, None, None, None, None, None, None
 
 
-conv_transpose2d_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context, lib=_LIB)

@@ -9,13 +9,16 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <exception>
+#include <future>
 #include <map>
 #include <mutex>
 #include <string>
@@ -160,8 +163,8 @@ Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_spli
 // (conv_transpose2d_packing), made on first use and kept: for weights that do not change while it lives (a served
 // layer's, or the prepared weights below, which are re-made when the weight changes). A call that passes it skips
 // the packing kernel it would otherwise run every time. It holds no reference to the weight tensor, only what
-// identifies it (its memory, sizes, strides and dtype). Thread-safe; a new packing is waited for once on the stream
-// that made it, so that any stream may read it afterwards (so never made during a CUDA graph capture).
+// identifies it (its memory, sizes, strides and dtype). Thread-safe; a new packing is waited for once, so that any
+// stream may read it afterwards (so never made during a CUDA graph capture).
 class WeightPacks {
  public:
   explicit WeightPacks(const torch::Tensor& weight)
@@ -184,14 +187,16 @@ class WeightPacks {
                                      layout.co_pad, layout.kmajor, layout.layout};
     const std::lock_guard<std::mutex> lock(mu_);
     auto it = packs_.find(key);
-    if (it == packs_.end()) {
-      torch::Tensor t = torch::empty({static_cast<int64_t>(layout.bytes)}, options_.dtype(at::kByte));
-      cudaError_t err = deconv::conv_transpose2d_pack(p, plan, t.data_ptr(), stream);
-      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
-      TORCH_CHECK(err == cudaSuccess, "WeightPacks: packing the weights failed: ", cudaGetErrorString(err));
-      it = packs_.emplace(key, std::move(t)).first;
+    if (it == packs_.end()) it = packs_.emplace(key, Pack{pack(p, plan, stream), {}}).first;
+    Pack& pk = it->second;
+    if (std::find(pk.readers.begin(), pk.readers.end(), stream) == pk.readers.end()) {
+      // Read on this stream from now on: the allocator must not hand its memory out again, once the packs are
+      // dropped, before the work queued here has read it.
+      c10::cuda::CUDACachingAllocator::recordStream(pk.t.storage().data_ptr(),
+                                                    c10::cuda::getStreamFromExternal(stream, options_.device().index()));
+      pk.readers.push_back(stream);
     }
-    return it->second.data_ptr();
+    return pk.t.data_ptr();
   }
 
   // Whether these packs were made for `weight` as it is laid out now.
@@ -207,11 +212,38 @@ class WeightPacks {
   }
 
  private:
+  struct Pack {
+    torch::Tensor t;
+    std::vector<cudaStream_t> readers;  // streams the packed copy was handed to
+  };
+
+  // A new packed copy, made on a stream of its own after `stream`'s work so far (which may be writing the weight),
+  // and waited for. Its memory is allocated by another thread: the calling thread's allocations may be going to a
+  // CUDA graph's memory pool (torch.compile's CUDA graphs warm a model up that way, and refuse allocations that
+  // outlive the warm-up), and these packs outlive the call.
+  torch::Tensor pack(const deconv::ConvTranspose2dParams& p, const deconv::KernelPlan& plan, cudaStream_t stream) {
+    const c10::DeviceIndex device = options_.device().index();
+    const c10::cuda::CUDAStream own = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device);
+    at::cuda::CUDAEvent written;
+    written.record(c10::cuda::getStreamFromExternal(stream, device));
+    written.block(own);
+    const auto bytes = static_cast<int64_t>(deconv::conv_transpose2d_packing(p, plan).bytes);
+    const at::TensorOptions options = options_.dtype(at::kByte);
+    torch::Tensor t = std::async(std::launch::async, [&] {
+                        const c10::cuda::CUDAStreamGuard on_own(own);
+                        return torch::empty({bytes}, options);
+                      }).get();
+    cudaError_t err = deconv::conv_transpose2d_pack(p, plan, t.data_ptr(), own.stream());
+    if (err == cudaSuccess) err = cudaStreamSynchronize(own.stream());
+    TORCH_CHECK(err == cudaSuccess, "WeightPacks: packing the weights failed: ", cudaGetErrorString(err));
+    return t;
+  }
+
   const void* const data_;
   const std::vector<int64_t> sizes_, strides_;
   const at::TensorOptions options_;
   std::mutex mu_;
-  std::map<std::array<int64_t, 6>, torch::Tensor> packs_;
+  std::map<std::array<int64_t, 6>, Pack> packs_;
 };
 
 void check_packs(const WeightPacks* packs, const torch::Tensor& weight) {
@@ -734,6 +766,121 @@ py::object fast_forward(py::handle x_obj, py::handle w_obj, py::handle b_obj, py
   torch::Tensor y = std::get<0>(run_call(c, x, w, bias, c10::nullopt, packs.get()));
   if (c.torch_cl) y = y.contiguous(at::MemoryFormat::ChannelsLast);
   return py::cast(y);
+}
+
+// The registered operator deconv::conv_transpose2d (its schema, fake and Python kernels are in kernels/op.py) gets two
+// C++ kernels for CUDA tensors, registered when this library loads (end of this file): the autograd step and the
+// call itself. A compiled model's or an exported program's call of a problem it has run before then never enters
+// Python, as a call of PyTorch's own convolution does not.
+using OpSignature = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                                  c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t, c10::IntArrayRef,
+                                  c10::optional<c10::string_view>, bool);
+
+const c10::TypedOperatorHandle<OpSignature>& op_handle() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("deconv::conv_transpose2d", "").typed<OpSignature>();
+  return handle;
+}
+
+// The operator's CUDA kernel. A problem in the call cache (remembered by an earlier call of the operator or of
+// kernels.conv_transpose2d) runs from its plan. Any other call -- the first of its problem, one the cache cannot
+// take, a malformed one -- goes to Python's kernel (kernels.op.conv_transpose2d_op), which checks it, makes the kernel
+// choice (measured, with kernels.tuning on) and remembers the problem.
+torch::Tensor op_cuda(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                      c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef output_padding,
+                      int64_t groups, c10::IntArrayRef dilation, c10::optional<c10::string_view> precision,
+                      bool prepare) {
+  const torch::Tensor* b = bias.has_value() && bias->defined() ? &*bias : nullptr;
+  bool tf32 = false;
+  bool known = true;
+  if (!precision.has_value()) {
+    tf32 = at::globalContext().allowTF32CuDNN();
+  } else if (*precision == "tf32") {
+    tf32 = true;
+  } else if (*precision != "fp32") {
+    known = false;
+  }
+  const bool pairs = stride.size() == 2 && padding.size() == 2 && output_padding.size() == 2 && dilation.size() == 2;
+  const bool takes = known && pairs && x.dim() == 4 && w.dim() == 4 && x.size(0) > 0 && w.device() == x.device() &&
+                     w.scalar_type() == x.scalar_type() &&
+                     (b == nullptr || (b->device() == x.device() && b->scalar_type() == x.scalar_type()));
+  CallPlan c;
+  if (takes && call_cache().find(call_key(x, w, b, stride.data(), padding.data(), output_padding.data(),
+                                          dilation.data(), groups, precision_code(x.scalar_type(), tf32)),
+                                 &c)) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const std::shared_ptr<WeightPacks> packs = call_packs(x, w, prepare);
+    const c10::optional<torch::Tensor> bias_in = b != nullptr ? c10::optional<torch::Tensor>(*b) : c10::nullopt;
+    torch::Tensor y = std::get<0>(run_call(c, x, w, bias_in, c10::nullopt, packs.get()));
+    if (c.torch_cl) y = y.contiguous(at::MemoryFormat::ChannelsLast);
+    return y;
+  }
+  const py::gil_scoped_acquire gil;
+  static py::object* python_kernel = nullptr;  // never destroyed: no teardown order at exit
+  if (python_kernel == nullptr) {
+    python_kernel = new py::object(py::module_::import("kernels.op").attr("conv_transpose2d_op"));
+  }
+  const py::object text = precision.has_value() ? py::object(py::str(std::string(*precision))) : py::object(py::none());
+  const py::object bias_obj = b != nullptr ? py::cast(*b) : py::object(py::none());
+  return (*python_kernel)(x, w, bias_obj, stride.vec(), padding.vec(), output_padding.vec(), groups, dilation.vec(),
+                          text, prepare)
+      .cast<torch::Tensor>();
+}
+
+// Autograd of the operator on CUDA tensors: the gradients come from PyTorch's own convolution_backward (cuDNN), as
+// with the Python autograd kernel kernels/op.py registers for other devices.
+struct ConvTranspose2dFunction : public torch::autograd::Function<ConvTranspose2dFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const c10::optional<torch::Tensor>& bias, c10::IntArrayRef stride,
+                               c10::IntArrayRef padding, c10::IntArrayRef output_padding, int64_t groups,
+                               c10::IntArrayRef dilation, c10::optional<c10::string_view> precision, bool prepare) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["stride"] = stride.vec();
+    ctx->saved_data["padding"] = padding.vec();
+    ctx->saved_data["output_padding"] = output_padding.vec();
+    ctx->saved_data["dilation"] = dilation.vec();
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return op_handle().call(x, w, bias, stride, padding, output_padding, groups, dilation, precision, prepare);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    const torch::Tensor& w = saved[1];
+    const std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
+    const std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
+    const std::vector<int64_t> output_padding = ctx->saved_data["output_padding"].toIntVector();
+    const std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                   has_bias && ctx->needs_input_grad(2)};
+    const std::vector<int64_t> bias_sizes{w.size(1) * groups};
+    auto [gx, gw, gb] = at::convolution_backward(
+        grads[0], x, w, has_bias ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(c10::nullopt),
+        stride, padding, dilation, /*transposed=*/true, output_padding, groups, mask);
+    return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// The operator's autograd kernel for CUDA tensors: a call that needs no gradients goes straight to the CUDA kernel.
+torch::Tensor op_autograd_cuda(const torch::Tensor& x, const torch::Tensor& w,
+                               const c10::optional<torch::Tensor>& bias, c10::IntArrayRef stride,
+                               c10::IntArrayRef padding, c10::IntArrayRef output_padding, int64_t groups,
+                               c10::IntArrayRef dilation, c10::optional<c10::string_view> precision, bool prepare) {
+  const bool needs = at::GradMode::is_enabled() &&
+                     (x.requires_grad() || w.requires_grad() || (bias.has_value() && bias->defined() &&
+                                                                 bias->requires_grad()));
+  if (!needs) {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return op_handle().call(x, w, bias, stride, padding, output_padding, groups, dilation, precision, prepare);
+  }
+  return ConvTranspose2dFunction::apply(x, w, bias, stride, padding, output_padding, groups, dilation, precision,
+                                        prepare);
 }
 
 // Host x_host -> weight's device -> kernels -> host y_host on the current stream, then waits for the stream. Called
@@ -1262,3 +1409,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Host places below this many bytes are staged by forward_direct (one copy a run of them).
   m.attr("stage_below_bytes") = kStageBelow;
 }
+
+TORCH_LIBRARY_IMPL(deconv, CUDA, m) { m.impl("conv_transpose2d", &op_cuda); }
+
+TORCH_LIBRARY_IMPL(deconv, AutogradCUDA, m) { m.impl("conv_transpose2d", &op_autograd_cuda); }

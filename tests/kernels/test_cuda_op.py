@@ -4,6 +4,9 @@ steady-state call launches. Every output is checked against a float64 reference 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,6 +145,7 @@ def test_manual_cuda_graph_capture_replays_the_current_weights(ext, dtype: torch
         static_y = m(static_x)
     torch.cuda.current_stream().wait_stream(stream)
     assert len(TUNER) == tuned  # nothing was measured while capturing
+    assert ext.call_cache_size() == 0  # nor was the default remembered in place of a measured choice
     for seed in range(3):
         g = torch.Generator(device="cuda").manual_seed(seed)
         static_x.copy_(torch.randn(static_x.shape, device="cuda", generator=g))
@@ -151,6 +155,83 @@ def test_manual_cuda_graph_capture_replays_the_current_weights(ext, dtype: torch
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(static_y, reference(static_x, m.weight, m.bias, stride=2, padding=1)) < TOL[dtype]
+    with torch.no_grad():
+        m(static_x)  # the first call outside a capture measures
+    assert len(TUNER) == tuned + 1
+
+
+OP = torch.ops.deconv.conv_transpose2d.default
+
+
+def _python_frames_of_kernels(fn) -> list[str]:
+    """The functions of this project's kernels package that run while ``fn`` runs (Python's profiling hook)."""
+    seen: list[str] = []
+
+    package = str(Path(kernels.__file__).parent) + "/"
+
+    def hook(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            seen.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cl", [False, True])
+def test_the_operator_runs_a_remembered_problem_without_entering_python(ext, dtype: torch.dtype, cl: bool) -> None:
+    """The extension's CUDA kernels of the operator: the first call of a problem goes to Python's kernel (choice,
+    checks) and is remembered; a repeat, as a compiled model makes it, stays in C++ and computes the same."""
+    x, w, b = problem(dtype, cl)
+    args = (x, w, b, [2, 2], [1, 1], [0, 0], 1, [1, 1], None, True)
+    with torch.no_grad():
+        first = _python_frames_of_kernels(lambda: OP(*args))
+        assert any("conv_transpose2d_op" in f for f in first), first
+        assert ext.call_cache_size() == 1
+        ys: list[torch.Tensor] = []
+        assert _python_frames_of_kernels(lambda: ys.append(OP(*args))) == []
+    assert rel_err(ys[0], reference(x, w, b, stride=2, padding=1)) < TOL[dtype]
+    assert ys[0].is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    # What the cache cannot take still goes to Python's kernel, which checks it.
+    with pytest.raises(Exception, match="precision"):
+        OP(x, w, b, [2, 2], [1, 1], [0, 0], 1, [1, 1], "tf33", True)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gradients_through_the_operator_on_cuda_are_pytorchs(ext, with_bias: bool) -> None:
+    """The extension's autograd kernel of the operator: exact fp32 forward, and the gradients of PyTorch's own
+    convolution_backward, checked against float64."""
+    x, w, b = problem(torch.float32, False, c_in=16, c_out=8)
+    b = b if with_bias else None
+    leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    y = kernels.conv_transpose2d(*leaves[:2], leaves[2] if with_bias else None, 2, 1, precision="fp32")
+    assert "ConvTranspose2dFunction" in y.grad_fn.name()  # the extension's autograd node
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = F.conv_transpose2d(ref_leaves[0], ref_leaves[1], ref_leaves[2] if with_bias else None, 2, 1)
+    ref.backward(g.double())
+    assert rel_err(y, ref) < 1e-5
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert rel_err(got.grad, want.grad) < 1e-5
+
+
+@pytest.mark.skipif(not SM90, reason="the gemm kernel runs on sm_90 (H100/H200) only")
+def test_a_compiled_inference_model_packs_its_weights_once(ext) -> None:
+    """Under torch.compile without grad mode, a model whose parameters require gradients (as they do after
+    model.eval()) uses the weights' prepared copies: a steady-state pass launches no packing kernel."""
+    model = _decoder(torch.bfloat16, True).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 256, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        launched = _kernels_launched(lambda: compiled(x))
+    ours = [k for k in launched if "deconv::" in k]
+    assert sum("conv_transpose2d_gemm_kernel" in k for k in ours) >= 2, launched
+    assert not any("pack" in k for k in ours), launched
 
 
 def _decoder(dtype: torch.dtype, ours: bool) -> nn.Module:
