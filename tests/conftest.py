@@ -11,6 +11,12 @@ import torch
 # whatever ran before it. The store's own tests give it a directory of their own.
 os.environ["DECONV_TUNE_CACHE"] = "off"
 
+import kernels.tuning
+
+# The kernel tests run the dispatcher's rule (each kernel family is asked for by the tests that cover it); the tests
+# of measured choice turn it on themselves. A server a test starts follows its own setting (Settings.tune).
+kernels.tuning.enable(False)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

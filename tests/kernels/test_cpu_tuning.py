@@ -437,15 +437,16 @@ def test_enable_switches_the_process_tuner(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), (" ON ", True), ("yes", True),
-                                                 ("0", False), ("", False), ("off", False), ("no", False)])
+                                                 ("", True), ("0", False), (" False ", False), ("off", False),
+                                                 ("no", False)])
 def test_environment_switch(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     monkeypatch.setenv("DECONV_TUNE", value)
     assert tuning._env_enabled() is expected
 
 
-def test_environment_switch_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measured_choice_is_on_unless_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DECONV_TUNE", raising=False)
-    assert tuning._env_enabled() is False
+    assert tuning._env_enabled() is True
 
 
 class RaisingTuner:
