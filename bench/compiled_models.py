@@ -58,6 +58,7 @@ BATCH = {"dcgan": 128, "unet": 4}
 
 
 def run(name: str, dtype_name: str, layout: str, mode: str | None, choice: str, cold: ColdTimer) -> dict:
+    torch._dynamo.reset()  # every row compiles afresh (and the models share nn.Sequential's code: no recompile limit)
     torch.manual_seed(0)
     model, shape = MODELS[name](BATCH[name])
     model = model.cuda().eval()
