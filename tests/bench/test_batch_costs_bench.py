@@ -1,6 +1,6 @@
-"""bench/batch_costs.py's GIL-contention measurement (``--contend``) on the CPU worker: batches of slot requests go
-through the worker thread with and without another thread that wants the GIL, each answered correctly, and the
-line reports them (the figures themselves are a benchmark's, not checked)."""
+"""bench/serving/batch_costs.py's GIL-contention measurement (``--contend``) on the CPU worker: batches of slot requests
+go through the worker thread with and without another thread that wants the GIL, each answered correctly, and the line
+reports them (the figures themselves are a benchmark's, not checked)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import re
 
 import torch
 
+from bench.serving import batch_costs
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, load_repository
 from service.engine.worker import Worker
-
-from .conftest import bench_module
-
-batch_costs = bench_module("batch_costs")
 
 
 def test_contended_batches_run_beside_a_thread_that_wants_the_gil() -> None:

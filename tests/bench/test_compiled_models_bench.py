@@ -1,12 +1,12 @@
-"""bench/compiled_models.py on the CPU: the two decoders it compiles are the models it says, and without a GPU it
-stops with a message rather than a traceback."""
+"""bench/kernels/compiled_models.py on the CPU: the two decoders it compiles are the models it says, and without a GPU
+it stops with a message rather than a traceback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import compiled_models as cm
+from bench.kernels import compiled_models as cm
 
 
 @pytest.mark.parametrize(("name", "out_shape"), [("dcgan", (2, 3, 64, 64)), ("unet", (2, 64, 448, 448))])

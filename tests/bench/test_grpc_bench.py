@@ -1,4 +1,4 @@
-"""``bench/grpc_load.py`` runs as the lead runs it, bounded: a CPU server started by the script, both protocols,
+"""``bench/serving/grpc_load.py`` runs as the lead runs it, bounded: a CPU server started by the script, both protocols,
 two sizes, every answer checked and one output of each against PyTorch in float64."""
 
 from __future__ import annotations
@@ -10,23 +10,24 @@ from pathlib import Path
 
 import pytest
 
+from bench.serving import grpc_load
+
 from ..service.conftest import REPO_ROOT
-from .conftest import bench_module
 
 pytest.importorskip("tritonclient.grpc")
 
 
 def test_sizes_are_parsed() -> None:
-    bench = bench_module("grpc_load")
-    assert bench.parse_sizes("tiny=16x16, 4mib=256x256") == [("tiny", 16, 16), ("4mib", 256, 256)]
+    assert grpc_load.parse_sizes("tiny=16x16, 4mib=256x256") == [("tiny", 16, 16), ("4mib", 256, 256)]
     with pytest.raises(SystemExit):
-        bench.parse_sizes("tiny=16")
+        grpc_load.parse_sizes("tiny=16")
 
 
 def test_a_bounded_run_measures_both_protocols(tmp_path: Path) -> None:
     out = tmp_path / "grpc_load.json"
-    run = subprocess.run([sys.executable, "bench/grpc_load.py", "--devices", "cpu", "--sizes", "tiny=8x8,big=64x64",
-                          "--clients", "2", "--procs", "1", "--requests", "30", "--warmup", "4", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "bench.serving.grpc_load", "--devices", "cpu", "--sizes",
+                          "tiny=8x8,big=64x64", "--clients", "2", "--procs", "1", "--requests", "30", "--warmup", "4",
+                          "--out", str(out)],
                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["results"]

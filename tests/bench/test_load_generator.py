@@ -1,4 +1,4 @@
-"""bench/service_load.py's ``--client raw`` load generator (``RawLoad``) against small local HTTP servers: every
+"""bench/serving/service_load.py's ``--client raw`` load generator (``RawLoad``) against small local HTTP servers: every
 request is counted once, as a status or as the exception that failed it, and the clients go on after failures."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import bench_module
+from bench.serving import service_load
 
 BODY = b"y" * 40000  # larger than one read, so that responses arrive in pieces
 
@@ -21,7 +21,7 @@ Behaviour = Callable[[int, asyncio.StreamWriter], Awaitable[bool]]  # request nu
 
 @pytest.fixture(scope="module")
 def load_module() -> ModuleType:
-    return bench_module("service_load")
+    return service_load
 
 
 async def answer(writer: asyncio.StreamWriter, extra: bytes = b"", status: bytes = b"200 OK") -> None:

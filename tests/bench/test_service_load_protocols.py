@@ -1,4 +1,4 @@
-"""bench/service_load.py's protocols (``--protocol npy|kserve|shm``) against a local CPU server: the requests it
+"""bench/serving/service_load.py's protocols (``--protocol npy|kserve|shm``) against a local CPU server: the requests it
 builds are answered 200 and the output it reads back matches PyTorch; shared-memory regions are gone afterwards,
 also when a run is cancelled or a load process left some behind; batching off limits a kernel call to one request."""
 
@@ -19,7 +19,7 @@ import pytest
 from ..service.conftest import REPO_ROOT, ServerProcess
 from . import test_load_generator
 
-load_module = test_load_generator.load_module  # the fixture: bench/service_load.py as a module
+load_module = test_load_generator.load_module  # the fixture: bench/serving/service_load.py
 feed = test_load_generator.feed
 
 BATCH = 4  # samples a request; the server's max_batch_size, as in the no-batching scenario

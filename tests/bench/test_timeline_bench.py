@@ -1,5 +1,5 @@
-"""bench/timeline.py: the steps it records around a batch (on the CPU worker), its start-up hook, and its reading of a
-GPU trace (a made-up one: the gaps, who was doing what, the hand-over)."""
+"""bench/serving/timeline.py: the steps it records around a batch (on the CPU worker), its start-up hook, and its
+reading of a GPU trace (a made-up one: the gaps, who was doing what, the hand-over)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from bench.serving import timeline as timeline_module
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine import batcher as batcher_module
 from service.engine import worker as worker_module
@@ -19,14 +20,13 @@ from service.engine.batcher import Batcher
 from service.engine.registry import BatchLimits, load_repository
 
 from ..service.conftest import run
-from .conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def timeline() -> ModuleType:
-    return bench_module("timeline")
+    return timeline_module
 
 
 def test_recording_marks_every_step_of_each_batch(timeline: ModuleType, tmp_path: Path,
@@ -71,7 +71,7 @@ def test_recording_marks_every_step_of_each_batch(timeline: ModuleType, tmp_path
 def test_start_up_hook_installs_only_when_asked(tmp_path: Path) -> None:
     code = ("import sys, service.engine.local as _, service.engine.worker as w; "
             "print('deconv_bench_timeline' in sys.modules, hasattr(w.Worker._outputs, '__wrapped__'))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "timeline_site"), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "serving" / "timeline_site"), str(ROOT)])}
     env.pop("DECONV_TIMELINE_DIR", None)
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert off.returncode == 0, off.stderr[-2000:]

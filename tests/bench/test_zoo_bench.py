@@ -1,6 +1,6 @@
-"""bench/zoo.py and bench/plot_zoo.py without a GPU: the layer data, the roofline arithmetic, the rows' derived
-fields, the summary and the JSON schema, the merge of partial runs, the budget's skipped rows, one problem's rows
-and KernelBench's check run on CPU tensors (stand-ins for the GPU-only calls), the printed report, the chart."""
+"""bench/kernels/zoo.py and bench/kernels/plot_zoo.py without a GPU: the layer data, the roofline arithmetic, the rows'
+derived fields, the summary and the JSON schema, the merge of partial runs, the budget's skipped rows, one problem's
+rows and KernelBench's check run on CPU tensors (stand-ins for the GPU-only calls), the printed report, the chart."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench import layer_zoo, plot_zoo, zoo
+from bench.kernels import layer_zoo, plot_zoo, zoo
 from kernels.tuning import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_merge_partial_files(tmp_path: Path) -> None:
 
 @pytest.fixture
 def cpu_zoo(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/zoo.py's row logic on CPU tensors: kernels.conv_transpose2d runs PyTorch's reference there; the
+    """bench/kernels/zoo.py's row logic on CPU tensors: kernels.conv_transpose2d runs PyTorch's reference there; the
     served call, the tuner's label and the timer get stand-ins."""
     monkeypatch.setattr(zoo, "DEVICE", "cpu")
 
@@ -316,16 +316,16 @@ def test_plot_from_json(tmp_path: Path) -> None:
 
 
 def test_command_line_without_gpu() -> None:
-    env_py = [sys.executable, str(ROOT / "bench" / "zoo.py")]
-    help_text = subprocess.run([*env_py, "--help"], capture_output=True, text=True, check=True).stdout
+    env_py = [sys.executable, "-m", "bench.kernels.zoo"]
+    help_text = subprocess.run([*env_py, "--help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     for flag in ("--precisions", "--layouts", "--only", "--suite", "--out", "--merge", "--no-check", "--budget-s"):
         assert flag in help_text
-    est = subprocess.run([*env_py, "--estimate", "--only", "unet-up1", "kb81"], capture_output=True, text=True,
-                         check=True).stdout
+    est = subprocess.run([*env_py, "--estimate", "--only", "unet-up1", "kb81"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
     assert "unet-up1" in est
     assert "kb81" in est
     assert "estimated" in est
-    bad = subprocess.run([*env_py, "--only", "no-such-layer"], capture_output=True, text=True)
+    bad = subprocess.run([*env_py, "--only", "no-such-layer"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "no-such-layer" in bad.stderr
     assert zoo.estimate(zoo.zoo_problems(), zoo.PRECISIONS, zoo.LAYOUTS) < zoo.DEFAULT_BUDGET_S

@@ -1,4 +1,4 @@
-"""GPU tests of KServe CUDA shared memory (run with ``-m cuda`` on the device machine; bench/device_cuda_shm.sh).
+"""GPU tests of KServe CUDA shared memory (run with ``-m cuda`` on the device machine; bench/device/cuda_shm.sh).
 
 The real server (one process, and two HTTP processes in front of the engine process) with its GPU worker, and
 clients in this process, which pass it device memory: tritonclient's ``tritonclient.utils.cuda_shared_memory``
@@ -35,7 +35,7 @@ from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda
 
-load_module = test_load_generator.load_module  # the fixture: bench/service_load.py as a module
+load_module = test_load_generator.load_module  # the fixture: bench/serving/service_load.py
 
 COMPILE_TIMEOUT_S = 600  # the first start may compile the kernels
 
@@ -331,7 +331,7 @@ def test_a_failed_cuda_ipc_call_leaves_no_error_behind() -> None:
 
 
 def test_the_load_generator_drives_cuda_shared_memory(live: ServerProcess, load_module: Any) -> None:
-    """bench/service_load.py's ``--protocol cuda-shm``: each client's input and output are CUDA tensors whose
+    """bench/serving/service_load.py's ``--protocol cuda-shm``: each client's input and output are CUDA tensors whose
     allocations it registers once; the answers are 200, the output read back matches PyTorch, and the regions are
     unregistered afterwards."""
     args = argparse.Namespace(layer="demo", repository=DEFAULT_LAYER_REPOSITORY, batch=3, height=8, width=8,

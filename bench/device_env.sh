@@ -1,7 +1,0 @@
-# Sourced by the device scripts (bench/device_*.sh): $OUT, the carried wheels installed into /tmp/site (from
-# ../shared/device/fetch-wheels, in .whl), the import path and the kernel build cache.
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:$PWD/client:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export DECONV_KERNEL_CACHE=${DECONV_KERNEL_CACHE:-/tmp/deconv-kernel-cache}
