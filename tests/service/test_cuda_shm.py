@@ -30,7 +30,7 @@ from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
 from tests.numerics import rel_err
 
-from ..bench import test_load_generator
+from ..bench.serving import test_load_generator
 from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda

@@ -12,7 +12,7 @@ import pytest
 
 from bench.serving import grpc_load
 
-from ..service.conftest import REPO_ROOT
+from ...service.conftest import REPO_ROOT
 
 pytest.importorskip("tritonclient.grpc")
 

@@ -19,9 +19,9 @@ from service.engine import worker as worker_module
 from service.engine.batcher import Batcher
 from service.engine.registry import BatchLimits, load_repository
 
-from ..service.conftest import run
+from ...service.conftest import run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

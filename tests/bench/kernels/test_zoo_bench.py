@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from bench.kernels import layer_zoo, plot_zoo, zoo
 from kernels.tuning import DEFAULT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CEILINGS = {"copy_TBps": 3.0, "tf32_matmul_TFLOPs": 400.0, "fp32_matmul_TFLOPs": 50.0, "bf16_matmul_TFLOPs": 800.0,
             "fp16_matmul_TFLOPs": 790.0}
 

@@ -16,7 +16,7 @@ from types import ModuleType
 import httpx
 import pytest
 
-from ..service.conftest import REPO_ROOT, ServerProcess
+from ...service.conftest import REPO_ROOT, ServerProcess
 from . import test_load_generator
 
 load_module = test_load_generator.load_module  # the fixture: bench/serving/service_load.py
