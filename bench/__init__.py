@@ -4,7 +4,9 @@
   call's cost, whole models under torch.compile, and the probes behind the dispatcher's rules);
 - ``bench.serving``: the service under load (requests/s, latency, CPU a request, gRPC against HTTP), a batch's cost
   in the engine, and its reliability under overload, faults, signals and attacks;
-- ``bench/device``: the shell scripts that run one measurement on the GPU machine, each one call there.
+- ``bench/device``: the shell scripts that run one measurement on the GPU machine, each one call there;
+- ``bench.harness``: what the kernel benchmarks share: GPU timing with a cold L2 (flushed before each call) or a warm
+  one, the relative error against float64, the device's name in file names, the JSON result files.
 
     python -m bench.kernels.zoo --estimate
     python -m bench.serving.service_load --help

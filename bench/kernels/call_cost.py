@@ -17,10 +17,10 @@ Each call is measured four ways:
 - ``host_us``: the host time of one call while the GPU is busy (a long sleep queued first, so that the call only
   queues work): the median over ``HOST_CALLS`` calls timed one by one with ``time.perf_counter_ns``;
 - ``warm_us``: back-to-back calls (``WARM_CALLS`` of them between two CUDA events, after warm-up), per call: what
-  a layer costs when it is host-bound or its data stays in L2;
+  a layer costs when it is host-bound or its data stays in L2 (bench/harness.py's ``warm_us``);
 - ``cold_us``: the GPU time of one call after a write of twice the L2 size, with a host-slack sleep before it (so
   that the events time the GPU, not the host), the median of ``COLD_CALLS`` calls: a layer inside a model meets
-  cold weights;
+  cold weights (bench/harness.py's ``ColdTimer``);
 - ``kernels``: the GPU work one call launches (torch.profiler, CUDA activity): each kernel's name and microseconds,
   and how many there are.
 
@@ -49,14 +49,12 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from bench.harness import COLD_CALLS, WARM_CALLS, ColdTimer, short_slug, warm_us, write
 from bench.kernels import zoo
 from bench.kernels.kernelbench import served_call
 from kernels.functional import normalize_args, resolve_precision
-from kernels.tuning import HOST_SLACK_CYCLES
 
 HOST_CALLS = 60
-WARM_CALLS = 50
-COLD_CALLS = 21
 # Cycles of the sleep that keeps the GPU busy while the host calls are timed (~50 ms at H100/H200 clocks; sized up
 # when the calls take longer than that).
 BUSY_CYCLES = 100_000_000
@@ -81,41 +79,6 @@ def host_us(fn: Callable[[], object]) -> float:
         times.append(time.perf_counter_ns() - t0)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e-3
-
-
-def warm_us(fn: Callable[[], object]) -> float:
-    """Microseconds a call when ``WARM_CALLS`` calls run back to back (host and GPU overlapping)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(WARM_CALLS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / WARM_CALLS
-
-
-class ColdTimer:
-    """The median GPU time of one call after an L2 flush (twice the L2 written) and a host-slack sleep."""
-
-    def __init__(self) -> None:
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        fn()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(COLD_CALLS)]
-        for start, end in events:
-            self.flush.fill_(1)
-            torch.cuda._sleep(HOST_SLACK_CYCLES)
-            start.record()
-            fn()
-            end.record()
-        events[-1][1].synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
 
 
 def profile_kernels(calls: dict[str, Callable[[], object]]) -> dict[str, list[tuple[str, float]]]:
@@ -252,7 +215,7 @@ def merge_into(path: Path, rows: Sequence[dict]) -> int:
         if r is not None:
             zr["call_cost"] = {c: {k: v for k, v in r[c].items() if k != "gpu_work"} for c in CALLS if c in r}
             n += 1
-    zoo.write(path, doc)
+    write(path, doc)
     return n
 
 
@@ -273,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cold = ColdTimer()
     rows: list[dict] = []
     t0 = time.perf_counter()
-    out = args.out / f"call_cost-{zoo.short_slug(device)}{'-default' if args.default else ''}.json"
+    out = args.out / f"call_cost-{short_slug(device)}{'-default' if args.default else ''}.json"
 
     def document() -> dict:
         return {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
@@ -295,9 +258,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                       file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
         if rows:
-            zoo.write(out, document())  # after every problem: a run cut short keeps its rows
+            write(out, document())  # after every problem: a run cut short keeps its rows
     doc = document()
-    zoo.write(out, doc)
+    write(out, doc)
     if args.into:
         print(f"call-cost figures added to {merge_into(args.into, rows)} rows of {args.into}", file=sys.stderr)
     print(report(rows, doc["summary"]))

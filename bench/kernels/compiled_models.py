@@ -9,8 +9,9 @@ PyTorch's modules (``cudnn.benchmark`` on). Both are compiled with ``torch.compi
 (``kernels.tuning``, as cuDNN's benchmark mode measures its own); the row says which.
 
 Per model, dtype, layout and mode: the first call's seconds (compilation), then ``warm_ms`` (forward passes back to
-back, per pass) and ``cold_ms`` (one pass after a write of twice the L2 size, median), timed as
-bench/kernels/call_cost.py times one call, and ours against a float64 run of the same weights next to cuDNN's error.
+back, per pass) and ``cold_ms`` (one pass after a write of twice the L2 size, median), timed by bench/harness.py's
+``warm_us`` and ``ColdTimer`` as bench/kernels/call_cost.py times one call, and ours against a float64 run of the same
+weights next to cuDNN's error.
 
     python -m bench.kernels.compiled_models --models dcgan --dtypes bf16 --layouts nchw
 """
@@ -30,8 +31,7 @@ import torch
 from torch import nn
 
 import kernels
-from bench.kernels import zoo
-from bench.kernels.call_cost import ColdTimer, warm_us
+from bench.harness import ColdTimer, short_slug, warm_us, write
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}
 
@@ -113,8 +113,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                           f"({r['cold_speedup']}x), err {r['ours_rel_err']} / {r['cudnn_rel_err']}, compile "
                           f"{r['ours_compile_s']} / {r['cudnn_compile_s']} s", flush=True)
     device = torch.cuda.get_device_name(0)
-    out = args.out / f"compiled_models-{zoo.short_slug(device)}.json"
-    zoo.write(out, {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+    out = args.out / f"compiled_models-{short_slug(device)}.json"
+    write(out, {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
                     "rows": rows})
     print(json.dumps(rows, indent=1))
     print(f"wrote {out}")

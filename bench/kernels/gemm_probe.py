@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernels.kernelbench import Timer, rel_err
+from bench.harness import Timer, rel_err
 from bench.kernels.layer_zoo import ZOO, problem
 from bench.kernels.zoo import kernelbench_problems
 from kernels.internal import forward_cuda, load_extension, normalize_args

@@ -22,8 +22,6 @@ import copy
 import inspect
 import json
 import math
-import re
-import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from bench.harness import Timer, cudnn_benchmark, device_slug, rel_err, write
 from kernels.functional import (
     ConvArgs,
     normalize_args,
@@ -97,31 +96,6 @@ def min_bytes(p: dict, elem: int) -> int:
     return (x + w + y + (p["out_channels"] if p["bias"] else 0)) * elem
 
 
-class Timer:
-    """CUDA-event timing of GPU time with an L2 flush before every run; returns the median in ms."""
-
-    def __init__(self, reps: int, warmup: int) -> None:
-        self.reps, self.warmup = reps, warmup
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        self.flush_buf = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8, device="cuda")
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(self.reps):
-            self.flush_buf.zero_()
-            # Host dispatch stays out of the window (kernels.tuning.HOST_SLACK_CYCLES; bench/NOTES.md v12).
-            torch.cuda._sleep(kernels.tuning.HOST_SLACK_CYCLES)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-
 # The matrix products measure_ceilings can time: name -> (dtype, TF32 allowed).
 MATMULS = {"tf32": (torch.float32, True), "fp32": (torch.float32, False), "bf16": (torch.bfloat16, False),
            "fp16": (torch.float16, False)}
@@ -152,29 +126,6 @@ def floor_ms(flops: int, nbytes: int, mode: str, ceilings: dict[str, float]) -> 
     by the fastest exact method we know, 3 TF32 products per multiply (3xTF32): the TF32 rate / 3."""
     rate = ceilings["tf32_matmul_TFLOPs"] / 3 if mode == "fp32" else ceilings[f"{mode}_matmul_TFLOPs"]
     return max(flops / rate / 1e9, nbytes / ceilings["copy_TBps"] / 1e9)
-
-
-def device_slug(device: str) -> str:
-    """A device name as a file-name part: "NVIDIA H100 80GB HBM3" -> "nvidia-h100-80gb-hbm3"."""
-    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    y64 = y.double()
-    if not torch.isfinite(y64).all():
-        return float("inf")
-    return ((y64 - ref).norm() / ref.norm()).item()
-
-
-def cudnn_benchmark(timer: Timer, fn: Callable[[], object]) -> float:
-    """``fn``'s time with ``torch.backends.cudnn.benchmark`` on (its first call measures cuDNN's algorithms)."""
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        fn()
-        return timer(fn)
-    finally:
-        torch.backends.cudnn.benchmark = old
 
 
 def tuned_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
@@ -366,12 +317,11 @@ def main() -> None:
 
     slug = device_slug(device)
     out = args.out or ROOT / "docs" / "benchmarks" / f"kernelbench-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"device": device, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
            "ceilings": {k: round(v, 2) for k, v in ceilings.items()}, "reps": args.reps, "tuned": args.tune,
            "problems": rows,
            "layers": layer_rows}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    write(out, doc)
 
     hdr = f"{'id':>3} {'mode':>5} {'ours ms':>8} {'choice':>8} {'default':>8} {'cuDNN ms':>8} {'cuDNN-B':>8} " \
           f"{'cuDNN-CL':>8} {'speedup':>8} {'vs B':>6} {'vs CL':>6} {'%floor':>7} {'rel err':>9} ok"

@@ -12,7 +12,6 @@ kernels within one call (launch gaps). Prints one line per (layer, batch) and wr
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,7 +21,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import kernels
-from bench.kernels.kernelbench import Timer, bundled_layers
+from bench.harness import Timer, write
+from bench.kernels.kernelbench import bundled_layers
 
 
 def kernel_times(fn: Callable[[], object], reps: int) -> dict[str, float]:
@@ -76,7 +76,7 @@ def main() -> None:
                   flush=True)
     if args.out:
         device = torch.cuda.get_device_name()
-        args.out.write_text(json.dumps({"device": device, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+        write(args.out, {"device": device, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from bench.kernels.kernelbench import Timer, rel_err
+from bench.harness import Timer, rel_err, write
 from kernels.internal import forward_cuda, normalize_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def main() -> None:
             print(f"{r['layer']:<16} {n:>3} {r['cudnn_ms']:8.4f} {r['default_ms']:8.4f} {r['default_path']:<12} "
                   + " ".join(cells), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1) + "\n")
+        write(args.out, {"device": torch.cuda.get_device_name(0), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from bench.harness import write
 from bench.kernels import layer_kernels, zoo
 from kernels.internal import check_tensors, forward_cuda, load_extension, normalize_args
 from kernels.tuning import TUNER, Timer
@@ -336,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:
-        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write(a.out, doc)
 
 
 if __name__ == "__main__":

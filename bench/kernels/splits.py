@@ -15,14 +15,14 @@ the dispatcher's own choice), and ``--layers`` keeps only the named layers.
 from __future__ import annotations
 
 import argparse
-import json
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.kernels.kernelbench import TOL, Timer, bundled_layers, rel_err
+from bench.harness import Timer, rel_err, write
+from bench.kernels.kernelbench import TOL, bundled_layers
 from kernels.internal import forward_cuda, normalize_args, resolve_precision
 
 SPLITS = (None, 1, 2, 4, 8)  # None: the default choice
@@ -72,7 +72,7 @@ def main() -> None:
     if args.out:
         doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
                "config": args.config, "rows": rows}
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write(args.out, doc, indent=2)
 
 
 if __name__ == "__main__":

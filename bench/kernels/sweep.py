@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.kernels.kernelbench import PROBLEMS, TOL, Timer, rel_err
+from bench.harness import Timer, rel_err, write
+from bench.kernels.kernelbench import PROBLEMS, TOL
 from kernels.internal import forward_cuda, load_extension, normalize_args
 
 
@@ -86,7 +87,7 @@ def main() -> None:
             print(f"{r['id']:>3} {mode:>4} {r['cudnn_ms']:8.3f} {r['default_ms']:8.3f}  " + " ".join(cells),
                   flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=1) + "\n")
+        write(args.out, {"device": torch.cuda.get_device_name(0), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -27,13 +27,13 @@ row:
   allocator hands the freed block back) and every element must be finite. ``max_rel_err`` is null when the
   output holds a non-finite value or the call failed; a wrong row has ``"correct": false`` and is printed loudly.
 
-Timing: CUDA events, an L2 flush and a host-slack sleep before every timed call (kernelbench.py's ``Timer``), one
-warm-up call, then timed calls until ~25 ms of GPU time (at least 3, at most 40), the median; every figure (ours,
-served, both cuDNN layouts) is the smaller of two such medians, the second taken after all of the problem's
-other calls (the machine has slow spells that inflated single rows 2-8x: bench/NOTES.md v20). Tuning (the first
-call of each problem with measured choice) and cuDNN's algorithm search are outside the timed calls but inside
-``--budget-s``, which is counted from after the extension is loaded: past it no new problem starts, and the rows
-not run are listed under ``summary.skipped`` (run them later with ``--only`` and join the files with ``--merge``).
+Timing: CUDA events, an L2 flush and a host-slack sleep before every timed call (bench/harness.py's ``AdaptiveTimer``),
+one warm-up call, then timed calls until ~25 ms of GPU time (at least 3, at most 40), the median; every figure (ours,
+served, both cuDNN layouts) is the smaller of two such medians, the second taken after all of the problem's other calls
+(the machine has slow spells that inflated single rows 2-8x: bench/NOTES.md v20). Tuning (the first call of each problem
+with measured choice) and cuDNN's algorithm search are outside the timed calls but inside ``--budget-s``, which is
+counted from after the extension is loaded: past it no new problem starts, and the rows not run are listed under
+``summary.skipped`` (run them later with ``--only`` and join the files with ``--merge``).
 
 Then, unless ``--no-check``: KernelBench's own correctness check on its seven problems under PyTorch's default
 flags (fp32, ``cudnn.allow_tf32`` True, ``cudnn.benchmark`` False): 5 seeds, each ``torch.manual_seed(seed)``,
@@ -58,8 +58,6 @@ import argparse
 import copy
 import json
 import math
-import re
-import statistics
 import sys
 import time
 import traceback
@@ -73,24 +71,21 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from bench.harness import AdaptiveTimer, cudnn_benchmark, rel_err, short_slug, write
 from bench.kernels import layer_zoo
 from bench.kernels.kernelbench import (
     PROBLEMS,
     TOL,
     Model,
-    Timer,
-    device_slug,
     floor_ms,
     init_args,
     measure_ceilings,
     min_bytes,
-    rel_err,
     served_call,
     tuned_choice,
     useful_flops,
 )
 from kernels.functional import normalize_args, resolve_precision, suggests_channels_last
-from kernels.tuning import HOST_SLACK_CYCLES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,14 +174,6 @@ def roofline(p: dict, precision: str, ceilings: dict[str, float]) -> tuple[float
     flops = useful_flops(p)
     nbytes = min_bytes(p, DTYPES[precision].itemsize)
     return flops / 1e9, floor_ms(flops, nbytes, precision, ceilings)
-
-
-def short_slug(device: str) -> str:
-    """The device for file names: "NVIDIA H100 80GB HBM3" -> "nvidia-h100" (the full slug when it is no
-    NVIDIA <letter><digits> name)."""
-    slug = device_slug(device)
-    m = re.match(r"nvidia-[a-z]+\d+", slug)
-    return m.group(0) if m else slug
 
 
 # ---------------------------------------------------------------- rows, summary, merge
@@ -362,34 +349,6 @@ def report(doc: dict, worst: int = 12) -> str:
 # ---------------------------------------------------------------- GPU measurement
 
 
-class AdaptiveTimer(Timer):
-    """kernelbench.py's Timer (L2 flush and host-slack sleep before each call, CUDA events, median), with the
-    repetitions set by time: one warm-up call, one probe call, then calls until ``target_ms`` of GPU time (at
-    least ``min_reps``, at most ``max_reps``), queued before one wait as the tuner's timer does."""
-
-    def __init__(self, target_ms: float = TARGET_MS, min_reps: int = MIN_REPS, max_reps: int = MAX_REPS) -> None:
-        super().__init__(reps=max_reps, warmup=1)
-        self.target_ms, self.min_reps, self.max_reps = target_ms, min_reps, max_reps
-
-    def _timed(self, fn: Callable[[], object], reps: int) -> list[float]:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            self.flush_buf.zero_()
-            torch.cuda._sleep(HOST_SLACK_CYCLES)
-            start.record()
-            fn()
-            end.record()
-        events[-1][1].synchronize()
-        return [start.elapsed_time(end) for start, end in events]
-
-    def __call__(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        probe = self._timed(fn, 1)[0]
-        reps = max(self.min_reps, min(self.max_reps, math.ceil(self.target_ms / max(probe, 1e-3))))
-        return statistics.median(self._timed(fn, reps))
-
-
 class Log:
     """Lines to stderr (flushed) and to the log file."""
 
@@ -418,17 +377,6 @@ def poison_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     next allocation of that size, so elements a kernel leaves unwritten read NaN."""
     torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     # freed here; stream-ordered, so the next allocation on this stream sees the NaNs written first
-
-
-def cudnn_time(timer: TimerFn, fn: Callable[[], object]) -> float:
-    """``fn``'s time with ``cudnn.benchmark`` on (its first call searches cuDNN's algorithms, untimed)."""
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        fn()
-        return timer(fn)
-    finally:
-        torch.backends.cudnn.benchmark = old
 
 
 class RefCache:
@@ -537,9 +485,9 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
             calls = {"nchw": partial(F.conv_transpose2d, x, w, b, **kw),
                      "cl": partial(F.conv_transpose2d, x_cl, w_cl, b, **kw)}
             for key, call in calls.items():
-                cudnn[key] = cudnn_time(timer, call)
+                cudnn[key] = cudnn_benchmark(timer, call)
             for key, call in calls.items():
-                cudnn[key] = min(cudnn[key], cudnn_time(timer, call))  # type: ignore[type-var]
+                cudnn[key] = min(cudnn[key], cudnn_benchmark(timer, call))  # type: ignore[type-var]
             del calls, x_cl, w_cl
         except Exception as exc:
             errors.append(f"{tag}: cuDNN: {type(exc).__name__}: {exc}")
@@ -701,13 +649,6 @@ def run_problems(problems: Sequence[dict], precisions: Sequence[str], layouts: S
         after_problem()
 
 
-def write(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
@@ -756,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     kernels.conv_transpose2d(torch.randn(1, 1, 2, 2, device="cuda"), torch.randn(1, 1, 1, 1, device="cuda"))
     t0 = time.perf_counter()
     log(f"# extension built/loaded in {t0 - t_build:.1f} s; budget {args.budget_s:.0f} s from now")
-    timer = AdaptiveTimer()
+    timer = AdaptiveTimer(TARGET_MS, MIN_REPS, MAX_REPS)
     ceilings = measure_ceilings(timer, ("tf32", "fp32", "bf16", "fp16"))
     log(f"# {device}; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; ceilings: "
         + ", ".join(f"{k} {v:.1f}" for k, v in ceilings.items()) + f" ({time.perf_counter() - t0:.1f} s)")
