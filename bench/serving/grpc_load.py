@@ -9,7 +9,7 @@ One server (``python -m service`` with ``DECONV_GRPC_PORT``, started here on 127
 warm-up in the first round:
 
 - ``http``: ``POST /v2/models/{layer}/infer`` with the binary tensor extension, output as binary, from the raw
-  asyncio client of ``bench/serving/service_load.py`` (``RawLoad``, ``kserve_wire``; one connection a client);
+  asyncio client of ``bench/serving/raw_client.py`` (``RawLoad``, ``wire.kserve_wire``; one connection a client);
 - ``grpc``: ``inference.GRPCInferenceService/ModelInfer`` with the input as ``raw_input_contents``, from grpcio's
   asyncio client: one channel (one HTTP/2 connection: a local subchannel pool) a client, the request message
   serialized once and sent as bytes, every answer parsed (tritonclient's ``ModelInferResponse``) and its
@@ -44,8 +44,11 @@ from typing import Any
 import numpy as np
 
 from bench.serving import service_load as sl
+from bench.serving.raw_client import RawLoad, event_loop_factory
+from bench.serving.servers import free_port, process_tree_cpu, stop_server, wait_ready
+from bench.serving.wire import check_output, kserve_wire, make_input, output_shape
 
-ROOT = sl.ROOT
+ROOT = Path(__file__).resolve().parents[2]
 PROTOCOLS = ("http", "grpc")
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 DEFAULT_SIZES = "tiny=16x16,4mib=256x256"
@@ -136,15 +139,15 @@ async def drive(args: argparse.Namespace, x: np.ndarray) -> tuple[dict[str, Any]
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if args.protocol == "grpc":
-        load = GrpcLoad(args.grpc, grpc_request(args.layer, x), sl.output_shape(args, x), x.dtype, args.requests,
+        load = GrpcLoad(args.grpc, grpc_request(args.layer, x), output_shape(args, x), x.dtype, args.requests,
                         args.timeout, args.max_seconds, args.api_key)
         await load.run(args.clients)
         sample = load.sample
     else:
-        wire = sl.kserve_wire(args, x)
+        wire = kserve_wire(args, x)
         if args.api_key:
             wire.headers["authorization"] = f"Bearer {args.api_key}"
-        load = sl.RawLoad(args.url, wire.path, b"", wire.content_type, args.requests, args.timeout, wire=wire,
+        load = RawLoad(args.url, wire.path, b"", wire.content_type, args.requests, args.timeout, wire=wire,
                           max_seconds=args.max_seconds)
         await load.run(args.clients)
         sample = load.sample if isinstance(load.sample, np.ndarray) else None
@@ -157,8 +160,8 @@ async def drive(args: argparse.Namespace, x: np.ndarray) -> tuple[dict[str, Any]
 
 def worker_main(args: argparse.Namespace) -> None:
     sl.sigterm_as_sigint()
-    x = sl.make_input(args)
-    with asyncio.Runner(loop_factory=sl.event_loop_factory()) as runner:
+    x = make_input(args)
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         result, sample = runner.run(drive(args, x))
     result["end"] = time.time()
     if sample is not None:
@@ -203,7 +206,7 @@ def drive_processes(args: argparse.Namespace, protocol: str, height: int, width:
 
 def start_server(args: argparse.Namespace, workdir: Path) -> subprocess.Popen[bytes]:
     """``python -m service`` on free HTTP and gRPC ports of 127.0.0.1 (sets ``args.url`` and ``args.grpc``)."""
-    port, grpc_port = sl.free_port(), sl.free_port()
+    port, grpc_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DECONV_LAYER_REPOSITORY": str(args.repository),
            "DECONV_DEVICES": args.devices, "DECONV_LOG_LEVEL": "warning",
            "DECONV_HTTP_PROCESSES": str(args.http_processes), "DECONV_GRPC_PORT": str(grpc_port),
@@ -212,7 +215,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> subprocess.Popen[by
     proc = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     args.url, args.grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    sl.wait_ready(args.url, proc, args.startup_timeout, workdir / "server.log", args.http_processes)
+    wait_ready(args.url, proc, args.startup_timeout, workdir / "server.log", args.http_processes)
     return proc
 
 
@@ -222,17 +225,17 @@ def measure(args: argparse.Namespace, server_pid: int | None, size: tuple[str, i
     name, height, width = size
     if warm and args.warmup:
         drive_processes(args, protocol, height, width, args.warmup, None)
-    cpu0 = sl.process_tree_cpu(server_pid) if server_pid else {}
+    cpu0 = process_tree_cpu(server_pid) if server_pid else {}
     result, sample = drive_processes(args, protocol, height, width, args.requests, args.max_seconds)
-    cpu1 = sl.process_tree_cpu(server_pid) if server_pid else {}
+    cpu1 = process_tree_cpu(server_pid) if server_pid else {}
     sized = argparse.Namespace(**{**vars(args), "height": height, "width": width})
-    x = sl.make_input(sized)
-    out_bytes = math.prod(sl.output_shape(sized, x)) * x.itemsize
+    x = make_input(sized)
+    out_bytes = math.prod(output_shape(sized, x)) * x.itemsize
     cpu_s = sum(cpu1.get(k, 0.0) - v for k, v in cpu0.items())
     result.update(size=name, protocol=protocol, input_bytes=x.nbytes, output_bytes=out_bytes,
                   payload_mb_per_s=result["requests_per_s"] * (x.nbytes + out_bytes) / 1e6,
                   server_cpu_ms_per_request=1e3 * cpu_s / result["ok"] if server_pid and result["ok"] else None,
-                  rel_err=sl.check_output(sized, x, sample) if sample is not None else None)
+                  rel_err=check_output(sized, x, sample) if sample is not None else None)
     return result
 
 
@@ -313,7 +316,7 @@ def main() -> None:
                                for size in sizes for protocol in protocols])
         finally:
             if server is not None:
-                sl.stop_server(server)
+                stop_server(server)
     rows = medians(rounds)
     print(f"layer {args.layer}, {args.clients} clients over {max(1, min(args.procs, args.clients))} load "
           f"process(es), {args.rounds} round(s), server: {args.url} and gRPC {args.grpc}"

@@ -58,586 +58,52 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import json
 import math
 import os
 import platform
 import resource
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 import numpy as np
-from deconv_client import CodecError, LayerInfo, _shm
+
+from bench.serving.raw_client import RawLoad, event_loop_factory
+from bench.serving.servers import (
+    GpuSampler,
+    cpu_per_request,
+    process_tree_cpu,
+    server_timings,
+    start_server,
+    stop_server,
+    timing_breakdown,
+    wait_ready,
+)
+from bench.serving.wire import (
+    check_output,
+    cuda_shm_wire,
+    make_input,
+    make_wire,
+    output_shape,
+    shm_wire,
+    sweep_regions,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
 SCENARIOS = ("batching", "no-batching", "naive")
+
+
 PROTOCOLS = ("npy", "kserve", "shm", "cuda-shm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def server_command(scenario: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of ``scenario``'s server on ``port``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if scenario == "naive":
-        cmd = [sys.executable, "-m", "bench.serving.naive_server", "--port", str(port), "--layer", args.layer,
-               "--repository", str(args.repository), "--device", "auto" if args.devices in ("auto", "all") else
-               ("cpu" if args.devices == "cpu" else f"cuda:{args.devices.split(',')[0]}")]
-    else:
-        cmd = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
-        env.update({"DECONV_LAYER_REPOSITORY": str(args.repository), "DECONV_DEVICES": args.devices,
-                    "DECONV_LOG_LEVEL": "warning"})
-        env["DECONV_HTTP_PROCESSES"] = str(args.http_processes)
-        if scenario == "no-batching":  # one request a kernel call: the limit is a request's samples
-            env["DECONV_MAX_BATCH_SIZE"] = str(args.batch)
-        elif args.max_queue_delay_ms is not None:
-            env["DECONV_MAX_QUEUE_DELAY_MS"] = str(args.max_queue_delay_ms)
-        env["DECONV_MAX_QUEUE_SIZE"] = str(max(256, 2 * args.clients))
-        if args.protocol == "shm":  # a region per client (the warm-up's are gone before the measured ones come)
-            env["DECONV_SYSTEM_SHM_MAX_REGIONS"] = str(max(64, 2 * args.clients))
-        if args.protocol == "cuda-shm":  # up to two allocations a client
-            env["DECONV_CUDA_SHM_MAX_REGIONS"] = str(max(64, 4 * args.clients))
-    return cmd, env
-
-
-def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd, env = server_command(scenario, args, port)
-    log = open(log_path, "wb")  # noqa: SIM115  (the child keeps writing to it)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _http_processes(url: str) -> float:
-    """``deconv_http_processes`` from /metrics (HTTP processes serving; the engine's connections when several)."""
-    for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():
-        if line.startswith("deconv_http_processes "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, log_path: Path | None,
-               http_processes: int = 1) -> None:
-    """Wait for /health/ready and until ``http_processes`` HTTP processes serve (0: do not ask /metrics)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            text = log_path.read_text(errors="replace") if log_path else ""
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
-        try:
-            if (httpx.get(f"{url}/health/ready", timeout=2).status_code == 200
-                    and (http_processes == 0 or _http_processes(url) >= http_processes)):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
-
-
-def process_tree_cpu(pid: int, main_thread: bool = False) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``pid`` and of each child, keyed ``"<pid> <command>"``.
-
-    ``main_thread``: of each process's main thread only (its event loop; the GPU worker is another thread).
-    """
-    tick = os.sysconf("SC_CLK_TCK")
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
-    cpu = {}
-    for p in [pid, *(int(c) for c in out.split())]:
-        stat = f"/proc/{p}/task/{p}/stat" if main_thread else f"/proc/{p}/stat"
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        roles = ("service.engine.process", "service.http.frontend", "naive_server")
-        role = next((m for m in roles if m in cmd), "service")
-        cpu[f"{p} {role}"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return cpu
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-def layer_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The layer's config from the repository."""
-    return json.loads((args.repository / f"{args.layer}.json").read_text())  # type: ignore[no-any-return]
-
-
-def make_input(args: argparse.Namespace) -> np.ndarray:
-    """The input every request sends: [--batch, C_in, --height, --width] of the layer's dtype, seeded."""
-    cfg = layer_config(args)
-    if cfg["dtype"] not in ("float32", "float16", "float64"):
-        raise SystemExit(f"layer {args.layer} is {cfg['dtype']}; the load generator sends fp16/32/64")
-    x = np.random.default_rng(0).standard_normal((args.batch, cfg["in_channels"], args.height, args.width))
-    return x.astype(cfg["dtype"])
-
-
-def npy_body(x: np.ndarray) -> bytes:
-    """``x`` as a .npy body."""
-    buf = io.BytesIO()
-    np.save(buf, x, allow_pickle=False)
-    return buf.getvalue()
-
-
-def check_output(args: argparse.Namespace, x: np.ndarray, sample: bytes | np.ndarray) -> float:
-    """Norm-wise relative error of one output (an array, or a .npy body) against PyTorch in float64."""
-    import torch
-    import torch.nn.functional as F
-    from safetensors.torch import load_file
-
-    cfg = layer_config(args)
-    t = load_file(str(args.repository / f"{args.layer}.safetensors"))
-    bias = t["bias"].double() if cfg["bias"] else None
-    ref = F.conv_transpose2d(torch.from_numpy(x).double(), t["weight"].double(), bias, cfg["stride"], cfg["padding"],
-                             cfg["output_padding"], cfg["groups"], cfg["dilation"])
-    y = sample if isinstance(sample, np.ndarray) else np.load(io.BytesIO(sample), allow_pickle=False)
-    y = torch.from_numpy(np.asarray(y, dtype=np.float64))
-    if y.shape != ref.shape:
-        raise RuntimeError(f"the output has shape {list(y.shape)}, PyTorch's {list(ref.shape)}")
-    return float((y - ref).norm() / ref.norm())
-
-
-Decode = Callable[[int, bytes, bytes], Any]  # (client slot, lower-cased response head, body) -> the output
-
-
-@dataclass
-class Wire:
-    """What ``--client raw`` sends for one protocol, and how it checks an answer.
-
-    ``bodies`` holds one request body, or one a client slot (``shm``: each client names its own region);
-    a 200 answer's body length must lie within ``answer_bytes``; ``decode`` reads one answer's output.
-    """
-
-    protocol: str
-    path: str
-    content_type: str
-    headers: dict[str, str]
-    bodies: list[bytes]
-    in_bytes: int
-    out_bytes: int
-    answer_bytes: tuple[int, float]
-    decode: Decode
-
-
-RECV_BYTES = 1 << 20  # a raw client's socket reads, at most
-MAX_HEAD = 2**16  # bytes of an answer beyond its tensor's: a .npy header, KServe's JSON
-
-
-def output_shape(args: argparse.Namespace, x: np.ndarray) -> tuple[int, ...]:
-    """The layer's output shape for ``x``."""
-    return _shm.output_shape(LayerInfo.from_json(layer_config(args)), tuple(x.shape))
-
-
-def npy_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
-    """``POST /deconv`` with a .npy body."""
-    out_bytes = math.prod(output_shape(args, x)) * x.itemsize
-
-    def decode(_slot: int, _head: bytes, body: bytes) -> np.ndarray:
-        return np.load(io.BytesIO(body), allow_pickle=False)  # type: ignore[no-any-return]
-
-    return Wire("npy", f"/deconv?layer={args.layer}", "application/x-npy", {}, [npy_body(x)], x.nbytes, out_bytes,
-                (out_bytes, out_bytes + MAX_HEAD), decode)
-
-
-def kserve_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
-    """``POST /v2/models/{layer}/infer`` with the binary tensor extension, the output asked for as binary."""
-    t = _shm.prepare(x)
-    shape = output_shape(args, x)
-    out_bytes = math.prod(shape) * x.itemsize
-    head = json.dumps({"inputs": [{"name": "input", "shape": list(t.shape), "datatype": t.datatype,
-                                   "parameters": {"binary_data_size": x.nbytes}}],
-                       "outputs": [{"name": "output", "parameters": {"binary_data": True}}]}).encode()
-
-    def decode(_slot: int, response_head: bytes, body: bytes) -> np.ndarray:
-        n = int(header(response_head, b"inference-header-content-length") or b"-1")
-        out = json.loads(body[:n])["outputs"][0]
-        if out["parameters"]["binary_data_size"] != len(body) - n or tuple(out["shape"]) != shape:
-            raise ValueError(f"the answer's output does not fit: {out}")
-        return np.frombuffer(body[n:], dtype=x.dtype).reshape(shape)
-
-    return Wire("kserve", f"/v2/models/{args.layer}/infer", "application/octet-stream",
-                {"inference-header-content-length": str(len(head))}, [head + t.raw.tobytes()], x.nbytes, out_bytes,
-                (out_bytes, out_bytes + MAX_HEAD), decode)
-
-
-@contextlib.contextmanager
-def shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) -> Iterator[Wire]:
-    """KServe system shared memory: a region for each of ``clients`` clients, registered with the server at
-    ``url`` and holding the input, for as long as the context lasts; then unregistered and unlinked."""
-    t = _shm.prepare(x)
-    shape = output_shape(args, x)
-    size = _shm.region_bytes(t, shape, x.itemsize)
-    free = shutil.disk_usage("/dev/shm").free
-    if clients * size > free:
-        raise SystemExit(f"{clients} regions of {size} bytes do not fit the {free} bytes free in /dev/shm")
-    regions: list[_shm.Region] = []
-    try:
-        with httpx.Client(base_url=url, timeout=min(args.timeout, 30.0)) as http:
-            for _ in range(clients):
-                region = _shm.Region(size)
-                regions.append(region)
-                region.shm.buf[:x.nbytes] = t.raw
-                http.post(_shm.register_path(region), json=region.register_body()).raise_for_status()
-                region.registered = True
-
-        def decode(slot: int, _head: bytes, body: bytes) -> Any:
-            return _shm.read_output(t, regions[slot], json.loads(body))
-
-        bodies = [json.dumps(_shm.infer_request(t, r, shape, x.itemsize)).encode() for r in regions]
-        yield Wire("shm", f"/v2/models/{args.layer}/infer", "application/json", {}, bodies, x.nbytes,
-                   math.prod(shape) * x.itemsize, (1, MAX_HEAD), decode)
-    finally:
-        unregister(url, [r.name for r in regions if r.registered])
-        for region in regions:
-            region.destroy()
-
-
-@contextlib.contextmanager
-def cuda_shm_wire(url: str, args: argparse.Namespace, x: np.ndarray, clients: int) -> Iterator[Wire]:
-    """KServe CUDA shared memory: an input (holding ``x``) and an output tensor for each of ``clients`` clients,
-    client i's on the i-th of ``args.cuda_devices`` in turn, made and registered with the server at ``url`` as the
-    SDK does for a call (``deconv_client._cuda_shm.CudaCall``), for as long as the context lasts."""
-    import torch
-    from deconv_client import _cuda_shm
-
-    devices = (list(range(torch.cuda.device_count())) if args.cuda_devices == "all"
-               else [int(d) for d in args.cuda_devices.split(",")])
-    info = LayerInfo.from_json(layer_config(args))
-    regions = _cuda_shm.CudaRegions(max_regions=4 * clients + 4)  # none retired while the clients run
-    calls: list[_cuda_shm.CudaCall] = []
-    try:
-        with httpx.Client(base_url=url, timeout=min(args.timeout, 30.0)) as http:
-            for i in range(clients):
-                call = _cuda_shm.CudaCall(torch.from_numpy(x).to(f"cuda:{devices[i % len(devices)]}"), info)
-                calls.append(call)
-                call.attach(regions)
-                for region in call.unregistered():
-                    http.post(_cuda_shm.register_path(region), json=region.register_body()).raise_for_status()
-                    region.registered = True
-
-        def decode(slot: int, _head: bytes, body: bytes) -> Any:
-            return calls[slot].result(json.loads(body)).cpu().numpy()  # the server wrote it before answering
-
-        bodies = [json.dumps(call.request()).encode() for call in calls]
-        yield Wire("cuda-shm", f"/v2/models/{args.layer}/infer", "application/json", {}, bodies, x.nbytes,
-                   math.prod(output_shape(args, x)) * x.itemsize, (1, MAX_HEAD), decode)
-    finally:
-        unregister(url, [r.name for r in regions.close() if r.registered], kind="cudasharedmemory")
-
-
-def unregister(url: str, names: list[str], kind: str = "systemsharedmemory") -> None:
-    """Unregister these regions (``kind``: the extension) from the server at ``url`` (bounded: a few seconds each
-    at most)."""
-    if not names:
-        return
-    with httpx.Client(base_url=url, timeout=5.0) as http:
-        for name in names:
-            with contextlib.suppress(httpx.HTTPError):
-                http.post(f"/v2/{kind}/region/{quote(name, safe='')}/unregister")
-
-
-def sweep_regions(url: str, pids: list[int]) -> list[str]:
-    """Unregister and unlink what processes ``pids`` (load workers that may have died) left of their regions
-    (the SDK names its objects ``deconv-client-<pid>-...``); the names swept."""
-    prefixes = tuple(f"deconv-client-{pid}-" for pid in pids)
-    try:
-        status = httpx.get(f"{url}/v2/systemsharedmemory/status", timeout=5.0).json()
-        names = [r["name"] for r in status if r["name"].startswith(prefixes)]
-    except (httpx.HTTPError, ValueError, TypeError, KeyError):
-        names = []
-    unregister(url, names)
-    left = [p for p in Path("/dev/shm").glob("deconv-client-*") if p.name.startswith(prefixes)]
-    for path in left:
-        path.unlink(missing_ok=True)
-    return sorted({*names, *(p.name for p in left)})
-
-
-class RawClient(asyncio.BufferedProtocol):
-    """One client of ``--client raw``: a keep-alive HTTP/1.1 connection in a closed loop, speaking just enough HTTP
-    for this benchmark.
-
-    httpx costs about 1 ms of client CPU per request, several times what the server spends on one: above a few
-    thousand requests/s the load generators, not the server, become the limit. Here a response is parsed as it
-    arrives and the next request leaves from there (``RawLoad.send_next``): no task, coroutine, future or timer per
-    request (a quarter to a third less CPU a request than a coroutine per request; docs/operations.md, "The load
-    generator in a closed loop"). The socket is read into one reused buffer (``asyncio.BufferedProtocol``) and a
-    body's bytes are only counted, unless a sample is wanted: with megabyte answers, copying each one out of the
-    socket's chunks (into a ``bytes`` a chunk, then into the response's buffer) made the load generators the limit
-    (bench/NOTES.md, "Megabyte answers: the load generator's own copies").
-    """
-
-    def __init__(self, load: RawLoad, slot: int = 0) -> None:
-        self.load = load
-        self.slot = slot  # which client this connection serves (its request body; shm: its region)
-        self.transport: asyncio.Transport | None = None
-        self.sent_at = 0.0  # perf_counter() when the request in flight left; 0.0: none in flight
-        self.finished = False  # no more requests for this client
-        self._chunk = memoryview(bytearray(RECV_BYTES))  # what the socket is read into
-        self._buf = bytearray()  # the response's head until complete; then its body, when kept
-        self._head: bytes | None = None  # the response's head, lower-cased, once complete
-        self._length = 0  # the response body's length
-        self._need = 0  # body bytes still to come
-        self._keep = False  # whether this body is kept (a sample is wanted)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a stream transport (asyncio's or uvloop's)
-        self.load.send(self)  # the request this connection was opened for (RawLoad._connect)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._chunk
-
-    def buffer_updated(self, nbytes: int) -> None:
-        data = self._chunk[:nbytes]
-        while data and self.transport is not None:
-            if self._head is None:
-                data = self._head_part(data)  # what follows the head, once complete
-                if self._head is None:
-                    return  # more of the head to come, or a bad one
-            else:
-                take = min(len(data), self._need)
-                if self._keep:
-                    self._buf += data[:take]
-                self._need -= take
-                data = data[take:]
-            if not self._need:  # the response is complete
-                head, body = self._head, bytes(self._buf) if self._keep else b""
-                self._head = None
-                self._buf.clear()
-                self.load.answered(self, head, body, self._length)
-
-    def _head_part(self, data: memoryview) -> memoryview:
-        """Take ``data`` into the response's head; once it is complete (``_head`` set), what follows it."""
-        buf = self._buf
-        seen = len(buf)
-        buf += data
-        end = buf.find(b"\r\n\r\n", max(0, seen - 3))
-        if end < 0:
-            return data[len(data):]
-        head = bytes(buf[:end + 2]).lower()  # each header line ends with \r\n
-        rest = data[end + 4 - seen:]
-        buf.clear()
-        length = header(head, b"content-length")
-        if not head.startswith(b"http/1.1 ") or not length or not length.isdigit():
-            self.fail(ValueError(f"bad response head {head[:80]!r}"))
-            return data[len(data):]
-        self._head, self._length, self._need = head, int(length), int(length)
-        self._keep = self.load.want_sample
-        return rest
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self.load.lost(self, exc)
-
-    def fail(self, exc: BaseException) -> None:
-        """Count the request in flight as failed with ``exc`` and drop the connection."""
-        self.load.count_error(self, exc)
-        self.close()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()  # connection_lost follows
-            self.transport = None
-
-
-def header(head: bytes, name: bytes) -> bytes | None:
-    """The value of header ``name`` (lower case) in a lower-cased response head whose lines end with CRLF."""
-    start = head.find(b"\r\n" + name + b":")
-    if start < 0:
-        return None
-    start += len(name) + 3
-    return head[start:head.index(b"\r\n", start)].strip()
-
-
-class RawLoad:
-    """``count`` requests from ``clients`` ``RawClient`` connections; every failure is counted under its exception's
-    name (a timeout, a refused or lost connection, a malformed response) and the client goes on with a new
-    connection, as long as requests remain (and, with ``max_seconds``, until that long after ``run`` began).
-
-    ``wire`` (a protocol's requests, one body a client slot or one for all) replaces ``path``, ``payload`` and
-    ``content_type``; a 200 answer whose length lies outside its ``answer_bytes`` counts as ``wrong_size``, and
-    ``sample`` is the first 200 answer's output as its ``decode`` reads it (the body itself without a wire).
-    """
-
-    def __init__(self, url: str, path: str, payload: bytes, content_type: str, count: int, timeout: float,
-                 wire: Wire | None = None, max_seconds: float | None = None) -> None:
-        u = httpx.URL(url)
-        self.host, self.port, self.timeout = u.host, u.port or 80, timeout
-        extra = ""
-        if wire is not None:
-            path, content_type, bodies = wire.path, wire.content_type, wire.bodies
-            extra = "".join(f"{k}: {v}\r\n" for k, v in wire.headers.items())
-        else:
-            bodies = [payload]
-        self.requests = [(f"POST {path} HTTP/1.1\r\nhost: {self.host}\r\ncontent-type: {content_type}\r\n{extra}"
-                          f"content-length: {len(body)}\r\n\r\n").encode() + body for body in bodies]
-        self.answer_bytes = wire.answer_bytes if wire is not None else (0, math.inf)
-        self.decode = wire.decode if wire is not None else None
-        self.max_seconds = max_seconds
-        self.stop_at = math.inf  # perf_counter() after which no request leaves (set by run)
-        self.remaining = count
-        self.latencies: list[float] = []
-        self.batch_sizes: list[int] = []
-        self.statuses: Counter[str] = Counter()  # status code, or the name of the exception that failed a request
-        self.sample = b""
-        self.want_sample = True
-        self.clients: set[RawClient] = set()
-        self._running = 0  # clients not finished
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._finished: asyncio.Future[None] | None = None
-        self._watchdog: asyncio.TimerHandle | None = None
-
-    async def run(self, clients: int) -> None:
-        """Until every request was answered or failed."""
-        loop = asyncio.get_running_loop()
-        self._finished = loop.create_future()
-        self._running = clients
-        if self.max_seconds is not None:
-            self.stop_at = time.perf_counter() + self.max_seconds
-        for slot in range(clients):
-            self._connect(loop, slot)
-        self._watchdog = loop.call_later(min(1.0, self.timeout / 4), self._watch, loop)
-        try:
-            await self._finished
-        finally:
-            self._watchdog.cancel()
-            for client in list(self.clients):
-                client.close()
-
-    def send_next(self, client: RawClient) -> None:
-        """Send ``client``'s next request, or finish it when none remain (or time is up)."""
-        if self.remaining <= 0 or time.perf_counter() >= self.stop_at:
-            self._finish(client)
-            return
-        self.remaining -= 1
-        self.send(client)
-
-    def send(self, client: RawClient) -> None:
-        """Send a request (already counted off ``remaining``) on ``client``'s connection."""
-        assert client.transport is not None
-        client.sent_at = time.perf_counter()
-        client.transport.write(self.requests[client.slot % len(self.requests)])
-
-    def answered(self, client: RawClient, head: bytes, body: bytes, length: int) -> None:
-        """A complete response to ``client``'s request, of ``length`` body bytes (``body``: them, while a sample
-        is wanted)."""
-        if not client.sent_at:  # nothing was asked on this connection
-            client.fail(ValueError("a response without a request"))
-            return
-        dt = time.perf_counter() - client.sent_at
-        client.sent_at = 0.0
-        status = head[9:12].decode("latin-1")
-        if status == "200" and not self.answer_bytes[0] <= length <= self.answer_bytes[1]:
-            status = "wrong_size"
-        if status == "200" and self.want_sample:
-            try:
-                self.sample = body if self.decode is None else self.decode(client.slot, head, body)
-                self.want_sample = False
-            except (ValueError, KeyError, IndexError, TypeError, CodecError) as exc:
-                status = f"bad_answer {type(exc).__name__}"
-        self.statuses[status] += 1
-        if status == "200":
-            self.latencies.append(dt)
-            batch = header(head, b"x-deconv-batch-size")
-            self.batch_sizes.append(int(batch) if batch else 1)
-        if header(head, b"connection") == b"close":
-            client.close()  # the next request goes out on a new connection (lost())
-        else:
-            self.send_next(client)
-
-    def count_error(self, client: RawClient, exc: BaseException) -> None:
-        """Count ``client``'s request in flight, if any, as failed with ``exc``."""
-        if client.sent_at:
-            client.sent_at = 0.0
-            self.statuses[type(exc).__name__] += 1
-
-    def lost(self, client: RawClient, exc: Exception | None) -> None:
-        """``client``'s connection is gone: its request in flight failed; it goes on with a new connection."""
-        self.count_error(client, exc or asyncio.IncompleteReadError(b"", None))
-        self.clients.discard(client)
-        if not client.finished:
-            client.finished = True  # this connection's client lives on in the new one
-            self._connect(asyncio.get_running_loop(), client.slot)
-
-    def _finish(self, client: RawClient) -> None:
-        if not client.finished:
-            client.finished = True
-            client.close()
-            self._client_done()
-
-    def _client_done(self) -> None:
-        self._running -= 1
-        if self._running == 0 and self._finished is not None and not self._finished.done():
-            self._finished.set_result(None)
-
-    def _connect(self, loop: asyncio.AbstractEventLoop, slot: int) -> None:
-        """Open a connection for client ``slot``'s next request (counted off ``remaining`` now), or finish the
-        client."""
-        if self.remaining <= 0 or time.perf_counter() >= self.stop_at:
-            self._client_done()
-            return
-        self.remaining -= 1
-        task = loop.create_task(self._open(loop, slot))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _open(self, loop: asyncio.AbstractEventLoop, slot: int) -> None:
-        try:
-            _, client = await asyncio.wait_for(
-                loop.create_connection(lambda: RawClient(self, slot), self.host, self.port), self.timeout)
-        except (OSError, asyncio.TimeoutError) as exc:  # the request it was for fails; the client tries again
-            self.statuses[type(exc).__name__] += 1
-            self._connect(loop, slot)
-            return
-        if not client.finished:
-            self.clients.add(client)
-
-    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        now = time.perf_counter()
-        for client in list(self.clients):
-            if client.sent_at and now - client.sent_at > self.timeout:
-                client.fail(asyncio.TimeoutError())
-        if self._finished is not None and not self._finished.done():
-            self._watchdog = loop.call_later(min(1.0, self.timeout / 4), self._watch, loop)
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop when it is installed (as with the service's ``uvicorn[standard]``), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
-def make_wire(args: argparse.Namespace, x: np.ndarray) -> Wire:
-    """The requests of ``args.protocol`` (``npy`` or ``kserve``; ``shm`` needs the server: ``shm_wire``)."""
-    return kserve_wire(args, x) if args.protocol == "kserve" else npy_wire(args, x)
 
 
 async def drive(url: str, args: argparse.Namespace, x: np.ndarray, count: int,
@@ -782,42 +248,6 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     return result
 
 
-class GpuSampler:
-    """``nvidia-smi`` printing each GPU's utilisation every ``period_ms``, every line stamped when it arrives;
-    ``mean(start, end)``: the mean by GPU index of the samples stamped between those times (``time.time()``)."""
-
-    def __init__(self, period_ms: int = 200) -> None:
-        self.samples: list[tuple[float, int, float]] = []
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            index, _, util = line.partition(",")
-            with contextlib.suppress(ValueError):
-                self.samples.append((time.time(), int(index), float(util)))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.reader.join(10)
-
-    def mean(self, start: float, end: float) -> dict[str, float] | None:
-        by_gpu: dict[int, list[float]] = {}
-        for stamp, index, util in self.samples:
-            if start <= stamp <= end:
-                by_gpu.setdefault(index, []).append(util)
-        return {str(i): round(statistics.fmean(v), 1) for i, v in sorted(by_gpu.items())} or None
-
-
 def stop_workers(children: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM to the load processes still running (they unregister and unlink their regions), SIGKILL to those
     not gone 10 s later."""
@@ -863,35 +293,6 @@ def torch_version() -> str:
     import torch
 
     return str(torch.__version__)
-
-
-TIMINGS = ("deconv_queue_time_seconds", "deconv_batch_seconds", "deconv_request_latency_seconds")
-
-
-def server_timings(url: str, layer: str) -> dict[str, float]:
-    """The server's histogram sums and counts of ``TIMINGS`` for ``layer`` (from /metrics; empty when absent)."""
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        base, _, labels = name.partition("{")
-        if base.endswith(("_sum", "_count")) and base.rsplit("_", 1)[0] in TIMINGS and f'layer="{layer}"' in labels:
-            out[base] = float(value)
-    return out
-
-
-def timing_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
-    """Mean ms per request in the queue and per batch from start to outputs, and mean server-side latency,
-    over the measured requests."""
-    out = {}
-    for metric, key in zip(TIMINGS, ("queue_ms", "batch_ms", "server_latency_ms"), strict=True):
-        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
-        if count > 0:
-            out[key] = round(1e3 * (after[f"{metric}_sum"] - before.get(f"{metric}_sum", 0.0)) / count, 3)
-    return out or None
 
 
 @dataclass
@@ -957,23 +358,6 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     result["server_cpu_ms_per_request"] = cpu_per_request(
         {k: after[k] - before.get(k, 0.0) for k in after}, result["ok"])
     return result
-
-
-ROLES = {"service.http.frontend": "http", "service.engine.process": "engine", "service": "main",
-         "naive_server": "naive"}
-
-
-def cpu_per_request(cpu_s: dict[str, float], requests: int) -> dict[str, float] | None:
-    """Server CPU milliseconds per request in each kind of process (``ROLES``), from CPU seconds keyed as
-    ``process_tree_cpu`` keys them: the sum over a kind's processes divided by ``requests``, so that ``http`` is
-    what a request costs in the HTTP process that served it. None without requests or samples."""
-    if not requests or not cpu_s:
-        return None
-    out: dict[str, float] = {}
-    for key, seconds in cpu_s.items():
-        role = ROLES.get(key.partition(" ")[2], "main")
-        out[role] = out.get(role, 0.0) + seconds
-    return {role: round(1e3 * seconds / requests, 4) for role, seconds in sorted(out.items())}
 
 
 ROUND_MEDIANS = ("requests_per_s", "p50_ms", "p99_ms", "mean_ms", "mean_batch_size")

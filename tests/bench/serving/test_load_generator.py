@@ -1,5 +1,6 @@
-"""bench/serving/service_load.py's ``--client raw`` load generator (``RawLoad``) against small local HTTP servers: every
-request is counted once, as a status or as the exception that failed it, and the clients go on after failures."""
+"""The ``--client raw`` load generator (bench/serving/raw_client.py's ``RawLoad``) against small local HTTP servers:
+every request is counted once, as a status or as the exception that failed it, and the clients go on after failures;
+and the GPU-utilisation sampler of bench/serving/servers.py."""
 
 from __future__ import annotations
 
@@ -8,20 +9,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from bench.serving import service_load
+from bench.serving import raw_client, servers
 
 BODY = b"y" * 40000  # larger than one read, so that responses arrive in pieces
 
 Behaviour = Callable[[int, asyncio.StreamWriter], Awaitable[bool]]  # request number, writer -> keep the connection
-
-
-@pytest.fixture(scope="module")
-def load_module() -> ModuleType:
-    return service_load
 
 
 async def answer(writer: asyncio.StreamWriter, extra: bytes = b"", status: bytes = b"200 OK") -> None:
@@ -64,13 +59,13 @@ def feed(client: object, data: bytes) -> None:
         data = data[n:]
 
 
-async def run_load(module: ModuleType, url: str, count: int, clients: int, timeout: float = 5.0) -> object:
-    load = module.RawLoad(url, "/deconv?layer=demo", b"x" * 1000, "application/x-npy", count, timeout)
+async def run_load(url: str, count: int, clients: int, timeout: float = 5.0) -> object:
+    load = raw_client.RawLoad(url, "/deconv?layer=demo", b"x" * 1000, "application/x-npy", count, timeout)
     await asyncio.wait_for(load.run(clients), 30)
     return load
 
 
-def test_every_request_answered_in_a_closed_loop(load_module: ModuleType) -> None:
+def test_every_request_answered_in_a_closed_loop() -> None:
     async def main() -> None:
         async def ok(_: int, writer: asyncio.StreamWriter) -> bool:
             await answer(writer)
@@ -78,7 +73,7 @@ def test_every_request_answered_in_a_closed_loop(load_module: ModuleType) -> Non
 
         server, url, received = await serve(ok)
         async with server:
-            load = await run_load(load_module, url, count=100, clients=7)
+            load = await run_load(url, count=100, clients=7)
         assert load.statuses == {"200": 100}
         assert len(received) == 100
         assert all(body == b"x" * 1000 for body in received)
@@ -90,7 +85,7 @@ def test_every_request_answered_in_a_closed_loop(load_module: ModuleType) -> Non
     asyncio.run(main())
 
 
-def test_connection_close_and_errors_are_counted_and_clients_go_on(load_module: ModuleType) -> None:
+def test_connection_close_and_errors_are_counted_and_clients_go_on() -> None:
     async def main() -> None:
         async def mixed(n: int, writer: asyncio.StreamWriter) -> bool:
             if n % 10 == 3:  # the server closes after answering
@@ -109,7 +104,7 @@ def test_connection_close_and_errors_are_counted_and_clients_go_on(load_module: 
 
         server, url, received = await serve(mixed)
         async with server:
-            load = await run_load(load_module, url, count=60, clients=4)
+            load = await run_load(url, count=60, clients=4)
         assert len(received) == 60  # every request was sent once, through the failures
         assert load.statuses == {"200": 42, "503": 6, "IncompleteReadError": 6, "ValueError": 6}
         assert len(load.latencies) == len(load.batch_sizes) == 42
@@ -117,7 +112,7 @@ def test_connection_close_and_errors_are_counted_and_clients_go_on(load_module: 
     asyncio.run(main())
 
 
-def test_a_request_without_an_answer_times_out(load_module: ModuleType) -> None:
+def test_a_request_without_an_answer_times_out() -> None:
     async def main() -> None:
         done = asyncio.Event()
 
@@ -131,7 +126,7 @@ def test_a_request_without_an_answer_times_out(load_module: ModuleType) -> None:
         server, url, received = await serve(one_silent)
         async with server:
             try:
-                load = await run_load(load_module, url, count=10, clients=2, timeout=0.5)
+                load = await run_load(url, count=10, clients=2, timeout=0.5)
             finally:
                 done.set()
         assert load.statuses == {"200": 9, "TimeoutError": 1}
@@ -140,28 +135,28 @@ def test_a_request_without_an_answer_times_out(load_module: ModuleType) -> None:
     asyncio.run(main())
 
 
-def test_a_refused_connection_fails_its_request(load_module: ModuleType) -> None:
+def test_a_refused_connection_fails_its_request() -> None:
     async def main() -> None:
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         server.close()
         await server.wait_closed()  # nothing listens there now
-        load = await run_load(load_module, f"http://127.0.0.1:{port}", count=5, clients=2)
+        load = await run_load(f"http://127.0.0.1:{port}", count=5, clients=2)
         assert load.statuses == {"ConnectionRefusedError": 5}
         assert load.latencies == []
 
     asyncio.run(main())
 
 
-def test_a_response_without_a_request_drops_the_connection(load_module: ModuleType) -> None:
+def test_a_response_without_a_request_drops_the_connection() -> None:
     class Transport:
         aborted = False
 
         def abort(self) -> None:
             self.aborted = True
 
-    load = load_module.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
-    client = load_module.RawClient(load)
+    load = raw_client.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
+    client = raw_client.RawClient(load)
     client.transport = transport = Transport()
     feed(client, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # nothing was sent
     assert transport.aborted
@@ -170,7 +165,7 @@ def test_a_response_without_a_request_drops_the_connection(load_module: ModuleTy
 
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 5, 8, 13, 64, 10**6])
-def test_responses_are_parsed_across_any_split_of_the_reads(load_module: ModuleType, piece: int) -> None:
+def test_responses_are_parsed_across_any_split_of_the_reads(piece: int) -> None:
     class Transport:
         aborted = False
         sent = 0
@@ -181,8 +176,8 @@ def test_responses_are_parsed_across_any_split_of_the_reads(load_module: ModuleT
         def abort(self) -> None:
             self.aborted = True
 
-    load = load_module.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
-    client = load_module.RawClient(load)
+    load = raw_client.RawLoad("http://127.0.0.1:9", "/deconv", b"x", "application/x-npy", 1, 1.0)
+    client = raw_client.RawClient(load)
     client.transport = transport = Transport()
     client.sent_at = 1.0  # the first request in flight; the second leaves when the first is answered
     wire = (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-deconv-batch-size: 2\r\n\r\nfirst"
@@ -197,14 +192,14 @@ def test_responses_are_parsed_across_any_split_of_the_reads(load_module: ModuleT
 
 
 def test_gpu_utilisation_is_the_mean_by_gpu_of_the_samples_in_the_window(
-        load_module: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A stand-in for nvidia-smi: two samples of two GPUs, a line it could not measure, then it waits to be stopped.
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\nprintf '0, 50\\n1, 90\\n0, [N/A]\\n0, 70\\n1, 100\\n'\nexec sleep 600\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     before = time.time()
-    sampler = load_module.GpuSampler()
+    sampler = servers.GpuSampler()
     try:
         deadline = time.monotonic() + 60
         while len(sampler.samples) < 4 and time.monotonic() < deadline:

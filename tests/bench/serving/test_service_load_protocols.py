@@ -11,15 +11,16 @@ import shutil
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
 
+from bench.serving import raw_client, servers, service_load
+from bench.serving.wire import check_output, make_input, make_wire, sweep_regions
+
 from ...service.conftest import REPO_ROOT, ServerProcess
 from . import test_load_generator
 
-load_module = test_load_generator.load_module  # the fixture: bench/serving/service_load.py
 feed = test_load_generator.feed
 
 BATCH = 4  # samples a request; the server's max_batch_size, as in the no-batching scenario
@@ -40,9 +41,9 @@ def bench_args(repository: Path, protocol: str, clients: int = 3) -> argparse.Na
 
 
 @pytest.fixture(scope="module")
-def server(load_module: ModuleType, repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One CPU server with the no-batching scenario's batch limit for requests of ``BATCH`` samples."""
-    _, env = load_module.server_command("no-batching", bench_args(repository, "shm"), 0)
+    _, env = servers.server_command("no-batching", bench_args(repository, "shm"), 0)
     proc = ServerProcess({"DECONV_LAYER_REPOSITORY": str(repository), "DECONV_LOG_LEVEL": "warning",
                           "DECONV_MAX_BATCH_SIZE": env["DECONV_MAX_BATCH_SIZE"]},
                          tmp_path_factory.mktemp("server") / "server.log")
@@ -64,38 +65,38 @@ def regions(url: str) -> list[dict[str, object]]:
     return r.json()  # type: ignore[no-any-return]
 
 
-def test_the_no_batching_limit_is_one_request(load_module: ModuleType, repository: Path) -> None:
+def test_the_no_batching_limit_is_one_request(repository: Path) -> None:
     for batch in (1, 8):
         args = bench_args(repository, "npy")
         args.batch = batch
-        _, env = load_module.server_command("no-batching", args, 8000)
+        _, env = servers.server_command("no-batching", args, 8000)
         assert env["DECONV_MAX_BATCH_SIZE"] == str(batch)
-        _, env = load_module.server_command("batching", args, 8000)  # the server's default limit
+        _, env = servers.server_command("batching", args, 8000)  # the server's default limit
         assert env.get("DECONV_MAX_BATCH_SIZE") == os.environ.get("DECONV_MAX_BATCH_SIZE")
 
 
 @pytest.mark.parametrize("protocol", ["npy", "kserve", "shm"])
-def test_each_protocol_is_answered_and_checked(load_module: ModuleType, repository: Path, server: str,
+def test_each_protocol_is_answered_and_checked(repository: Path, server: str,
                                                protocol: str) -> None:
     args = bench_args(repository, protocol)
-    x = load_module.make_input(args)
-    result = asyncio.run(asyncio.wait_for(load_module.drive(server, args, x, 12), 60))
+    x = make_input(args)
+    result = asyncio.run(asyncio.wait_for(service_load.drive(server, args, x, 12), 60))
     assert result["statuses"] == {"200": 12}
     assert result["batch_sizes"] == [BATCH] * 12  # every kernel call held exactly one request
-    assert load_module.check_output(args, x, result["_sample"]) < 1e-5
+    assert check_output(args, x, result["_sample"]) < 1e-5
     assert my_objects() == []
     assert regions(server) == []
-    wire = load_module.make_wire(args, x)
+    wire = make_wire(args, x)
     assert (wire.in_bytes, wire.out_bytes) == (x.nbytes, 2 * x.nbytes)  # demo: 16 -> 8 channels, twice the size
 
 
-def test_shm_regions_are_gone_after_a_cancelled_run(load_module: ModuleType, repository: Path, server: str) -> None:
+def test_shm_regions_are_gone_after_a_cancelled_run(repository: Path, server: str) -> None:
     args = bench_args(repository, "shm", clients=2)
-    x = load_module.make_input(args)
+    x = make_input(args)
 
     async def main() -> None:
         # the regions are registered before the run's start time, which is far off: the run waits there
-        task = asyncio.create_task(load_module.drive(server, args, x, 1000, start_at=1e12))
+        task = asyncio.create_task(service_load.drive(server, args, x, 1000, start_at=1e12))
         while len(my_objects()) < 2 or len(regions(server)) < 2:
             if task.done():
                 task.result()  # the registration's error, if any
@@ -110,7 +111,7 @@ def test_shm_regions_are_gone_after_a_cancelled_run(load_module: ModuleType, rep
     assert regions(server) == []
 
 
-def test_regions_a_dead_load_process_left_are_swept(load_module: ModuleType, server: str) -> None:
+def test_regions_a_dead_load_process_left_are_swept(server: str) -> None:
     pid = 2**22 + 12345  # above Linux's default pid_max: no live process of ours has it
     name = f"deconv-client-{pid}-left"
     shm = shared_memory.SharedMemory(name, create=True, size=4096)
@@ -118,7 +119,7 @@ def test_regions_a_dead_load_process_left_are_swept(load_module: ModuleType, ser
         r = httpx.post(f"{server}/v2/systemsharedmemory/region/{name}/register",
                        json={"key": f"/{name}", "offset": 0, "byte_size": 4096}, timeout=10)
         assert r.status_code == 200
-        assert load_module.sweep_regions(server, [pid]) == [name]
+        assert sweep_regions(server, [pid]) == [name]
         assert regions(server) == []
         assert not Path(f"/dev/shm/{name}").exists()
     finally:
@@ -127,7 +128,7 @@ def test_regions_a_dead_load_process_left_are_swept(load_module: ModuleType, ser
             shm.unlink()
 
 
-def test_an_answer_of_the_wrong_size_is_counted(load_module: ModuleType, repository: Path) -> None:
+def test_an_answer_of_the_wrong_size_is_counted(repository: Path) -> None:
     class Transport:
         aborted = False
 
@@ -135,10 +136,10 @@ def test_an_answer_of_the_wrong_size_is_counted(load_module: ModuleType, reposit
             self.aborted = True
 
     args = bench_args(repository, "npy")
-    wire = load_module.make_wire(args, load_module.make_input(args))
-    load = load_module.RawLoad("http://127.0.0.1:9", "", b"", "", 1, 1.0, wire=wire)
+    wire = make_wire(args, make_input(args))
+    load = raw_client.RawLoad("http://127.0.0.1:9", "", b"", "", 1, 1.0, wire=wire)
     load.remaining = 0
-    client = load_module.RawClient(load)
+    client = raw_client.RawClient(load)
     client.transport = Transport()
     client.sent_at = 1.0  # a request in flight
     feed(client, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # no tensor in it
@@ -146,9 +147,9 @@ def test_an_answer_of_the_wrong_size_is_counted(load_module: ModuleType, reposit
     assert load.latencies == []
 
 
-def test_cpu_per_request_by_kind_of_process(load_module: ModuleType) -> None:
+def test_cpu_per_request_by_kind_of_process() -> None:
     cpu = {"1 service": 0.1, "2 service.engine.process": 2.0, "3 service.http.frontend": 1.0,
            "4 service.http.frontend": 3.0}
-    assert load_module.cpu_per_request(cpu, 1000) == {"engine": 2.0, "http": 4.0, "main": 0.1}
-    assert load_module.cpu_per_request({"5 naive_server": 0.5}, 100) == {"naive": 5.0}
-    assert load_module.cpu_per_request(cpu, 0) is None
+    assert servers.cpu_per_request(cpu, 1000) == {"engine": 2.0, "http": 4.0, "main": 0.1}
+    assert servers.cpu_per_request({"5 naive_server": 0.5}, 100) == {"naive": 5.0}
+    assert servers.cpu_per_request(cpu, 0) is None
