@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -1,4 +1,4 @@
-"""Reliability tests: the scenario drivers of bench/serving/reliability.py at bounded sizes, and the fuzzers' settings.
+"""Reliability tests: the scenario drivers of bench/serving/reliability/ at bounded sizes, and the fuzzers' settings.
 
 ``DECONV_FUZZ_EXAMPLES`` sets the cases each fuzzer runs (default 300 here; ``python -m bench.serving.reliability
 --full`` asks for 10,000); ``DECONV_FUZZ_REPORT`` names a JSON file that receives each fuzzer's count of cases run.
@@ -12,12 +12,11 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from bench.serving import reliability, reliability_attacks
+from bench.serving.reliability.server import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FUZZ_EXAMPLES = int(os.environ.get("DECONV_FUZZ_EXAMPLES", "300"))
@@ -46,26 +45,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         path.write_text(json.dumps({**old, **CASES}, indent=1, sort_keys=True) + "\n")
 
 
-@pytest.fixture(scope="session")
-def rel() -> ModuleType:
-    """bench/serving/reliability.py, the scenario drivers."""
-    return reliability
-
-
-@pytest.fixture(scope="session")
-def attacks() -> ModuleType:
-    """bench/serving/reliability_attacks.py, the attacks on shared memory, JSON, the drain and refusals."""
-    return reliability_attacks
-
-
 @pytest.fixture
-def start_server(rel: ModuleType, tmp_path: Path) -> Iterator[object]:
+def start_server(tmp_path: Path) -> Iterator[object]:
     """``start_server(env)``: a ready ``python -m service`` on 127.0.0.1 (``ready=False``: just started); every one is
     stopped after the test."""
     started = []
 
     def start(env: dict[str, str], ready: bool = True) -> object:
-        server = rel.Server.start(env, tmp_path / f"server-{len(started)}.log", 120.0 if ready else None)
+        server = Server.start(env, tmp_path / f"server-{len(started)}.log", 120.0 if ready else None)
         started.append(server)
         return server
 

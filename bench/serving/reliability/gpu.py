@@ -11,7 +11,7 @@ Needs one NVIDIA GPU (sm_80+) and the CUDA build of torch. Steps, on a server st
    float64 on the CPU), ``deconv_worker_failures_total{kind="oom_retry"}`` > 0.
 3. ``after``: memory given back; later requests 200, ``/health/ready`` 200, no worker restarted, exit status 0.
 
-    python -m bench.serving.reliability_gpu --out docs/benchmarks/reliability-gpu.json
+    python -m bench.serving.reliability.gpu --out docs/benchmarks/reliability-gpu.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.serving import reliability as rel
+from bench.serving.reliability.server import NPY, ROOT, Server, load, metric_sum, npy, scrape
 from service.export import export_model
 
 LAYER = "oom_probe"
@@ -85,10 +85,10 @@ async def wave(url: str, count: int, module: nn.ConvTranspose2d, check: int = 2)
     xs = [rng.standard_normal(IN_SHAPE).astype(np.float32) for _ in range(count)]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(client.post(f"/deconv?layer={LAYER}", content=rel.npy(x),
-                                                headers={"content-type": rel.NPY}) for x in xs))
+        rs = await asyncio.gather(*(client.post(f"/deconv?layer={LAYER}", content=npy(x),
+                                                headers={"content-type": NPY}) for x in xs))
         wall = time.perf_counter() - t0
-        samples = await rel.scrape(client)
+        samples = await scrape(client)
         ready = (await client.get("/health/ready")).status_code
     counts: dict[str, int] = {}
     for r in rs:
@@ -98,17 +98,17 @@ async def wave(url: str, count: int, module: nn.ConvTranspose2d, check: int = 2)
         if r.status_code == 200:
             ref = F.conv_transpose2d(torch.from_numpy(x).double(), module.weight.detach(), module.bias.detach(),
                                      stride=2, padding=1)
-            y = torch.from_numpy(rel.load(r.content)).double()
+            y = torch.from_numpy(load(r.content)).double()
             errors.append(float((y - ref).norm() / ref.norm()))
     bodies = [r.text for r in rs if r.status_code != 200]
     return {
         "statuses": counts, "wall_s": round(wall, 2), "rel_errors": errors, "ready": ready,
         "batch_sizes": sorted({int(r.headers.get("x-deconv-batch-size", 0)) for r in rs if r.status_code == 200}),
         "error_types": sorted({json.loads(b)["error"]["type"] for b in bodies}) if bodies else [],
-        "leaks": sum("Traceback" in b or 'File "' in b or str(rel.ROOT) in b for b in bodies),
-        "failures": {k: rel.metric_sum(samples, "deconv_worker_failures_total", kind=k)
+        "leaks": sum("Traceback" in b or 'File "' in b or str(ROOT) in b for b in bodies),
+        "failures": {k: metric_sum(samples, "deconv_worker_failures_total", kind=k)
                      for k in ("oom_retry", "oom", "error")},
-        "restarts": rel.metric_sum(samples, "deconv_worker_restarts_total"),
+        "restarts": metric_sum(samples, "deconv_worker_restarts_total"),
         "gpu_memory_bytes": {lab["kind"]: v for n, lab, v in samples if n == "deconv_gpu_memory_bytes"},
     }
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         module = make_repository(root / "layers", args.wave)
         env = {"DECONV_DEVICES": str(args.device), "DECONV_LAYER_REPOSITORY": str(root / "layers"),
                "DECONV_MAX_BODY_BYTES": str(256 * 2**20), "DECONV_REQUEST_TIMEOUT_S": "300"}
-        server = rel.Server.start(env, root / "server.log", ready_timeout=600)
+        server = Server.start(env, root / "server.log", ready_timeout=600)
         try:
             # One sample not fitting goes first: a batch that succeeded would leave its memory in the server's
             # allocator cache, where the next batch would find it whatever this process holds.
