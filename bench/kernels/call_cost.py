@@ -52,6 +52,17 @@ import kernels
 from bench.harness import COLD_CALLS, WARM_CALLS, ColdTimer, short_slug, warm_us, write
 from bench.kernels import zoo
 from bench.kernels.kernelbench import served_call
+from bench.kernels.problems import (
+    DTYPES,
+    LAYOUTS,
+    OURS_PRECISION,
+    PRECISIONS,
+    conv_kwargs,
+    kernelbench_problems,
+    select,
+    zoo_problems,
+)
+from bench.kernels.zoo_results import geomean
 from kernels.functional import normalize_args, resolve_precision
 
 HOST_CALLS = 60
@@ -110,10 +121,10 @@ def profile_kernels(calls: dict[str, Callable[[], object]]) -> dict[str, list[tu
 def row_calls(p: dict, precision: str, layout: str, default_choice: bool) -> tuple[dict[str, Callable[[], object]],
                                                                                      dict[str, str]]:
     """The calls of one row (and the kernel choices ours made), on fresh random inputs in the row's layout."""
-    dtype = zoo.DTYPES[precision]
+    dtype = DTYPES[precision]
     x, w, b = zoo.inputs(p, dtype)
-    kw = zoo.conv_kwargs(p)
-    prec_arg = zoo.OURS_PRECISION[precision]
+    kw = conv_kwargs(p)
+    prec_arg = OURS_PRECISION[precision]
     if layout == "cl":
         x_in = x.contiguous(memory_format=torch.channels_last)
         w_in = w.contiguous(memory_format=torch.channels_last)
@@ -180,7 +191,7 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
         for m in ("host", "warm", "cold"):
             ratios = [r["lib"][f"vs_cudnn_{m}"] for r in rs]
             worst = min(rs, key=lambda r: r["lib"][f"vs_cudnn_{m}"])
-            entry[m] = {"geomean": round(zoo.geomean(ratios), 3), "at_or_above_1x": sum(x >= 1.0 for x in ratios),
+            entry[m] = {"geomean": round(geomean(ratios), 3), "at_or_above_1x": sum(x >= 1.0 for x in ratios),
                         "min": worst["lib"][f"vs_cudnn_{m}"], "min_name": worst["name"]}
         out[f"{key[0]}/{key[1]}"] = entry
     return out
@@ -221,8 +232,8 @@ def merge_into(path: Path, rows: Sequence[dict]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--precisions", nargs="+", default=["tf32", "bf16", "fp16"], choices=zoo.PRECISIONS)
-    ap.add_argument("--layouts", nargs="+", default=list(zoo.LAYOUTS), choices=zoo.LAYOUTS)
+    ap.add_argument("--precisions", nargs="+", default=["tf32", "bf16", "fp16"], choices=PRECISIONS)
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--suite", default="zoo", choices=["zoo", "kernelbench", "all"])
     ap.add_argument("--only", nargs="+", metavar="NAME")
     ap.add_argument("--default", action="store_true", help="the default kernel choice (measured choice off)")
@@ -231,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench.kernels.call_cost needs a CUDA GPU")
-    problems = zoo.select(zoo.zoo_problems() + zoo.kernelbench_problems(), args.suite, args.only)
+    problems = select(zoo_problems() + kernelbench_problems(), args.suite, args.only)
     device = torch.cuda.get_device_name(0)
     cold = ColdTimer()
     rows: list[dict] = []

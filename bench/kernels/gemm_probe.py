@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from bench.harness import Timer, rel_err
 from bench.kernels.layer_zoo import ZOO, problem
-from bench.kernels.zoo import kernelbench_problems
+from bench.kernels.problems import kernelbench_problems
 from kernels.internal import forward_cuda, load_extension, normalize_args
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,8 +29,7 @@ def _pair(v: int | list[int]) -> tuple[int, int]:
 
 
 def problems() -> list[dict]:
-    """The zoo's layers (bench/kernels/layer_zoo.py's form) and KernelBench's problems (bench/kernels/zoo.py's: pairs as
-    lists)."""
+    """The zoo's layers (layer_zoo.py's form) and KernelBench's problems (problems.py's: pairs as lists)."""
     out = [problem(entry) for entry in ZOO]
     for q in kernelbench_problems():
         kh, kw = q["kernel_size"]

@@ -40,6 +40,8 @@ import torch.nn.functional as F
 import kernels
 from bench.harness import write
 from bench.kernels import layer_kernels, zoo
+from bench.kernels.kernelbench import Model, init_args
+from bench.kernels.problems import conv_kwargs, kernelbench_problems, out_shape, zoo_problems
 from kernels.internal import check_tensors, forward_cuda, load_extension, normalize_args
 from kernels.tuning import TUNER, Timer
 
@@ -52,7 +54,7 @@ def _timer() -> Callable[[Callable[[], object]], float]:
 
 
 def _args(p: dict) -> Any:
-    kw = zoo.conv_kwargs(p)
+    kw = conv_kwargs(p)
     return normalize_args(kw["stride"], kw["padding"], kw["output_padding"], kw["groups"], kw["dilation"])
 
 
@@ -74,7 +76,7 @@ def staging(problems: Sequence[dict]) -> list[dict]:
                     for staged in (False, True):
                         times[(config, staged)] = timer(partial(run, force_config=config, force_staged=staged))
                 dflt = timer(partial(run, force_config=None))
-                kw = zoo.conv_kwargs(p)
+                kw = conv_kwargs(p)
                 cudnn = min(timer(partial(F.conv_transpose2d, x, w, b, **kw)),
                             timer(partial(F.conv_transpose2d, x.contiguous(memory_format=torch.channels_last),
                                           w.contiguous(memory_format=torch.channels_last), b, **kw)))
@@ -91,7 +93,7 @@ def staging(problems: Sequence[dict]) -> list[dict]:
 
 
 def _out_bytes(p: dict, dtype: torch.dtype) -> int:
-    n, c, h, w = zoo.out_shape(p)
+    n, c, h, w = out_shape(p)
     return n * c * h * w * dtype.itemsize
 
 
@@ -112,12 +114,12 @@ def tf32(problems: Sequence[dict]) -> list[dict]:
         kb = p["kb"]
         shape = (kb["batch"], kb["in_channels"], kb["height"], kb["width"])
         torch.manual_seed(0)
-        model = zoo.Model(**zoo.init_args(kb)).cuda()
+        model = Model(**init_args(kb)).cuda()
         conv = next(m for m in model.modules() if isinstance(m, torch.nn.ConvTranspose2d))
         with torch.no_grad():
             x = torch.rand(shape, device="cuda")
             w, b = conv.weight, conv.bias
-            kw = zoo.conv_kwargs(p)
+            kw = conv_kwargs(p)
             got = {"cudnn": model(x)}
             for prec in ("tf32", "fp32"):
                 got[f"ours_{prec}"] = kernels.conv_transpose2d(x, w, b, precision=prec, **kw)
@@ -162,7 +164,7 @@ def _host_us(fn: Callable[[], object], calls: int = 200) -> float:
 
 def _host_row(p: dict, precision: str, dtype: torch.dtype) -> dict:
     x, w, b = zoo.inputs(p, dtype)
-    kw = zoo.conv_kwargs(p)
+    kw = conv_kwargs(p)
     args = _args(p)
     ours = partial(kernels.conv_transpose2d, x, w, b, **kw)
     row: dict[str, Any] = {"name": p["name"], "precision": precision}
@@ -255,7 +257,7 @@ def narrow(problems: Sequence[dict]) -> list[dict]:
             torch.backends.cudnn.benchmark = True
             x, w, b = zoo.inputs(p, dtype)
             args = _args(p)
-            kw = zoo.conv_kwargs(p)
+            kw = conv_kwargs(p)
             mode = "tf32" if precision == "tf32" else "fp32"
             for layout in ("nchw", "cl"):
                 xl = x.contiguous(memory_format=torch.channels_last) if layout == "cl" else x
@@ -289,7 +291,7 @@ def rounding(problems: Sequence[dict]) -> list[dict]:
     for p in problems:
         x, w, b = zoo.inputs(p, torch.float32)
         args = _args(p)
-        kw = zoo.conv_kwargs(p)
+        kw = conv_kwargs(p)
         xcl = x.contiguous(memory_format=torch.channels_last)
         row: dict[str, Any] = {"name": p["name"]}
         with torch.no_grad():
@@ -319,9 +321,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    every = zoo.zoo_problems() + zoo.kernelbench_problems()
+    every = zoo_problems() + kernelbench_problems()
     if a.probe == "tf32":
-        chosen = [p for p in zoo.kernelbench_problems() if not a.only or p["name"] in a.only]
+        chosen = [p for p in kernelbench_problems() if not a.only or p["name"] in a.only]
     elif a.only:
         chosen = [p for p in every if p["name"] in a.only]
     elif a.probe == "kernels":  # small layers whose library call took much longer than the served call

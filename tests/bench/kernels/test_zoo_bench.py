@@ -1,6 +1,7 @@
-"""bench/kernels/zoo.py and bench/kernels/plot_zoo.py without a GPU: the layer data, the roofline arithmetic, the rows'
-derived fields, the summary and the JSON schema, the merge of partial runs, the budget's skipped rows, one problem's
-rows and KernelBench's check run on CPU tensors (stand-ins for the GPU-only calls), the printed report, the chart."""
+"""bench/kernels/zoo.py (with problems.py and zoo_results.py) and plot_zoo.py without a GPU: the layer data, the
+roofline arithmetic, the rows' derived fields, the summary and the JSON schema, the merge of partial runs, the budget's
+skipped rows, one problem's rows and KernelBench's check run on CPU tensors (stand-ins for the GPU-only calls), the
+printed report, the chart."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from bench.kernels import layer_zoo, plot_zoo, zoo
+from bench.kernels.problems import (
+    LAYOUTS,
+    PRECISIONS,
+    ZOO_TOL,
+    kernelbench_problems,
+    out_shape,
+    roofline,
+    select,
+    spec,
+    zoo_problems,
+)
+from bench.kernels.zoo_results import DOC_KEYS, ROW_KEYS, document, geomean, make_row, merge, report, summarize
 from kernels.tuning import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -42,37 +55,37 @@ def test_layer_data() -> None:
         assert tuple(y.shape[2:]) == (q["out_height"], q["out_width"]), q["name"]
     up1 = layer_zoo.problem(next(e for e in layer_zoo.ZOO if e[0] == "dcgan64-up1"))
     assert (up1["out_height"], up1["out_width"]) == (8, 8)
-    problems = zoo.zoo_problems() + zoo.kernelbench_problems()
+    problems = zoo_problems() + kernelbench_problems()
     assert len(problems) == 32
     assert len({p["name"] for p in problems}) == 32
-    assert [p["name"] for p in zoo.kernelbench_problems()] == ["kb57", "kb65", "kb69", "kb71", "kb75", "kb78",
+    assert [p["name"] for p in kernelbench_problems()] == ["kb57", "kb65", "kb69", "kb71", "kb75", "kb78",
                                                                 "kb81"]
-    assert [p["name"] for p in zoo.select(problems, "zoo", ["unet-up1", "kb57"])] == ["unet-up1"]
-    assert len(zoo.select(problems, "all", None)) == 32
+    assert [p["name"] for p in select(problems, "zoo", ["unet-up1", "kb57"])] == ["unet-up1"]
+    assert len(select(problems, "all", None)) == 32
 
 
 def test_roofline_known_cases() -> None:
-    unet = next(p for p in zoo.zoo_problems() if p["name"] == "unet-up1")
+    unet = next(p for p in zoo_problems() if p["name"] == "unet-up1")
     # k=2, s=2, no padding: every tap lands, as layer_zoo counts
     flops = 2 * 4 * 1024 * 512 * 32 * 32 * 4
-    gflop, floor = zoo.roofline(unet, "tf32", CEILINGS)
+    gflop, floor = roofline(unet, "tf32", CEILINGS)
     assert gflop == pytest.approx(flops / 1e9)
     assert gflop == pytest.approx(layer_zoo.problem(next(e for e in layer_zoo.ZOO if e[0] == "unet-up1"))["gflop"])
     assert floor == pytest.approx(flops / 400e12 * 1e3)  # compute bound: 42.9 us
-    assert zoo.roofline(unet, "fp32", CEILINGS)[1] == pytest.approx(3 * floor)  # tf32 rate / 3
-    assert zoo.roofline(unet, "fp16", CEILINGS)[1] == pytest.approx(flops / 790e12 * 1e3)
+    assert roofline(unet, "fp32", CEILINGS)[1] == pytest.approx(3 * floor)  # tf32 rate / 3
+    assert roofline(unet, "fp16", CEILINGS)[1] == pytest.approx(flops / 790e12 * 1e3)
     # one input pixel, 3x3 kernel, padding 1: only the centre tap lands; bytes bound
-    tiny = zoo.spec("tiny", "zoo", 1, 1, 1, [3, 3], [1, 1], [1, 1], [0, 0], 1, [1, 1], 1, 1, False)
-    gflop, floor = zoo.roofline(tiny, "bf16", CEILINGS)
+    tiny = spec("tiny", "zoo", 1, 1, 1, [3, 3], [1, 1], [1, 1], [0, 0], 1, [1, 1], 1, 1, False)
+    gflop, floor = roofline(tiny, "bf16", CEILINGS)
     assert gflop == pytest.approx(2e-9)
     assert floor == pytest.approx((1 + 9 + 1) * 2 / 3e12 * 1e3)
-    assert zoo.out_shape(tiny) == (1, 1, 1, 1)
+    assert out_shape(tiny) == (1, 1, 1, 1)
 
 
 def _row(name: str, prec: str, layout: str, ours: float, nchw: float, cl: float, gflop: float = 1.0,
          correct: bool = True, suite: str = "zoo") -> dict:
     p = {"name": name, "suite": suite}
-    return zoo.make_row(p, prec, layout, ours_ms=ours, served_ms=ours if layout == "nchw" else None,
+    return make_row(p, prec, layout, ours_ms=ours, served_ms=ours if layout == "nchw" else None,
                         cudnn_nchw_ms=nchw, cudnn_cl_ms=cl, gflop=gflop, floor=0.5, choice="tc3",
                         max_rel_err=1e-4 if correct else 0.5, correct=correct)
 
@@ -84,11 +97,11 @@ def test_row_fields_and_summary() -> None:
             _row("a", "bf16", "cl", 0.5, 1.0, 0.75, gflop=10.0),
             _row("kb1", "tf32", "nchw", 0.25, 1.0, 0.5, suite="kernelbench")]
     a = rows[0]
-    assert set(a) == set(zoo.ROW_KEYS)
+    assert set(a) == set(ROW_KEYS)
     assert (a["best_cudnn_ms"], a["speedup"], a["pct_of_floor"]) == (2.0, 2.0, 50.0)
     assert rows[3]["served_ms"] is None
     assert rows[3]["speedup"] == 1.5
-    s = zoo.summarize(rows, skipped=[{"suite": "zoo", "name": "d", "precision": "fp16", "layout": "cl"}],
+    s = summarize(rows, skipped=[{"suite": "zoo", "name": "d", "precision": "fp16", "layout": "cl"}],
                       errors=["boom"])
     t = s["zoo"]["tf32/nchw"]
     assert t["rows"] == 3
@@ -106,11 +119,11 @@ def test_row_fields_and_summary() -> None:
     assert s["incorrect"] == ["c/tf32/nchw"]
     assert s["skipped"][0]["name"] == "d"
     assert s["errors"] == ["boom"]
-    assert zoo.geomean([4.0, 1.0]) == pytest.approx(2.0)
-    doc = zoo.document("NVIDIA H100 80GB HBM3", "2.11", 91900, CEILINGS, rows, [], s)
-    assert tuple(doc) == zoo.DOC_KEYS
+    assert geomean([4.0, 1.0]) == pytest.approx(2.0)
+    doc = document("NVIDIA H100 80GB HBM3", "2.11", 91900, CEILINGS, rows, [], s)
+    assert tuple(doc) == DOC_KEYS
     json.loads(json.dumps(doc, allow_nan=False))  # strict JSON: no NaN or Infinity anywhere
-    text = zoo.report(doc)
+    text = report(doc)
     assert "!!! WRONG RESULT: c/tf32/nchw" in text
     assert "SKIPPED 1 rows" in text
     assert "--only d" in text
@@ -118,19 +131,19 @@ def test_row_fields_and_summary() -> None:
 
 
 def test_failed_row_has_no_speedup() -> None:
-    r = zoo.make_row({"name": "x", "suite": "zoo"}, "fp16", "cl", ours_ms=None, served_ms=None, cudnn_nchw_ms=1.0,
+    r = make_row({"name": "x", "suite": "zoo"}, "fp16", "cl", ours_ms=None, served_ms=None, cudnn_nchw_ms=1.0,
                      cudnn_cl_ms=None, gflop=1.0, floor=0.1, choice="-", max_rel_err=math.inf, correct=False)
     assert r["speedup"] is None
     assert r["pct_of_floor"] is None
     assert r["max_rel_err"] is None
     assert r["best_cudnn_ms"] == 1.0
-    s = zoo.summarize([r])
+    s = summarize([r])
     assert s["zoo"]["fp16/cl"]["geomean_speedup"] is None
     assert s["incorrect"] == ["x/fp16/cl"]
 
 
 def _doc(device: str, rows: list[dict], skipped: list[dict], check: list[dict]) -> dict:
-    return zoo.document(device, "2.11", 91900, CEILINGS, rows, check, zoo.summarize(rows, check, skipped))
+    return document(device, "2.11", 91900, CEILINGS, rows, check, summarize(rows, check, skipped))
 
 
 def test_merge_partial_files(tmp_path: Path) -> None:
@@ -142,7 +155,7 @@ def test_merge_partial_files(tmp_path: Path) -> None:
     second = _doc("NVIDIA H200", [_row("maskhead", "tf32", "nchw", 1.0, 4.0, 4.0),
                                   _row("unet-up1", "tf32", "nchw", 0.5, 2.0, 2.0)], [],
                   [{"id": 57, "seed": 0, "choice": "default", "passed": True, "max_abs_diff": 5e-5}])
-    m = zoo.merge([first, second])
+    m = merge([first, second])
     keys = [(r["name"], r["precision"], r["layout"]) for r in m["rows"]]
     assert keys == [("unet-up1", "tf32", "nchw"), ("maskhead", "tf32", "nchw"), ("kb57", "bf16", "cl")]  # zoo order
     assert next(r for r in m["rows"] if r["name"] == "unet-up1")["speedup"] == 4.0  # the later file wins
@@ -151,11 +164,11 @@ def test_merge_partial_files(tmp_path: Path) -> None:
                                        "max_abs_diff": 5e-5}]
     assert m["summary"]["kernelbench_check"] == {"passed": 1, "total": 1, "failed": []}
     assert len(m["summary"]["sources"]) == 2
-    assert tuple(m) == zoo.DOC_KEYS
+    assert tuple(m) == DOC_KEYS
     with pytest.raises(ValueError, match="different devices"):
-        zoo.merge([first, _doc("NVIDIA H100 80GB HBM3", [], [], [])])
+        merge([first, _doc("NVIDIA H100 80GB HBM3", [], [], [])])
     with pytest.raises(ValueError, match="nothing to merge"):
-        zoo.merge([])
+        merge([])
     # the command line: files in, one file out, the report printed
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(first))
@@ -188,14 +201,14 @@ def _timer(fn) -> float:
     return 0.5
 
 
-SMALL = zoo.spec("small", "zoo", 2, 8, 6, [3, 3], [2, 2], [1, 1], [1, 1], 2, [1, 1], 5, 4, True)
+SMALL = spec("small", "zoo", 2, 8, 6, [3, 3], [2, 2], [1, 1], [1, 1], 2, [1, 1], 5, 4, True)
 
 
 @pytest.mark.usefixtures("cpu_zoo")
 def test_run_unit_on_cpu() -> None:
     logs: list[str] = []
     errors: list[str] = []
-    rows = zoo.run_unit(SMALL, "bf16", zoo.LAYOUTS, _timer, CEILINGS, zoo.RefCache(), logs.append, errors)
+    rows = zoo.run_unit(SMALL, "bf16", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), logs.append, errors)
     assert [(r["layout"], r["correct"]) for r in rows] == [("nchw", True), ("cl", True)], logs
     assert errors == []
     nchw, cl = rows
@@ -203,7 +216,7 @@ def test_run_unit_on_cpu() -> None:
     assert cl["served_ms"] is None
     assert nchw["cudnn_nchw_ms"] == cl["cudnn_nchw_ms"] == 0.5
     assert nchw["speedup"] == 1.0
-    assert nchw["max_rel_err"] <= zoo.ZOO_TOL["bf16"]
+    assert nchw["max_rel_err"] <= ZOO_TOL["bf16"]
     assert nchw["choice"] == "default"
     assert nchw["gflop"] == pytest.approx(zoo.useful_flops(SMALL) / 1e9, rel=1e-3)
     assert len(logs) == 2
@@ -222,7 +235,7 @@ def test_run_unit_keeps_the_smaller_of_two_medians() -> None:
         return 2.0 if timed[id(fn)] == 1 else 1.0
 
     errors: list[str] = []
-    rows = zoo.run_unit(SMALL, "fp32", zoo.LAYOUTS, timer, CEILINGS, zoo.RefCache(), lambda _: None, errors)
+    rows = zoo.run_unit(SMALL, "fp32", LAYOUTS, timer, CEILINGS, zoo.RefCache(), lambda _: None, errors)
     assert errors == []
     assert sorted(timed.values()) == [2] * 5  # ours in both layouts, served, cuDNN in both layouts
     for r in rows:
@@ -247,11 +260,11 @@ def test_run_unit_flags_wrong_results(monkeypatch: pytest.MonkeyPatch, bad: str)
     logs: list[str] = []
     errors: list[str] = []
     refs = zoo.RefCache()
-    rows = zoo.run_unit(SMALL, "fp32", zoo.LAYOUTS, _timer, CEILINGS, refs, logs.append, errors)
+    rows = zoo.run_unit(SMALL, "fp32", LAYOUTS, _timer, CEILINGS, refs, logs.append, errors)
     assert [r["correct"] for r in rows] == [False, False]
     assert any("WRONG RESULT small/fp32/nchw" in line for line in logs)
     if bad == "noise":
-        assert rows[0]["max_rel_err"] > zoo.ZOO_TOL["fp32"]
+        assert rows[0]["max_rel_err"] > ZOO_TOL["fp32"]
     else:
         assert rows[0]["max_rel_err"] is None
     if bad == "raise":
@@ -326,7 +339,7 @@ def test_command_line_without_gpu() -> None:
     bad = subprocess.run([*env_py, "--only", "no-such-layer"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "no-such-layer" in bad.stderr
-    assert zoo.estimate(zoo.zoo_problems(), zoo.PRECISIONS, zoo.LAYOUTS) < zoo.DEFAULT_BUDGET_S
+    assert zoo.estimate(zoo_problems(), PRECISIONS, LAYOUTS) < zoo.DEFAULT_BUDGET_S
 
 
 @pytest.mark.usefixtures("cpu_zoo")
