@@ -4,7 +4,7 @@ compute-sanitizer.
     ncu --section WarpStateStats -k regex:halo python -m bench.kernels.profile_one --id 57 --mode tf32 --config 5
     ncu -k regex:halo python -m bench.kernels.profile_one --layer dcgan_up1 --batch 64 --config 5 --split 1
     ncu -k regex:dgrad python -m bench.kernels.profile_one --layer dcgan_up1 --batch 64 --cudnn
-    ncu --profile-from-start off -k regex:gemm_kernel python -m bench.kernels.profile_one --zoo unet-up1 --mode bf16 \
+    ncu --profile-from-start off -k regex:gemm_kernel python -m bench.kernels.profile_one --zoo unet-up1 --mode bf16 \\
         --layout cl
 
 The calls run once outside the profiler's range first (cuDNN in benchmark mode picks its algorithm
@@ -23,11 +23,10 @@ import torch.nn.functional as F
 
 from bench.kernels.kernelbench import PROBLEMS
 from bench.kernels.layer_zoo import ZOO, problem
+from bench.kernels.problems import DTYPES
 from kernels.internal import forward_cuda, normalize_args
 
 ROOT = Path(__file__).resolve().parents[2]
-
-DTYPES = {"tf32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> None:
