@@ -65,7 +65,7 @@ kernels: install
 	$(PY) -m kernels.build
 
 bench: install-dev
-	$(PY) bench/kernelbench.py
+	$(PY) -m bench.kernels.kernelbench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info client/*.egg-info

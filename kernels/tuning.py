@@ -8,7 +8,8 @@ choice at no cost (a dictionary lookup).
 
 Tuning is on by default: on 320 generated decoder layers the rule's kernel was within 1.15x of the measured one on
 only 41% of them and over 1.5x slower on 113, while measuring took 62 ms per layer (median; 0.18 s at the 90th
-percentile, 0.55 s at most; bench/choice_sweep.py, bench/NOTES.md v26), once per GPU model thanks to the store below.
+percentile, 0.55 s at most; bench/kernels/choice_sweep.py, bench/NOTES.md v26), once per GPU model thanks to the
+store below.
 ``DECONV_TUNE=0`` in the environment (or ``kernels.tuning.enable(False)``) runs the rule's choice instead: no
 measuring on first calls, and the same kernel, so the same rounding, on every machine.
 
@@ -28,7 +29,7 @@ Choices are also kept on disk (``kernels.choice_store``: one file per GPU model,
 ``DECONV_TUNE_CACHE``), so that a problem measured once is not measured again by a later process: a restarted
 server, or the next run of a script, reads the choice instead.
 
-Timing follows bench/kernelbench.py: CUDA events around each call, an L2 flush before each, the median of several
+Timing follows bench/harness.py's Timer: CUDA events around each call, an L2 flush before each, the median of several
 calls. A first pass times every candidate a few times; the fastest few are timed again, longer, with the default
 among them, and the fastest of that pass wins (the default on a tie within 2%).
 """
@@ -227,13 +228,13 @@ def second_pass_choices(first: Sequence[Trial]) -> list[KernelChoice]:
 
 # GPU cycles of a sleep queued before each timed call (~100 us at H100/H200 clocks), longer than any call's host
 # dispatch, so that the call is queued before its start event runs and the events time the GPU alone, not the host
-# (bench/kernelbench.py uses it too; bench/NOTES.md v12: on a slow host a batch-1 call's Python dispatch outlasted
+# (bench/harness.py's timers use it too; bench/NOTES.md v12: on a slow host a batch-1 call's Python dispatch outlasted
 # the L2 flush).
 HOST_SLACK_CYCLES = 200_000
 
 
 class Timer:
-    """CUDA-event timing of one call's GPU time after an L2 flush, as bench/kernelbench.py times: the median of
+    """CUDA-event timing of one call's GPU time after an L2 flush, as bench/harness.py's Timer times: the median of
     ``reps``."""
 
     def __init__(self, device: torch.device) -> None:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-# Input sizes the server runs at startup (service: warm_shapes): bench/kernelbench.py's bundled-layer size, and for
-# the demo layers also bench/service_load.py's default request size.
+# Input sizes the server runs at startup (service: warm_shapes): bench/kernels/kernelbench.py's bundled-layer size, and
+# for the demo layers also bench/serving/service_load.py's default request size.
 WARM = [(32, 32)]
 DEMO_WARM = [(16, 16), (32, 32)]
 sys.path.insert(0, str(HERE.parent))

@@ -637,7 +637,7 @@ int gemm_config(const ConvTranspose2dParams& p_in) {
   const int64_t cout_g = p.C_out / p.groups;
   if (!wgmma) return cout_g <= 64 ? 4 : 3;
   const int64_t sms = sm_count() > 0 ? sm_count() : 132;
-  // Rules from bench/gemm_probe.py on the zoo and KernelBench (bench/NOTES.md v18-v19); measured choice times
+  // Rules from bench/kernels/gemm_probe.py on the zoo and KernelBench (bench/NOTES.md v18-v19); measured choice times
   // every configuration. Few output channels: 256-row tiles (5) halve the B traffic and the per-stage overhead a
   // product where they fill half the SMs, else 64-wide tiles (2) for more of them.
   if (cout_g <= 64) return 2 * gemm_grid(p, 5).tiles >= sms ? 5 : 2;

@@ -576,7 +576,7 @@ int halo_choose(const ConvTranspose2dParams& p) {
                        max_taps(p.stride_w, p.W_out, p.pad_w, p.dil_w, p.kW);
   const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups;
   if (taps < 2 || cin_g < 16 || tc::div_up(p.W_out, p.stride_w) < 24) return -1;
-  // Measured on an H200 (bench/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision
+  // Measured on an H200 (bench/kernels/sweep.py, bench/NOTES.md v5): 16-warp tiles for C_out > 32 in every precision
   // but exact fp32, whose per-stage partial sums (tc::add_tile) spill at the 16-warp tiles' 128 registers.
   const bool exact = p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
   const int config = cout_g > 32 ? (exact ? 0 : cout_g > 64 ? 2 : 1) : cout_g > 16 ? 3 : 4;

@@ -47,7 +47,7 @@ MODES = {
 # (kernels/csrc/halo.cuh).
 NUM_TC_CONFIGS = 14
 HALO_CONFIGS = range(4, NUM_TC_CONFIGS)
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "kernelbench_conv_transpose2d.json"
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:

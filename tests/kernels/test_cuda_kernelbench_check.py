@@ -2,8 +2,8 @@
 
 As KernelBench judges a submission: PyTorch's default flags (cuDNN may use TF32), the problem's model with PyTorch's
 default initialisation, ``torch.rand`` inputs, five seeds, ``torch.allclose(ours, pytorch, atol=1e-4, rtol=1e-4)``,
-ours being ``kernels.convert(model)`` with the default kernel choice. bench/zoo.py runs the same check with measured
-choice too and records it in its JSON.
+ours being ``kernels.convert(model)`` with the default kernel choice. bench/kernels/zoo.py runs the same check with
+measured choice too and records it in its JSON.
 
 Under the default flags cuDNN computes problem 81 (ungrouped) with TF32-rounded operands and 75 (grouped) exactly
 (bench/NOTES.md v16); our kernels give the same numbers in TF32 mode (the sparse kernel rounds its operands on
@@ -25,7 +25,7 @@ import kernels
 pytestmark = pytest.mark.cuda
 
 PROBLEMS = {p["id"]: p for p in
-            json.loads((Path(__file__).resolve().parents[2] / "bench" / "kernelbench_conv_transpose2d.json")
+            json.loads((Path(__file__).resolve().parents[2] / "bench" / "kernels" / "kernelbench_conv_transpose2d.json")
                        .read_text())["problems"]}
 
 

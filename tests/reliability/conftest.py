@@ -1,22 +1,22 @@
-"""Reliability tests: the scenario drivers of bench/reliability.py at bounded sizes, and the fuzzers' settings.
+"""Reliability tests: the scenario drivers of bench/serving/reliability/ at bounded sizes, and the fuzzers' settings.
 
-``DECONV_FUZZ_EXAMPLES`` sets the cases each fuzzer runs (default 300 here; ``bench/reliability.py --full`` asks
-for 10,000); ``DECONV_FUZZ_REPORT`` names a JSON file that receives each fuzzer's count of cases run.
+``DECONV_FUZZ_EXAMPLES`` sets the cases each fuzzer runs (default 300 here; ``python -m bench.serving.reliability
+--full`` asks for 10,000); ``DECONV_FUZZ_REPORT`` names a JSON file that receives each fuzzer's count of cases run.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from bench.serving.reliability.server import Server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FUZZ_EXAMPLES = int(os.environ.get("DECONV_FUZZ_EXAMPLES", "300"))
@@ -45,40 +45,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         path.write_text(json.dumps({**old, **CASES}, indent=1, sort_keys=True) + "\n")
 
 
-def _load_bench(name: str = "deconv_bench_reliability", file: str = "reliability.py") -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / file)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class body runs
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="session")
-def rel() -> ModuleType:
-    """bench/reliability.py, the scenario drivers."""
-    return _load_bench()
-
-
-@pytest.fixture(scope="session")
-def attacks(rel: ModuleType) -> ModuleType:
-    """bench/reliability_attacks.py, the attacks on shared memory, JSON, the drain and refusals (it imports
-    bench/reliability.py as ``reliability``: the module the ``rel`` fixture loaded)."""
-    sys.modules.setdefault("reliability", rel)
-    return _load_bench("deconv_bench_reliability_attacks", "reliability_attacks.py")
-
-
 @pytest.fixture
-def start_server(rel: ModuleType, tmp_path: Path) -> Iterator[object]:
+def start_server(tmp_path: Path) -> Iterator[object]:
     """``start_server(env)``: a ready ``python -m service`` on 127.0.0.1 (``ready=False``: just started); every one is
     stopped after the test."""
     started = []
 
     def start(env: dict[str, str], ready: bool = True) -> object:
-        server = rel.Server.start(env, tmp_path / f"server-{len(started)}.log", 120.0 if ready else None)
+        server = Server.start(env, tmp_path / f"server-{len(started)}.log", 120.0 if ready else None)
         started.append(server)
         return server
 

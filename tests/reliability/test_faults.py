@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from bench.serving.reliability.under_load import FAULTS, fault_run
 from service.config import Settings
 from service.faults import Faults, parse
 
@@ -21,11 +22,11 @@ from .conftest import REPO_ROOT, explain
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kernel_error", "oom_split", "oom_one_sample", "worker_dies", "worker_hangs"])
-def test_fault_fails_only_its_batch_and_the_service_stays_ready(rel, start_server, kind):
-    spec, extra, _ = rel.FAULTS[kind]
+def test_fault_fails_only_its_batch_and_the_service_stays_ready(start_server, kind):
+    spec, extra, _ = FAULTS[kind]
     server = start_server({"DECONV_TEST_MODE": "1", "DECONV_FAULTS": spec, "DECONV_MAX_QUEUE_DELAY_MS": "50",
                            "DECONV_LOG_LEVEL": "info", **extra})
-    result = asyncio.run(rel.fault_run(server.url, kind))
+    result = asyncio.run(fault_run(server.url, kind))
     assert result["ok"], explain(result)
     log = server.log()
     assert "TEST MODE: injecting faults once ready" in log

@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.serving.reliability.server import Server
 from service import codec
 from service.errors import ServiceError
 from service.http import kserve_routes as routes
@@ -121,9 +122,9 @@ def test_a_huge_claim_is_refused_with_413_before_any_allocation(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def live(rel: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    server = rel.Server.start({"DECONV_MAX_BODY_BYTES": str(LIMIT), "DECONV_MAX_QUEUE_DELAY_MS": "0"}, log)
+    server = Server.start({"DECONV_MAX_BODY_BYTES": str(LIMIT), "DECONV_MAX_QUEUE_DELAY_MS": "0"}, log)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             yield client

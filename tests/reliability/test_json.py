@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from bench.serving.reliability.attacks import json_bombs, long_integers
 from service.http.bodies import MAX_JSON_INT_DIGITS, LongNumberError, parse_json
 
 from .conftest import explain
@@ -16,13 +17,13 @@ API_KEY = "json-test-key"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("processes", "key"), [(1, None), (2, None), (1, API_KEY)], ids=["single", "multi", "api-key"])
-def test_long_json_integers_are_a_4xx_and_the_connection_serves_on(attacks, start_server, processes, key):
+def test_long_json_integers_are_a_4xx_and_the_connection_serves_on(start_server, processes, key):
     # Before: an integer of more than 4,300 digits anywhere in a JSON body (even an ignored id, gzip or not, the
     # register bodies) raised Python's int-conversion limit: 500 with a traceback, and with two HTTP processes the
     # connection closed, so the client's next request on it was reset.
     env = {"DECONV_HTTP_PROCESSES": str(processes), **({"DECONV_API_KEY": key} if key else {})}
     server = start_server(env)
-    result = asyncio.run(attacks.long_integers(server, api_key=key))
+    result = asyncio.run(long_integers(server, api_key=key))
     assert result["ok"], explain(result)
 
 
@@ -45,11 +46,11 @@ def test_json_integers_are_bounded_whatever_the_process_wide_limit(process_limit
 
 
 @pytest.mark.slow
-def test_json_bombs_are_413_before_they_are_parsed(attacks, start_server):
+def test_json_bombs_are_413_before_they_are_parsed(start_server):
     # Before: each gzip bomb (tens of kilobytes, ~60 MB of JSON) was parsed (~1 GB of Python objects, seconds with
     # the event loop stalled, /health/live late by up to seconds), one at a time, before its 413.
     server = start_server({})
-    result = asyncio.run(attacks.json_bombs(server, bombs=4))
+    result = asyncio.run(json_bombs(server, bombs=4))
     assert result["ok"], explain(result)
     # (the probe's latencies are figures, not checks: this machine's load decides them)
 

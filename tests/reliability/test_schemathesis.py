@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import schemathesis
 from hypothesis import settings
 
+from bench.serving.reliability.server import Server
 from service import codec
 from service.config import Settings
 from service.http.app import create_app
@@ -30,9 +30,9 @@ PER_OPERATION = math.ceil(2 * FUZZ_EXAMPLES / OPERATIONS)
 
 
 @pytest.fixture(scope="module")
-def live_url(rel: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("schemathesis") / "server.log"
-    server = rel.Server.start({"DECONV_MAX_QUEUE_DELAY_MS": "0"}, log)
+    server = Server.start({"DECONV_MAX_QUEUE_DELAY_MS": "0"}, log)
     try:
         yield server.url
     finally:

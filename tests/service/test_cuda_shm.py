@@ -1,4 +1,4 @@
-"""GPU tests of KServe CUDA shared memory (run with ``-m cuda`` on the device machine; bench/device_cuda_shm.sh).
+"""GPU tests of KServe CUDA shared memory (run with ``-m cuda`` on the device machine; bench/device/cuda_shm.sh).
 
 The real server (one process, and two HTTP processes in front of the engine process) with its GPU worker, and
 clients in this process, which pass it device memory: tritonclient's ``tritonclient.utils.cuda_shared_memory``
@@ -26,16 +26,15 @@ import torch
 import torch.nn.functional as F
 from deconv_client import AsyncClient, Client, InvalidInputError, cuda_ipc
 
+from bench.serving import service_load
+from bench.serving.wire import check_output, make_input
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine.registry import BatchLimits, Layer, Registry, load_repository
 from tests.numerics import rel_err
 
-from ..bench import test_load_generator
 from .conftest import ServerProcess, metric_value, run
 
 pytestmark = pytest.mark.cuda
-
-load_module = test_load_generator.load_module  # the fixture: bench/service_load.py as a module
 
 COMPILE_TIMEOUT_S = 600  # the first start may compile the kernels
 
@@ -330,16 +329,16 @@ def test_a_failed_cuda_ipc_call_leaves_no_error_behind() -> None:
     assert len(cuda.get_handle(0, base)) == cuda_ipc.HANDLE_BYTES
 
 
-def test_the_load_generator_drives_cuda_shared_memory(live: ServerProcess, load_module: Any) -> None:
-    """bench/service_load.py's ``--protocol cuda-shm``: each client's input and output are CUDA tensors whose
+def test_the_load_generator_drives_cuda_shared_memory(live: ServerProcess) -> None:
+    """bench/serving/service_load.py's ``--protocol cuda-shm``: each client's input and output are CUDA tensors whose
     allocations it registers once; the answers are 200, the output read back matches PyTorch, and the regions are
     unregistered afterwards."""
     args = argparse.Namespace(layer="demo", repository=DEFAULT_LAYER_REPOSITORY, batch=3, height=8, width=8,
                               clients=3, timeout=60.0, client="raw", protocol="cuda-shm", max_seconds=None,
                               cuda_devices="0")
-    x = load_module.make_input(args)
-    result = asyncio.run(asyncio.wait_for(load_module.drive(live.url, args, x, 12), 300))
+    x = make_input(args)
+    result = asyncio.run(asyncio.wait_for(service_load.drive(live.url, args, x, 12), 300))
     assert result["statuses"] == {"200": 12}
-    assert load_module.check_output(args, x, result["_sample"]) < 1e-5
+    assert check_output(args, x, result["_sample"]) < 1e-5
     status = httpx.get(f"{live.url}/v2/cudasharedmemory/status", timeout=30).json()
     assert not any(r["name"].startswith(f"deconv-cuda-{os.getpid()}-") for r in status)

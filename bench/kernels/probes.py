@@ -1,0 +1,346 @@
+"""Measurements that decide a design question, one subcommand each (GPU). Each prints one line a case and a JSON
+document at the end; bench/NOTES.md says which version used which.
+
+- ``staging``: the gemm kernel with an NCHW input, its output stored straight into NCHW against written
+  channels-last into scratch and converted (``force_staged``), every tile configuration, on every zoo and
+  KernelBench layer it runs, next to cuDNN's best layout; the default rule's pick is marked.
+- ``tf32``: which rounding cuDNN's TF32 result matches on the KernelBench problems under PyTorch's default flags
+  (its kernels' operands rounded to nearest, truncated, or exact), against float64, and ours in each precision.
+- ``host``: host time of one call (Python to the kernel's launch) with the GPU kept busy, ours (default and measured
+  choice) against ``F.conv_transpose2d`` (cuDNN), for layers whose GPU time is small, and where ours goes.
+- ``kernels``: the GPU time of each kernel a call launches (torch.profiler), as a library call and as the service
+  calls it (packed weights kept), for the same small layers.
+- ``weights``: the gemm kernel on a channels-last input with NCHW weights (packed every call, and packed once and
+  kept: the kernel alone with K-major B) against channels-last weights (16-bit: read as they are, B N-major; TF32:
+  packed from that layout every call), every tile configuration.
+- ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread), the default
+  choice and cuDNN's best layout, on the zoo and KernelBench layers of at most 32 output channels a group, NCHW and
+  channels-last inputs, every precision.
+- ``rounding``: the gemm kernel's TF32 products with x rounded to TF32 before the kernel (``force_round``: an NCHW
+  x by its layout change, a channels-last one by a pass of its own) against the kernel rounding each landed A stage
+  in shared memory, whole calls, both input layouts, every wgmma configuration; the default choice and cuDNN's best
+  layout beside them.
+
+    python -m bench.kernels.probes staging [--only NAME ...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from bench.harness import write
+from bench.kernels import layer_kernels, zoo
+from bench.kernels.kernelbench import Model, init_args
+from bench.kernels.problems import conv_kwargs, kernelbench_problems, out_shape, zoo_problems
+from kernels.internal import check_tensors, forward_cuda, load_extension, normalize_args
+from kernels.tuning import TUNER, Timer
+
+DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _timer() -> Callable[[Callable[[], object]], float]:
+    t = Timer(torch.device("cuda"))
+    return lambda fn: t(fn, 15)
+
+
+def _args(p: dict) -> Any:
+    kw = conv_kwargs(p)
+    return normalize_args(kw["stride"], kw["padding"], kw["output_padding"], kw["groups"], kw["dilation"])
+
+
+def staging(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    rows = []
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            run = partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm")
+            with torch.no_grad():
+                if run()[1] != "gemm":
+                    continue
+                times = {}
+                for config in range(3):
+                    for staged in (False, True):
+                        times[(config, staged)] = timer(partial(run, force_config=config, force_staged=staged))
+                dflt = timer(partial(run, force_config=None))
+                kw = conv_kwargs(p)
+                cudnn = min(timer(partial(F.conv_transpose2d, x, w, b, **kw)),
+                            timer(partial(F.conv_transpose2d, x.contiguous(memory_format=torch.channels_last),
+                                          w.contiguous(memory_format=torch.channels_last), b, **kw)))
+            direct = min(v for (c, s), v in times.items() if not s)
+            staged_ms = min(v for (c, s), v in times.items() if s)
+            row = {"name": p["name"], "precision": precision, "stride": p["stride"], "direct_ms": round(direct, 4),
+                   "staged_ms": round(staged_ms, 4), "default_route_ms": round(dflt, 4),
+                   "best_cudnn_ms": round(cudnn, 4), "out_mb": round(_out_bytes(p, dtype) / 2**20, 1)}
+            rows.append(row)
+            print(f"staging {p['name']:<15} {precision} stride {p['stride']} out {row['out_mb']} MB: direct "
+                  f"{direct:.4f} staged {staged_ms:.4f} default {dflt:.4f} cuDNN best {cudnn:.4f} ms", flush=True)
+            del x, w, b
+    return rows
+
+
+def _out_bytes(p: dict, dtype: torch.dtype) -> int:
+    n, c, h, w = out_shape(p)
+    return n * c * h * w * dtype.itemsize
+
+
+def _tf32_round(t: torch.Tensor) -> torch.Tensor:
+    return ((t.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _tf32_truncate(t: torch.Tensor) -> torch.Tensor:
+    return (t.view(torch.int32) & -0x2000).view(torch.float32)
+
+
+def tf32(problems: Sequence[dict]) -> list[dict]:
+    """cuDNN's TF32 output against float64 from operands rounded three ways; ours in tf32 and fp32 likewise."""
+    rows = []
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = False
+    for p in problems:
+        kb = p["kb"]
+        shape = (kb["batch"], kb["in_channels"], kb["height"], kb["width"])
+        torch.manual_seed(0)
+        model = Model(**init_args(kb)).cuda()
+        conv = next(m for m in model.modules() if isinstance(m, torch.nn.ConvTranspose2d))
+        with torch.no_grad():
+            x = torch.rand(shape, device="cuda")
+            w, b = conv.weight, conv.bias
+            kw = conv_kwargs(p)
+            got = {"cudnn": model(x)}
+            for prec in ("tf32", "fp32"):
+                got[f"ours_{prec}"] = kernels.conv_transpose2d(x, w, b, precision=prec, **kw)
+            args = _args(p)
+            for path in ("tensor_core", "gemm", "sparse"):  # what each of our kernel families gives in TF32 mode
+                y, ran = forward_cuda(x, w, b, args, "tf32", force_path=path)
+                if ran == path:
+                    got[f"ours_tf32_{path}"] = y
+            refs = {}
+            for name, fn in (("exact", lambda t: t), ("rna", _tf32_round), ("trunc", _tf32_truncate)):
+                refs[name] = F.conv_transpose2d(fn(x).double(), fn(w).double(),
+                                                None if b is None else b.double(), **kw)
+            row: dict[str, Any] = {"id": kb["id"]}
+            for gname, y in got.items():
+                for rname, ref in refs.items():
+                    row[f"{gname}_vs_{rname}"] = float(f"{float((y.double() - ref).abs().max()):.3e}")
+            for gname, y in got.items():
+                if gname != "cudnn":
+                    row[f"cudnn_vs_{gname}"] = float(f"{float((got['cudnn'] - y).abs().max()):.3e}")
+            rows.append(row)
+            print("tf32", json.dumps(row), flush=True)
+            del x, got, refs
+    return rows
+
+
+def _host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host microseconds a call with the GPU busy (a long sleep queued first, so no call waits for the GPU and
+    the queue never fills)."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda._sleep(50_000_000)  # ~25-30 ms of GPU time
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        dt = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        best = min(best, dt / calls * 1e6)
+    return best
+
+
+def _host_row(p: dict, precision: str, dtype: torch.dtype) -> dict:
+    x, w, b = zoo.inputs(p, dtype)
+    kw = conv_kwargs(p)
+    args = _args(p)
+    ours = partial(kernels.conv_transpose2d, x, w, b, **kw)
+    row: dict[str, Any] = {"name": p["name"], "precision": precision}
+    with torch.no_grad():
+        kernels.tuning.enable(False)
+        row["ours_default_us"] = _host_us(ours)
+        kernels.tuning.enable(True)
+        row["ours_measured_us"] = _host_us(ours)
+        kernels.tuning.enable(False)
+        row["cudnn_us"] = _host_us(partial(F.conv_transpose2d, x, w, b, **kw))
+        # Where ours goes: the argument parsing and checks, the extension call alone, an allocation.
+        row["normalize_us"] = _host_us(partial(normalize_args, kw["stride"], kw["padding"], kw["output_padding"],
+                                               kw["groups"], kw["dilation"]), 2000)
+        row["check_us"] = _host_us(partial(check_tensors, x, w, b, args), 2000)
+        row["extension_us"] = _host_us(partial(forward_cuda, x, w, b, args, "tf32"))
+        row["empty_us"] = _host_us(partial(torch.empty_like, x), 2000)
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+
+
+def host(problems: Sequence[dict]) -> list[dict]:
+    rows = []
+    torch.backends.cudnn.benchmark = True
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            rows.append(_host_row(p, precision, dtype))
+            print("host", json.dumps(rows[-1]), flush=True)
+    TUNER.clear()
+    return rows
+
+
+def kernel_times(problems: Sequence[dict]) -> list[dict]:
+    """Where a library call's GPU time goes against the served call (packed weights kept), per kernel."""
+    from service.engine.ops import WeightPacks
+
+    rows = []
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            packs = WeightPacks(w)
+            with torch.no_grad():
+                lib = layer_kernels.kernel_times(partial(forward_cuda, x, w, b, args, "tf32"), 20)
+                served = layer_kernels.kernel_times(partial(forward_cuda, x, w, b, args, "tf32", packs=packs), 20)
+            rows.append({"name": p["name"], "precision": precision, "library_us": lib, "served_us": served})
+            print("kernels", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def weights(problems: Sequence[dict]) -> list[dict]:
+    from service.engine.ops import WeightPacks
+
+    timer = _timer()
+    rows = []
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            x, w, b = zoo.inputs(p, dtype)
+            x = x.contiguous(memory_format=torch.channels_last)
+            w_cl = w.contiguous(memory_format=torch.channels_last)
+            args = _args(p)
+            packs = WeightPacks(w)
+            row: dict[str, Any] = {"name": p["name"], "precision": precision}
+            with torch.no_grad():
+                for c in range(int(load_extension().num_gemm_configs)):
+                    calls = {"nchw_ms": partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                                                force_config=c),
+                             "nchw_kept_ms": partial(forward_cuda, x, w, b, args, "tf32", force_path="gemm",
+                                                     force_config=c, packs=packs),
+                             "cl_ms": partial(forward_cuda, x, w_cl, b, args, "tf32", force_path="gemm",
+                                              force_config=c)}
+                    if calls["nchw_ms"]()[1] != "gemm":
+                        break
+                    row[f"gemm{c}"] = {k: round(timer(fn), 4) for k, fn in calls.items()}
+            if len(row) > 2:
+                rows.append(row)
+                print("weights", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+NARROW_PRECISIONS = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def narrow(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    rows = []
+    for p in problems:
+        if p["out_channels"] // p["groups"] > 32:
+            continue
+        for precision, dtype in NARROW_PRECISIONS.items():
+            torch.backends.cudnn.allow_tf32 = precision == "tf32"
+            torch.backends.cudnn.benchmark = True
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            kw = conv_kwargs(p)
+            mode = "tf32" if precision == "tf32" else "fp32"
+            for layout in ("nchw", "cl"):
+                xl = x.contiguous(memory_format=torch.channels_last) if layout == "cl" else x
+                row: dict[str, Any] = {"name": p["name"], "precision": precision, "layout": layout}
+                with torch.no_grad():
+                    calls = {"narrow": dict(force_path="narrow"), "default": {}}
+                    for c in range(int(load_extension().num_narrow_tiled_configs)):
+                        calls[f"narrow_tiled{c}"] = dict(force_path="narrow_tiled", force_config=c)
+                    for name, force in calls.items():
+                        run = partial(forward_cuda, xl, w, b, args, mode, **force)
+                        row[f"{name}_ran"] = run()[1]
+                        row[f"{name}_ms"] = round(timer(run), 4)
+                    row["best_cudnn_ms"] = round(min(
+                        timer(partial(F.conv_transpose2d, x, w, b, **kw)),
+                        timer(partial(F.conv_transpose2d, x.contiguous(memory_format=torch.channels_last),
+                                      w.contiguous(memory_format=torch.channels_last), b, **kw))), 4)
+                rows.append(row)
+                print("narrow", json.dumps(row), flush=True)
+            del x, w, b
+    return rows
+
+
+WGMMA_CONFIGS = (0, 1, 2, 5, 6, 7, 8)  # 3 and 4 are the mma.sync kernel's, which rounds in registers
+
+
+def rounding(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for p in problems:
+        x, w, b = zoo.inputs(p, torch.float32)
+        args = _args(p)
+        kw = conv_kwargs(p)
+        xcl = x.contiguous(memory_format=torch.channels_last)
+        row: dict[str, Any] = {"name": p["name"]}
+        with torch.no_grad():
+            for c in WGMMA_CONFIGS:
+                calls = {f"{layout}_{how}_ms": partial(forward_cuda, xl, w, b, args, "tf32", force_path="gemm",
+                                                        force_config=c, force_round=how == "rounded")
+                         for layout, xl in (("nchw", x), ("cl", xcl)) for how in ("kernel", "rounded")}
+                if calls["nchw_kernel_ms"]()[1] != "gemm":
+                    break
+                row[f"gemm{c}"] = {k: round(timer(fn), 4) for k, fn in calls.items()}
+            if len(row) == 1:
+                continue
+            row["nchw_default_ms"] = round(timer(partial(forward_cuda, x, w, b, args, "tf32")), 4)
+            row["cl_default_ms"] = round(timer(partial(forward_cuda, xcl, w, b, args, "tf32")), 4)
+            row["best_cudnn_ms"] = round(min(
+                timer(partial(F.conv_transpose2d, x, w, b, **kw)),
+                timer(partial(F.conv_transpose2d, xcl, w.contiguous(memory_format=torch.channels_last), b, **kw))), 4)
+        rows.append(row)
+        print("rounding", json.dumps(row), flush=True)
+        del x, xcl, w, b
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding"))
+    ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    every = zoo_problems() + kernelbench_problems()
+    if a.probe == "tf32":
+        chosen = [p for p in kernelbench_problems() if not a.only or p["name"] in a.only]
+    elif a.only:
+        chosen = [p for p in every if p["name"] in a.only]
+    elif a.probe == "kernels":  # small layers whose library call took much longer than the served call
+        chosen = [p for p in every if p["name"] in ("pix2pix-u2", "pose-up1", "stylegan2-up32", "dcgan64-up1",
+                                                    "deconvnet-s1")]
+    elif a.probe == "host":  # layers whose GPU time is tens of microseconds
+        chosen = [p for p in every if p["name"] in ("fcn8s-up2", "dcgan64-z", "pix2pix-u2", "dcgan64-up1",
+                                                    "deconvnet-s1", "dcgan64-up2")]
+    else:
+        chosen = every
+    rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
+            "narrow": narrow, "rounding": rounding}[a.probe](chosen)
+    doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "rows": rows}
+    if a.out:
+        write(a.out, doc)
+
+
+if __name__ == "__main__":
+    main()
