@@ -175,28 +175,20 @@ def drive_processes(args: argparse.Namespace, protocol: str, height: int, width:
     ``--worker``), from a common start time; the summed figures and one output."""
     procs = max(1, min(args.procs, args.clients))
     start_at = time.time() + 1.0 + 0.25 * procs
+
+    def worker_args(clients: int, n: int, result_file: Path) -> list[str]:
+        extra = [] if max_seconds is None else ["--max-seconds", str(max_seconds)]
+        extra += ["--api-key", args.api_key] if args.api_key else []
+        return ["--protocol", protocol, "--url", args.url, "--grpc", args.grpc, "--clients", str(clients),
+                "--requests", str(n), "--layer", args.layer, "--repository", str(args.repository), "--batch",
+                str(args.batch), "--height", str(height), "--width", str(width), "--timeout", str(args.timeout),
+                "--start-at", repr(start_at), "--result-file", str(result_file), *extra]
+
     with tempfile.TemporaryDirectory(prefix="deconv-grpc-load-") as tmp:
-        files = [Path(tmp) / f"{i}.json" for i in range(procs)]
-        children = []
-        for i in range(procs):
-            clients = args.clients // procs + (1 if i < args.clients % procs else 0)
-            n = count // procs + (1 if i < count % procs else 0)
-            cmd = [sys.executable, "-m", "bench.serving.grpc_load", "--worker", "--protocol", protocol, "--url",
-                   args.url, "--grpc", args.grpc, "--clients", str(clients), "--requests", str(n), "--layer",
-                   args.layer, "--repository", str(args.repository), "--batch", str(args.batch), "--height",
-                   str(height), "--width", str(width), "--timeout", str(args.timeout), "--start-at", repr(start_at),
-                   "--result-file", str(files[i])]
-            if max_seconds is not None:
-                cmd += ["--max-seconds", str(max_seconds)]
-            if args.api_key:
-                cmd += ["--api-key", args.api_key]
-            children.append(subprocess.Popen(cmd, env=sl.load_process_env()))
-        parts = []
+        children, files = sl.start_load_processes("bench.serving.grpc_load", worker_args, procs, args.clients,
+                                                  count, tmp)
         try:
-            for child, path in zip(children, files, strict=True):
-                if child.wait(timeout=args.timeout * 4 + count) != 0:
-                    raise RuntimeError(f"load process failed with exit code {child.returncode}")
-                parts.append(json.loads(path.read_text()))
+            parts = sl.wait_load_processes(children, files, args.timeout * 4 + count)
         finally:
             sl.stop_workers(children)
         sample = next((np.load(f"{f}.npy", allow_pickle=False) for f in files if Path(f"{f}.npy").exists()), None)

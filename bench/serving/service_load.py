@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,29 @@ def load_process_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
+def start_load_processes(module: str, worker_args: Callable[[int, int, Path], list[str]], procs: int, clients: int,
+                         count: int, tmp: str) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """``procs`` load processes, ``python -m module --worker`` with ``worker_args(clients, requests, result_file)``,
+    ``clients`` and ``count`` shared out evenly; their result files are in ``tmp``."""
+    files = [Path(tmp) / f"{i}.json" for i in range(procs)]
+    children = []
+    for i, path in enumerate(files):
+        share = (clients // procs + (1 if i < clients % procs else 0), count // procs + (1 if i < count % procs else 0))
+        cmd = [sys.executable, "-m", module, "--worker", *worker_args(*share, path)]
+        children.append(subprocess.Popen(cmd, env=load_process_env()))
+    return children, files
+
+
+def wait_load_processes(children: list[subprocess.Popen[bytes]], files: list[Path], timeout: float) -> list[dict]:
+    """Each load process's result document, once it exited with 0 (``RuntimeError`` otherwise)."""
+    parts = []
+    for child, path in zip(children, files, strict=True):
+        if child.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"load process failed with exit code {child.returncode}")
+        parts.append(json.loads(path.read_text()))
+    return parts
+
+
 def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str, Any]:
     """Run ``count`` requests from ``args.clients`` clients split over ``args.procs`` worker processes.
 
@@ -216,26 +240,20 @@ def drive_processes(url: str, args: argparse.Namespace, count: int) -> dict[str,
     procs = max(1, min(args.procs, args.clients))
     # The workers import neither torch nor the service, but for cuda-shm torch and a CUDA context each.
     start_at = time.time() + 1.0 + 0.25 * procs + (10.0 if args.protocol == "cuda-shm" else 0.0)
-    parts = []
+
+    def worker_args(clients: int, n: int, result_file: Path) -> list[str]:
+        extra = [] if args.max_seconds is None else ["--max-seconds", str(args.max_seconds)]
+        return ["--url", url, "--clients", str(clients), "--requests", str(n), "--layer", args.layer,
+                "--repository", str(args.repository), "--batch", str(args.batch), "--height", str(args.height),
+                "--width", str(args.width), "--timeout", str(args.timeout), "--client", args.client, "--protocol",
+                args.protocol, "--cuda-devices", args.cuda_devices, "--start-at", repr(start_at), "--result-file",
+                str(result_file), *extra]
+
     with tempfile.TemporaryDirectory(prefix="deconv-load-") as tmp:
-        files = [Path(tmp) / f"{i}.json" for i in range(procs)]
-        children = []
-        for i in range(procs):
-            clients = args.clients // procs + (1 if i < args.clients % procs else 0)
-            n = count // procs + (1 if i < count % procs else 0)
-            cmd = [sys.executable, "-m", "bench.serving.service_load", "--worker", "--url", url, "--clients",
-                   str(clients), "--requests", str(n), "--layer", args.layer, "--repository", str(args.repository),
-                   "--batch", str(args.batch), "--height", str(args.height), "--width", str(args.width),
-                   "--timeout", str(args.timeout), "--client", args.client, "--protocol", args.protocol,
-                   "--cuda-devices", args.cuda_devices, "--start-at", repr(start_at), "--result-file", str(files[i])]
-            if args.max_seconds is not None:
-                cmd += ["--max-seconds", str(args.max_seconds)]
-            children.append(subprocess.Popen(cmd, env=load_process_env()))
+        children, files = start_load_processes("bench.serving.service_load", worker_args, procs, args.clients, count,
+                                               tmp)
         try:
-            for child, path in zip(children, files, strict=True):
-                if child.wait(timeout=args.timeout * 4 + count) != 0:
-                    raise RuntimeError(f"load worker failed with exit code {child.returncode}")
-                parts.append(json.loads(path.read_text()))
+            parts = wait_load_processes(children, files, args.timeout * 4 + count)
         finally:
             stop_workers(children)
             if args.protocol == "shm":  # (a dead process's CUDA allocations go with it; the server's leases too)
