@@ -143,9 +143,9 @@ struct Forced {
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
                     int64_t force_round) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 5,
+  TORCH_CHECK(force_path >= -1 && force_path <= 6,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
-              "(sparse), 4 (gemm) or 5 (tiled narrow), got ",
+              "(sparse), 4 (gemm), 5 (tiled narrow) or 6 (shuffle), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
@@ -414,6 +414,27 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   p.force_split = static_cast<int>(forced.split);
   const bool x_cl = channels_last(x);
   const bool w_cl = channels_last(weight);
+  c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
+               weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  // An NCHW x the shuffle kernel reads as it is (layers whose kernel is their stride, 16-bit): it writes an NCHW y,
+  // so nothing changes layout; it packs the weights from either layout.
+  if (!x_cl && x.is_contiguous()) {
+    deconv::ConvTranspose2dParams q = p;
+    q.x_channels_last = q.y_channels_last = false;
+    q.w_channels_last = w_cl;
+    q.x = x.data_ptr();
+    q.w = weight.data_ptr();
+    const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
+    if (plan.path == deconv::KernelPath::kShuffle) {
+      p = q;
+      p.x = p.w = nullptr;
+      c.plan = plan;
+      c.x_as_is = true;
+      c.w_as_is = w_cl || weight.is_contiguous();
+      p.w_channels_last = w_cl;
+      return c;
+    }
+  }
   // The kernel choice sees the input as the gemm kernel would read it: x itself when channels-last, else a new
   // (aligned) copy; it reads only the pointers' alignment.
   p.x_channels_last = true;
@@ -460,8 +481,6 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   p.x_tf32_rounded = c.round_x || (tf32_gemm && forced.round == 2);
   p.x_pitch = c.pitch;
   c.plan = deconv::conv_transpose2d_plan(p);  // the final plan, with x's and the weight's alignment
-  c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
-               weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   p.x = p.w = nullptr;
   return c;
 }

@@ -54,7 +54,7 @@ struct ConvTranspose2dParams {
   // the gemm path's channels-last copy (convert_layout), and the gemm kernel then skips its own rounding of each
   // landed A stage. Rounding is idempotent: a kernel that rounds anyway gives the same numbers.
   bool x_tf32_rounded;
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow. A forced path that is not
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle. A forced path that is not
   // eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
@@ -66,7 +66,15 @@ struct ConvTranspose2dParams {
 };
 
 // Which kernel family ran; reported back to Python for tests and benchmarks.
-enum class KernelPath : int { kSimt = 0, kTensorCore = 1, kNarrow = 2, kSparse = 3, kGemm = 4, kNarrowTiled = 5 };
+enum class KernelPath : int {
+  kSimt = 0,
+  kTensorCore = 1,
+  kNarrow = 2,
+  kSparse = 3,
+  kGemm = 4,
+  kNarrowTiled = 5,
+  kShuffle = 6
+};
 
 // The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
 // sizes, the layouts and x's alignment, so made once x is in place (the binding lays x and y out for the family
@@ -91,7 +99,8 @@ struct WeightPacking {
   int64_t ciw_pad;  // input-channel words per group, padded
   int64_t co_pad;   // output channels per group, padded to the tile width
   bool kmajor;      // K-major core matrices (the wgmma tiles)
-  int64_t layout;   // 0: the tensor-core kernels' word layout; 1: the gemm kernel's [g][a][b][co][ci] elements
+  int64_t layout;   // 0: the tensor-core kernels' word layout; 1: the gemm kernel's [g][a][b][co][ci] elements;
+                    // 2: the shuffle kernel's [co][a][b][ci] elements
 };
 WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const KernelPlan& plan);
 // Packs p.w for the planned kernel into `dst` (conv_transpose2d_packing(p, plan).bytes bytes) on `stream`.
@@ -166,8 +175,23 @@ int gemm_split(const ConvTranspose2dParams& p, int config);
 bool gemm_reads_weights(const ConvTranspose2dParams& p, int config);
 WeightPacking gemm_packing(const ConvTranspose2dParams& p, int config);
 size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config);
-cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+// Packs p.w as the gemm kernel reads it ([groups][kH][kW][cout_g][ci_pad]) or, co_major, as the shuffle kernel does
+// ([groups][cout_g][kH][kW][ci_pad]); TF32-rounded for fp32.
+cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream, bool co_major = false);
 cudaError_t launch_gemm(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
+
+// Shuffle kernel (conv_transpose2d_shuffle.cu): layers whose kernel is their stride (one group, dilation 1, no
+// output padding), BF16/FP16, an NCHW x and y: one GEMM of the packed weights' (co, a, b) rows by x's positions read
+// as they are, then the pixel shuffle in its epilogue; no layout change, one kernel a call. Eligible on sm_90 with
+// sm_90a code when an image's H_in W_in positions fill whole 8-byte vectors, x is 8-byte aligned and kW divides 64
+// (x read by TMA where they fill 16-byte vectors at a 16-byte aligned address); preferred where the layer has at
+// least 64 (co, a, b) rows.
+bool shuffle_eligible(const ConvTranspose2dParams& p);
+bool shuffle_preferred(const ConvTranspose2dParams& p);
+WeightPacking shuffle_packing(const ConvTranspose2dParams& p);  // [C_out][kH][kW][ci_pad], layout 2
+size_t shuffle_workspace_bytes(const ConvTranspose2dParams& p);
+cudaError_t shuffle_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+cudaError_t launch_shuffle(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
 // else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits, or with round_tf32 (4-byte elements

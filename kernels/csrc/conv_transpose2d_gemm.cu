@@ -33,6 +33,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "conv_transpose2d.h"
@@ -43,6 +44,7 @@
 #include "mma.cuh"
 #include "phase.cuh"
 #include "wgmma.cuh"
+#include "wgmma_ss.cuh"
 
 namespace deconv {
 namespace {
@@ -55,125 +57,7 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// wgmma with both operands in shared memory (128-byte swizzle, K-major).
-
-// Descriptor of a K-major tile in 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart (stride byte
-// offset); the leading byte offset is unused when a row holds the whole K of the instruction. The tile must start
-// 1024-byte aligned; advancing K inside the row adds bytes to the start address.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
-  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-// Descriptor of an N-major (transposed) B tile in 128-byte swizzle, as TMA lands the channels-last weights: chunks
-// of 64 output channels (128 bytes) x the stage's K rows, each chunk K rows of 128 bytes, 8-row groups 1024 bytes
-// apart (stride byte offset, along K), chunks 8192 bytes apart (leading byte offset, along N).
-__device__ __forceinline__ uint64_t sw128_desc_nmajor(uint32_t smem_byte_addr) {
-  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(8192 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-// kTransB: B is N-major (16-bit types only; TF32 wgmma reads K-major operands only).
-template <int N, tc::MmaKind K, bool kTransB>
-__device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b);
-
-#define DECONV_GS_F8(d, i)                                                                                      \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
-#define DECONV_GS_F32(d, i) DECONV_GS_F8(d, i), DECONV_GS_F8(d, i + 8), DECONV_GS_F8(d, i + 16), DECONV_GS_F8(d, i + 24)
-#define DECONV_GS_OPS64(d) DECONV_GS_F32(d, 0)
-#define DECONV_GS_OPS128(d) DECONV_GS_F32(d, 0), DECONV_GS_F32(d, 32)
-#define DECONV_GS_OPS256(d) DECONV_GS_F32(d, 0), DECONV_GS_F32(d, 32), DECONV_GS_F32(d, 64), DECONV_GS_F32(d, 96)
-#define DECONV_GS_D64  \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}, %32, %33"
-#define DECONV_GS_SCALE64 "%34"
-#define DECONV_GS_D128  \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}, %64, %65"
-#define DECONV_GS_SCALE128 "%66"
-#define DECONV_GS_D256  \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" "}, %128, %129"
-#define DECONV_GS_SCALE256 "%130"
-
-#if DECONV_WGMMA
-// Operands: the N / 2 accumulators, A's and B's descriptors, scale-d (a predicate set from the immediate 1:
-// accumulate); imm-scale-a/b 1, and for 16-bit types imm-trans-a 0 (K-major) and imm-trans-b 0 or 1 (N-major).
-#define DECONV_GS(N, KIND, TYPE, K, TRANS, TB)                                                                      \
-  template <>                                                                                                      \
-  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND, TB>(float* d, uint64_t a, uint64_t b) {          \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " DECONV_GS_SCALE##N ", 0;\n"                                 \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k" #K ".f32." TYPE "." TYPE " " DECONV_GS_D##N            \
-                 ", p, 1, 1" TRANS ";\n}\n"                                                                      \
-                 : DECONV_GS_OPS##N(d)                                                                            \
-                 : "l"(a), "l"(b), "n"(1));                                                                       \
-  }
-#else
-#define DECONV_GS(N, KIND, TYPE, K, TRANS, TB)                                                                      \
-  template <>                                                                                                      \
-  __device__ __forceinline__ void wgmma_ss<N, tc::MmaKind::KIND, TB>(float* d, uint64_t a, uint64_t b) {          \
-    (void)d, (void)a, (void)b;                                                                                     \
-    __trap();                                                                                                      \
-  }
-#endif
-
-DECONV_GS(64, kTF32, "tf32", 8, "", false)
-DECONV_GS(128, kTF32, "tf32", 8, "", false)
-DECONV_GS(256, kTF32, "tf32", 8, "", false)
-DECONV_GS(64, kBF16, "bf16", 16, ", 0, 0", false)
-DECONV_GS(128, kBF16, "bf16", 16, ", 0, 0", false)
-DECONV_GS(256, kBF16, "bf16", 16, ", 0, 0", false)
-DECONV_GS(64, kFP16, "f16", 16, ", 0, 0", false)
-DECONV_GS(128, kFP16, "f16", 16, ", 0, 0", false)
-DECONV_GS(256, kFP16, "f16", 16, ", 0, 0", false)
-DECONV_GS(64, kBF16, "bf16", 16, ", 0, 1", true)
-DECONV_GS(128, kBF16, "bf16", 16, ", 0, 1", true)
-DECONV_GS(256, kBF16, "bf16", 16, ", 0, 1", true)
-DECONV_GS(64, kFP16, "f16", 16, ", 0, 1", true)
-DECONV_GS(128, kFP16, "f16", 16, ", 0, 1", true)
-DECONV_GS(256, kFP16, "f16", 16, ", 0, 1", true)
-
-// ---------------------------------------------------------------------------------------------------------
 // The GEMM kernel.
-
-// Makes this thread's shared-memory stores visible to the tensor cores (the async proxy): the TF32 rounding of a
-// stage, written with ordinary stores, before the consumers' wgmma read it.
-__device__ __forceinline__ void fence_async_smem() {
-#if DECONV_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// Bulk tensor copies (the Tensor Memory Accelerator) into shared memory, completing as transactions on `bar`.
-__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
-                                            int c4, uint64_t* bar) {
-#if DECONV_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
-      "[%7];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(wg::smem_addr(bar))
-      : "memory");
-#endif
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
-                                            uint64_t* bar) {
-#if DECONV_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(wg::smem_addr(bar))
-      : "memory");
-#endif
-}
 
 // Persistent and warp-specialized: warpgroup 0 loads, warpgroups 1 and 2 multiply: together, each the tile's first or
 // second BM / 2 rows as BM / 128 wgmma blocks of 64 rows, or with kPing by turns, each a whole tile of BM / 64
@@ -197,12 +81,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr bool kTF32 = K == tc::MmaKind::kTF32;
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
-  // Registers: 168 a thread at launch (__launch_bounds__ with 384 threads); the loader gives back down to 56 and
-  // the multipliers take what it freed (setmaxnreg.inc waits for registers the block does not hold, forever).
-  constexpr int kLaunchRegs = 65536 / kGemmThreads / 8 * 8;
-  constexpr int kProdRegs = 56;
-  constexpr int kConsRegs0 = (kLaunchRegs * kGemmThreads - 128 * kProdRegs) / 256 / 8 * 8;
-  constexpr int kConsRegs = kConsRegs0 > 240 ? 240 : kConsRegs0;
+  static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
+  constexpr int kProdRegs = kWsLoaderRegs;
+  constexpr int kConsRegs = kWsMultiplierRegs;
 
   extern __shared__ uint8_t gemm_smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(gemm_smem_raw));
@@ -416,9 +297,10 @@ __global__ void conv_transpose2d_gemm_reduce(const GemmArgs g, int splits) {
 // per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a tile of 64 ci x 32 kPackVec<T> j
 // in shared memory, so that both the reads (j fastest) and the writes (ci fastest) are coalesced, 8 bytes a load
 // and a store (kPackVec<T> elements; a load of one where `vec` is false: j rows whose length is no multiple of it,
-// or an unaligned address), eight of each a thread in flight. kSrcCL: w is channels-last,
-// [C_in][kH][kW][cout_g] in memory, so j = tap * cout_g + co is already the packed row. 256 threads; grid
-// (j tiles, ci tiles, groups).
+// or an unaligned address), eight of each a thread in flight. kRows says where source row j goes (PackRows): the
+// gemm kernel's rows are tap-major, the shuffle kernel's ([groups][cout_g][kH][kW][ci_pad]) output-channel-major;
+// a channels-last w ([C_in][kH][kW][cout_g] in memory) has j = tap * cout_g + co. 256 threads; grid (j tiles, ci
+// tiles, groups).
 constexpr int kPackRows = 64;  // ci a tile
 template <typename T>
 constexpr int kPackVec = 8 / static_cast<int>(sizeof(T));
@@ -430,7 +312,7 @@ struct alignas(8) PackVec {
   T e[kPackVec<T>];
 };
 
-template <typename T, bool kRound, bool kSrcCL>
+template <typename T, bool kRound, PackRows kRows>
 __global__ void __launch_bounds__(256)
     conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g, int khw,
                                int ci_pad, bool vec) {
@@ -480,9 +362,12 @@ __global__ void __launch_bounds__(256)
     const int r = jr + pass * kRowsAPass, j = j0 + r;
     if (j >= jn || ci >= ci_pad) continue;
     int row = j;
-    if constexpr (!kSrcCL) {
+    if constexpr (kRows == PackRows::kToTapMajor) {
       const int co = j / khw;
       row = (j - co * khw) * cout_g + co;
+    } else if constexpr (kRows == PackRows::kToCoMajor) {
+      const int tap = j / cout_g;
+      row = (j - tap * cout_g) * khw + tap;
     }
     PackVec<T> o;
 #pragma unroll
@@ -584,22 +469,6 @@ GemmGrid gemm_grid(const ConvTranspose2dParams& p, int config) {
   gr.n_tiles = tc::div_up(p.C_out / p.groups, kGemmShapes[config].bn);
   gr.tiles = gr.m_tiles * gr.n_tiles * p.groups * p.stride_h * p.stride_w;
   return gr;
-}
-
-// cuTensorMapEncodeTiled from the driver, found once through the runtime (no link against the driver library).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = []() -> EncodeTiled {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      return nullptr;
-    return reinterpret_cast<EncodeTiled>(f);
-  }();
-  return fn;
 }
 
 }  // namespace
@@ -707,33 +576,42 @@ size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
 }
 
 namespace {
-template <typename T, bool kRound, bool kSrcCL>
+template <typename T, bool kRound, PackRows kRows>
 cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, unsigned groups,
                          cudaStream_t stream) {
   const bool vec = cout_g * khw % kPackVec<T> == 0 && reinterpret_cast<uintptr_t>(w) % 8 == 0;
   const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, kPackCols<T>)),
                   static_cast<unsigned>(tc::div_up(ci_pad, kPackRows)), groups);  // y and z < 65536: gemm_eligible
   if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
-  conv_transpose2d_gemm_pack<T, kRound, kSrcCL><<<grid, 256, 0, stream>>>(
+  conv_transpose2d_gemm_pack<T, kRound, kRows><<<grid, 256, 0, stream>>>(
       static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad, vec);
   return cudaGetLastError();
 }
 }  // namespace
 
-cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream) {
+cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream, bool co_major) {
   const int cin_g = static_cast<int>(p.C_in / p.groups), cout_g = static_cast<int>(p.C_out / p.groups);
   const int ci_pad = static_cast<int>(gemm_ci_pad(p)), khw = static_cast<int>(p.kH * p.kW);
   const unsigned groups = static_cast<unsigned>(p.groups);
-  if (p.dtype == DType::kFloat32)
-    return p.w_channels_last ? gemm_pack_as<float, true, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
-                             : gemm_pack_as<float, true, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
-  if (p.dtype == DType::kBFloat16)
-    return p.w_channels_last
-               ? gemm_pack_as<__nv_bfloat16, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
-               : gemm_pack_as<__nv_bfloat16, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
-  if (p.dtype == DType::kFloat16)
-    return p.w_channels_last ? gemm_pack_as<__half, false, true>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream)
-                             : gemm_pack_as<__half, false, false>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+  // Source rows are co-major ([ci][co][tap]) or, channels-last, tap-major ([ci][tap][co]); one kind is kept as is.
+  const PackRows rows = p.w_channels_last ? (co_major ? PackRows::kToCoMajor : PackRows::kAsIs)
+                                          : (co_major ? PackRows::kAsIs : PackRows::kToTapMajor);
+  const auto as = [&](auto t, auto round) -> cudaError_t {
+    using T = decltype(t);
+    constexpr bool kRound = decltype(round)::value;
+    switch (rows) {
+      case PackRows::kAsIs:
+        return gemm_pack_as<T, kRound, PackRows::kAsIs>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+      case PackRows::kToTapMajor:
+        return gemm_pack_as<T, kRound, PackRows::kToTapMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+      case PackRows::kToCoMajor:
+        return gemm_pack_as<T, kRound, PackRows::kToCoMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+    }
+    return cudaErrorInvalidValue;
+  };
+  if (p.dtype == DType::kFloat32) return as(float{}, std::true_type{});
+  if (p.dtype == DType::kBFloat16) return as(__nv_bfloat16{}, std::false_type{});
+  if (p.dtype == DType::kFloat16) return as(__half{}, std::false_type{});
   return cudaErrorInvalidValue;
 }
 

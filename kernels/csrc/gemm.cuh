@@ -21,6 +21,11 @@ constexpr int kGemmBM = 128;        // output positions a tile of the mma.sync k
 constexpr int kGemmRowBytes = 128;  // K bytes a stage: 32 fp32 or 64 16-bit channels of one tap
 constexpr int kGemmMaxSplit = 16;
 
+// Where the weight packer puts source row j of a group's [ci][j] weights (conv_transpose2d_gemm_pack): kept as is,
+// from co-major (j = co * kH * kW + tap, PyTorch's layout) to the gemm kernel's tap-major rows, or from tap-major
+// (a channels-last weight) to the shuffle kernel's co-major rows.
+enum class PackRows : int { kAsIs, kToTapMajor, kToCoMajor };
+
 // Tile configurations (force_config for the gemm path): BM x BN tiles in kStages buffers of (BM + BN) x 128 bytes;
 // `sync` ones run the mma.sync kernel, the others the wgmma kernel (sm_90a), whose two multiplier warpgroups share
 // each tile or, `ping`, take the tiles by turns.

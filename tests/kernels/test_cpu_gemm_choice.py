@@ -26,7 +26,10 @@ def test_an_nchw_output_times_each_gemm_configuration_staged_and_straight() -> N
     got = tuning.candidates(NUM_CONFIGS, NUM_GEMM, nchw_output=True)
     gemm = [c for c in got if c.path == "gemm"]
     assert gemm == [KernelChoice("gemm", c, staged=s) for c in range(NUM_GEMM) for s in (False, True)]
-    assert [c for c in got if c.path != "gemm"] == [c for c in tuning.candidates(NUM_CONFIGS) if c.path != "gemm"]
+    # Beside them, the other families as for a channels-last output, and the shuffle kernel (NCHW inputs only).
+    others = [c for c in got if c.path not in ("gemm", "shuffle")]
+    assert others == [c for c in tuning.candidates(NUM_CONFIGS) if c.path != "gemm"]
+    assert [c for c in got if c.path == "shuffle"] == [KernelChoice("shuffle")]
 
 
 def test_split_candidates_keep_the_fastest_gemm_output_route() -> None:

@@ -86,6 +86,12 @@ def test_candidates_cover_every_family_and_tile_once() -> None:
     assert all(c.config is None for c in cands if c.path != "tensor_core")
 
 
+def test_shuffle_is_a_candidate_for_nchw_inputs_only() -> None:
+    nchw = tuning.candidates(NUM_CONFIGS, 3, nchw_output=True)
+    assert [c for c in nchw if c.path == "shuffle"] == [KernelChoice("shuffle")]
+    assert not [c for c in tuning.candidates(NUM_CONFIGS, 3) if c.path == "shuffle"]
+
+
 @pytest.mark.parametrize(("dtype", "precision", "expected"), [
     (torch.float32, "fp32", tuning.AGREE["fp32"]),
     (torch.float32, "tf32", tuning.AGREE["tf32"]),

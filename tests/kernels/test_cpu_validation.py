@@ -209,7 +209,7 @@ def test_empty_batch_keeps_autograd():
 @pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
     monkeypatch.setattr(ops, "load_extension", lambda: pytest.fail("the extension must not be loaded"))
-    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled'"
+    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled', 'shuffle'"
     with pytest.raises(ConvTranspose2dArgumentError, match=rf"force_path must be None or one of {names}, got "):
         ops.forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
@@ -244,7 +244,7 @@ def test_force_split_staged_and_round_reach_the_extension(monkeypatch, force_spl
 @pytest.mark.parametrize(
     ("force_path", "code", "ran"),
     [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow"),
-     ("sparse", 3, "sparse"), ("narrow_tiled", 5, "narrow_tiled")],
+     ("sparse", 3, "sparse"), ("narrow_tiled", 5, "narrow_tiled"), ("shuffle", 6, "shuffle")],
 )
 def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran):
     calls = []
@@ -255,7 +255,7 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
                     force_path_code, force_config, force_split, force_staged, force_round, packs):
             calls.append((force_path_code, force_config, force_split, force_staged, force_round, packs))
             y = F.conv_transpose2d(x, weight, bias, stride, padding, output_padding, groups, dilation)
-            return y, {"simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4, "narrow_tiled": 5}[ran]
+            return y, {v: k for k, v in kf.KERNEL_PATHS.items()}[ran]
 
     monkeypatch.setattr(ops, "load_extension", lambda: FakeExtension)
     x, w = x4(), w4()
@@ -266,6 +266,7 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
 
 
 def test_kernel_path_names_cover_every_force_path_name():
-    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled"}
+    assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled",
+                               6: "shuffle"}
     assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
-                              "narrow_tiled": 5}
+                              "narrow_tiled": 5, "shuffle": 6}

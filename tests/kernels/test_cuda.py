@@ -842,7 +842,7 @@ def test_direct_parts_into_places(family: str, mode: str, pinned: bool) -> None:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         path = conv_transpose2d_direct(parts, outs, x.shape, wt, b, args, precision)
-    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled")
+    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled", "shuffle")
     y = torch.cat([torch.frombuffer(o, dtype=torch.uint8).clone().view(dtype) for o in outs]).view(ref.shape)
     assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
     for i in range(len(outs) - 1):  # the gaps between places untouched
@@ -886,7 +886,7 @@ def test_placed_parts_into_places(family: str, mode: str, where: str) -> None:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         path = conv_transpose2d_placed(parts, outs, x.shape, wt, b, args, precision)
-    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled")
+    assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled", "shuffle")
     memory = out_memory.cpu()  # complete when the call returned: no synchronisation before this copy's own
     y = torch.cat([memory[a - out_memory.data_ptr():a - out_memory.data_ptr() + n].view(dtype) for a, n in outs])
     assert rel_err(y.view(ref.shape).cuda(), ref) <= tol
