@@ -111,7 +111,10 @@ def refresh_weights(target: torch.Tensor | nn.Module | None = None) -> int:
 SCHEMA = ("conv_transpose2d(Tensor input, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
           "int[] output_padding, int groups, int[] dilation, str? precision, bool prepare=False) -> Tensor")
 _LIB = torch.library.Library("deconv", "DEF")
-_LIB.define(SCHEMA)
+# flexible_layout: the operator takes inputs in any layout (it reads channels-last and NCHW tensors as they are, and
+# its output follows PyTorch's layout rule, as the fake kernel says), so torch.compile may keep the layout it chose
+# for the graph's convolutions (channels-last) instead of copying tensors back to the layout they had when traced.
+_LIB.define(SCHEMA, tags=(torch.Tag.flexible_layout,))
 
 
 def _args(stride: list[int], padding: list[int], output_padding: list[int], groups: int,
