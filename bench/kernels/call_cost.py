@@ -31,6 +31,7 @@ geometric mean, rows at or above 1.0x, the slowest row. The JSON goes to ``<out>
 
     python -m bench.kernels.call_cost --out /tmp/cost --precisions tf32 bf16
     python -m bench.kernels.call_cost --only unet-up1 maskhead --layouts nchw
+    python -m bench.kernels.call_cost --merge a.json b.json --out docs/benchmarks   # join partial runs (no GPU)
 """
 
 from __future__ import annotations
@@ -230,6 +231,29 @@ def merge_into(path: Path, rows: Sequence[dict]) -> int:
     return n
 
 
+def merge(docs: Sequence[dict]) -> dict:
+    """Join partial runs of one device and measured-choice setting: rows keyed by (suite, name, precision, layout),
+    a later file's replacing an earlier one's, in the zoo's order; the summary recomputed over the joined rows.
+
+    Raises:
+        ValueError: no files, or files of different devices or measured-choice settings.
+    """
+    if not docs:
+        raise ValueError("nothing to merge")
+    for key in ("device", "measured_choice"):
+        if len({str(d[key]) for d in docs}) != 1:
+            raise ValueError(f"files with different {key}: {sorted({str(d[key]) for d in docs})}")
+    rows: dict[tuple, dict] = {}
+    for d in docs:
+        for r in d["rows"]:
+            rows[(r["suite"], r["name"], r["precision"], r["layout"])] = r
+    order = {(p["suite"], p["name"]): i for i, p in enumerate(zoo_problems() + kernelbench_problems())}
+    joined = sorted(rows.values(), key=lambda r: (order.get((r["suite"], r["name"]), len(order)), r["name"],
+                                                   PRECISIONS.index(r["precision"]), LAYOUTS.index(r["layout"])))
+    doc = {k: v for k, v in docs[0].items() if k not in ("summary", "rows")}
+    return {**doc, "summary": summarize(joined), "rows": joined}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precisions", nargs="+", default=["tf32", "bf16", "fp16"], choices=PRECISIONS)
@@ -239,7 +263,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--default", action="store_true", help="the default kernel choice (measured choice off)")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--into", type=Path, help="a layer_zoo-<device>.json to add the figures to")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="FILE",
+                    help="join these partial JSON files into <out>/call_cost-<device>.json (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.merge:
+        doc = merge([json.loads(f.read_text()) for f in args.merge])
+        out = args.out / f"call_cost-{short_slug(doc['device'])}{'' if doc['measured_choice'] else '-default'}.json"
+        write(out, doc)
+        if args.into:
+            print(f"call-cost figures added to {merge_into(args.into, doc['rows'])} rows of {args.into}",
+                  file=sys.stderr)
+        print(report(doc["rows"], doc["summary"]))
+        print(f"wrote {out}")
+        return
     if not torch.cuda.is_available():
         sys.exit("bench.kernels.call_cost needs a CUDA GPU")
     problems = select(zoo_problems() + kernelbench_problems(), args.suite, args.only)

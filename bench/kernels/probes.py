@@ -20,6 +20,10 @@ document at the end; bench/NOTES.md says which version used which.
   x by its layout change, a channels-last one by a pass of its own) against the kernel rounding each landed A stage
   in shared memory, whole calls, both input layouts, every wgmma configuration; the default choice and cuDNN's best
   layout beside them.
+- ``shuffle``: layers whose kernel is their stride, 16-bit NCHW inputs: the shuffle kernel (x and y NCHW as they
+  are, one kernel) against the gemm kernel (x changed to channels-last first, y stored NCHW), both with the weights
+  packed once, the library call's default choice, and cuDNN in both layouts; warm (back to back) and cold (L2
+  flushed) microseconds. The zoo's layers of that kind and a few others from real models (``SHUFFLE_LAYERS``).
 
     python -m bench.kernels.probes staging [--only NAME ...] [--out FILE]
 """
@@ -38,12 +42,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from bench.harness import write
+from bench.harness import ColdTimer, cudnn_benchmark, warm_us, write
 from bench.kernels import layer_kernels, zoo
 from bench.kernels.kernelbench import Model, init_args
-from bench.kernels.problems import conv_kwargs, kernelbench_problems, out_shape, zoo_problems
+from bench.kernels.problems import conv_kwargs, kernelbench_problems, out_shape, spec, zoo_problems
 from kernels.internal import check_tensors, forward_cuda, load_extension, normalize_args
 from kernels.tuning import TUNER, Timer
+from service.engine.ops import WeightPacks
 
 DTYPES = {"tf32": torch.float32, "bf16": torch.bfloat16}
 
@@ -315,15 +320,74 @@ def rounding(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+# Layers of the same kind outside the zoo: (name, batch, C_in, C_out, k, H, W).
+SHUFFLE_LAYERS = (
+    ("sam-up1", 1, 256, 64, 2, 64, 64),      # SAM's mask decoder, first 2x2 up-convolution
+    ("sam-up2", 1, 64, 32, 2, 128, 128),     # and its second
+    ("unet-up28", 8, 1024, 512, 2, 28, 28),  # U-Net at 28 x 28, a batch of 8
+    ("unet-up2", 4, 512, 256, 2, 64, 64),    # U-Net's second up-convolution
+    ("segment-k4", 4, 256, 64, 4, 32, 32),   # a 4x4 stride-4 upsampling head
+)
+
+
+def shuffle_problems() -> list[dict]:
+    """The zoo's and KernelBench's layers whose kernel is their stride (one group), and ``SHUFFLE_LAYERS``."""
+    mine = [p for p in zoo_problems() + kernelbench_problems()
+            if p["kernel_size"] == p["stride"] and p["groups"] == 1 and p["dilation"] == [1, 1]
+            and p["output_padding"] == [0, 0]]
+    for name, n, c_in, c_out, k, h, w in SHUFFLE_LAYERS:
+        mine.append(spec(name, "other", n, c_in, c_out, [k, k], [k, k], [0, 0], [0, 0], 1, [1, 1], h, w, True))
+    return mine
+
+
+def shuffle(problems: Sequence[dict]) -> list[dict]:
+    cold = ColdTimer()
+    rows = []
+    for p in problems:
+        for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            kw = conv_kwargs(p)
+            packs = WeightPacks(w)
+            row: dict[str, Any] = {"name": p["name"], "precision": precision, "shape": [p["batch"], p["in_channels"],
+                                   p["height"], p["width"]], "out_channels": p["out_channels"]}
+            xcl, wcl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+            calls = {"shuffle": partial(forward_cuda, x, w, b, args, "fp32", force_path="shuffle", packs=packs),
+                     "gemm": partial(forward_cuda, x, w, b, args, "fp32", force_path="gemm", packs=packs),
+                     "default": partial(kernels.conv_transpose2d, x, w, b, **kw),
+                     "cudnn_nchw": partial(F.conv_transpose2d, x, w, b, **kw),
+                     "cudnn_cl": partial(F.conv_transpose2d, xcl, wcl, b, **kw)}
+            with torch.no_grad():
+                for name in ("shuffle", "gemm"):
+                    row[f"{name}_ran"] = calls[name]()[1]
+                for name, fn in calls.items():
+                    if name.startswith("cudnn"):
+                        row[f"{name}_warm_us"] = round(cudnn_benchmark(warm_us, fn), 2)
+                        row[f"{name}_cold_us"] = round(cudnn_benchmark(cold, fn), 2)
+                    else:
+                        row[f"{name}_warm_us"] = round(warm_us(fn), 2)
+                        row[f"{name}_cold_us"] = round(cold(fn), 2)
+            for how in ("warm", "cold"):
+                best = min(row[f"cudnn_nchw_{how}_us"], row[f"cudnn_cl_{how}_us"])
+                row[f"vs_cudnn_{how}"] = round(best / row[f"default_{how}_us"], 3)
+            rows.append(row)
+            print("shuffle", json.dumps(row), flush=True)
+            del x, w, b, xcl, wcl, packs
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding"))
+    ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding",
+                                      "shuffle"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     every = zoo_problems() + kernelbench_problems()
     if a.probe == "tf32":
         chosen = [p for p in kernelbench_problems() if not a.only or p["name"] in a.only]
+    elif a.probe == "shuffle":
+        chosen = [p for p in shuffle_problems() if not a.only or p["name"] in a.only]
     elif a.only:
         chosen = [p for p in every if p["name"] in a.only]
     elif a.probe == "kernels":  # small layers whose library call took much longer than the served call
@@ -335,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow, "rounding": rounding}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding, "shuffle": shuffle}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:
