@@ -45,7 +45,14 @@ import numpy as np
 
 from bench.serving import service_load as sl
 from bench.serving.raw_client import RawLoad, event_loop_factory
-from bench.serving.servers import free_port, process_tree_cpu, stop_server, wait_ready
+from bench.serving.servers import (
+    expected_http_processes,
+    free_port,
+    http_processes_arg,
+    process_tree_cpu,
+    stop_server,
+    wait_ready,
+)
 from bench.serving.wire import check_output, kserve_wire, make_input, output_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,7 +214,8 @@ def start_server(args: argparse.Namespace, workdir: Path) -> subprocess.Popen[by
     proc = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     args.url, args.grpc = f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    wait_ready(args.url, proc, args.startup_timeout, workdir / "server.log", args.http_processes)
+    wait_ready(args.url, proc, args.startup_timeout, workdir / "server.log",
+               expected_http_processes(args.http_processes, args.devices))
     return proc
 
 
@@ -276,7 +284,8 @@ def main() -> None:
     p.add_argument("--repository", type=Path, default=ROOT / "layers")
     p.add_argument("--batch", type=int, default=1, help="samples per request")
     p.add_argument("--devices", default="auto", help="DECONV_DEVICES of the server started here")
-    p.add_argument("--http-processes", type=int, default=1, help="DECONV_HTTP_PROCESSES of the server started here")
+    p.add_argument("--http-processes", type=http_processes_arg, default=1,
+                   help="DECONV_HTTP_PROCESSES of the server started here (a count, or auto: the server's default)")
     p.add_argument("--procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="load-generator processes")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")

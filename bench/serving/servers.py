@@ -60,6 +60,25 @@ def start_server(scenario: str, args: argparse.Namespace, log_path: Path) -> tup
     return proc, f"http://127.0.0.1:{port}"
 
 
+def http_processes_arg(text: str) -> int | str:
+    """``--http-processes``: a count from 1, or "auto" (the server sizes it: service.config.auto_http_processes)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--http-processes must be a count from 1 or 'auto', got {text!r}")
+    return n
+
+
+def expected_http_processes(value: int | str, devices: str) -> int:
+    """How many HTTP processes a server started with ``value`` runs on this machine ("auto": the server's rule)."""
+    if value == "auto":
+        from service.config import auto_http_processes
+
+        return auto_http_processes(devices)[0]
+    return int(value)
+
+
 def _http_processes(url: str) -> float:
     """``deconv_http_processes`` from /metrics (HTTP processes serving; the engine's connections when several)."""
     for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():

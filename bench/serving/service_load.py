@@ -81,6 +81,8 @@ from bench.serving.raw_client import RawLoad, event_loop_factory
 from bench.serving.servers import (
     GpuSampler,
     cpu_per_request,
+    expected_http_processes,
+    http_processes_arg,
     process_tree_cpu,
     server_timings,
     start_server,
@@ -335,7 +337,8 @@ def start_scenario(name: str, args: argparse.Namespace, x: np.ndarray, workdir: 
         proc, url = start_server(name, args, log_path)
     try:
         wait_ready(url, proc, args.startup_timeout, log_path if proc else None,
-                   args.http_processes if name in ("batching", "no-batching") else 0)  # naive: no /metrics
+                   expected_http_processes(args.http_processes, args.devices)
+                   if name in ("batching", "no-batching") else 0)  # naive: no /metrics
         limits = None
         r = httpx.get(f"{url}/v1/layers/{args.layer}", timeout=5) if name != "naive" else None
         if r is not None and r.status_code == 200:  # the batching limits the server applied (defaults included)
@@ -496,8 +499,9 @@ def main() -> None:
     p.add_argument("--height", type=int, default=16)
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--devices", default="auto", help="DECONV_DEVICES for the servers started here")
-    p.add_argument("--http-processes", type=int, default=1,
-                   help="DECONV_HTTP_PROCESSES of the batching and no-batching servers (1: single process)")
+    p.add_argument("--http-processes", type=http_processes_arg, default=1,
+                   help="DECONV_HTTP_PROCESSES of the batching and no-batching servers (1: single process; auto: "
+                        "the server's default, sized from the cores and GPUs)")
     p.add_argument("--max-queue-delay-ms", type=float, default=None, help="DECONV_MAX_QUEUE_DELAY_MS (batching)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
