@@ -430,8 +430,7 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
       p.x = p.w = nullptr;
       c.plan = plan;
       c.x_as_is = true;
-      c.w_as_is = w_cl || weight.is_contiguous();
-      p.w_channels_last = w_cl;
+      c.w_as_is = w_cl || weight.is_contiguous();  // else an NCHW copy (w_channels_last is false then)
       return c;
     }
   }
