@@ -291,12 +291,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--protocol", default="grpc", help=argparse.SUPPRESS)
     p.add_argument("--height", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, default=16, help=argparse.SUPPRESS)
-    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    sl.add_load_process_args(p)
     args = p.parse_args()
     if args.worker:
         worker_main(args)

@@ -222,6 +222,14 @@ def start_load_processes(module: str, worker_args: Callable[[int, int, Path], li
     return children, files
 
 
+def add_load_process_args(p: argparse.ArgumentParser) -> None:
+    """The hidden arguments ``start_load_processes`` gives a load process (``--worker``, ``--start-at``,
+    ``--result-file``), for the parser of the module it starts."""
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+
+
 def wait_load_processes(children: list[subprocess.Popen[bytes]], files: list[Path], timeout: float) -> list[dict]:
     """Each load process's result document, once it exited with 0 (``RuntimeError`` otherwise)."""
     parts = []
@@ -525,9 +533,7 @@ def main() -> None:
                         "and its children's is sampled")
     p.add_argument("--gpu-util", action="store_true",
                    help="sample each GPU's utilisation with nvidia-smi during the measured rounds (gpu_util_pct)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    add_load_process_args(p)
     args = p.parse_args()
     if args.worker:
         worker_main(args)
