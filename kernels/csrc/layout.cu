@@ -3,13 +3,16 @@
 // "Kernels"). Both directions are a batched 2-D transpose: per image, [rows][cols] -> [cols][rows], with rows = C
 // and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kCols columns go through shared
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
-// raw bits (2, 4 or 8 bytes). kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column
-// tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
+// raw bits (2, 4 or 8 bytes). Where both sides allow it (rows and columns multiples of a vector, both tensors aligned
+// to it: most layers), transpose_batched_vec moves 64 x 64 tiles as 16-, 8- or 4-byte vectors: twice the bytes in
+// flight a thread and a quarter of the memory instructions of the element-wise tiles (bench/NOTES.md v28). kCols is
+// 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
 // the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32
 // bits) rounds each value to TF32 on the way: an input bound for the gemm kernel's TF32 products, which then need
 // not round it in shared memory (ConvTranspose2dParams::x_tf32_rounded); round_to_tf32 does the same for an x
 // that keeps its layout.
 #include <cstdint>
+#include <cstring>
 
 #include "conv_transpose2d.h"
 #include "mma.cuh"
@@ -61,6 +64,75 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the destination
     const int idx = threadIdx.x + k * kThreads, j = idx / kTileRows, i = idx % kTileRows;
     if (i < nr && j < nc) d[j * rows + i] = moved<kRound>(tile[i][j]);
+  }
+}
+
+// The unsigned type of a vector of kBytes.
+template <int kBytes>
+struct VecOf;
+template <>
+struct VecOf<4> {
+  using type = uint32_t;
+};
+template <>
+struct VecOf<8> {
+  using type = uint2;
+};
+template <>
+struct VecOf<16> {
+  using type = uint4;
+};
+
+constexpr int kVecTile = 64;  // rows and columns of transpose_batched_vec's tile
+
+// transpose_batched with kVec elements a memory access on both sides. The caller guarantees rows % kVec == 0,
+// cols % kVec == 0 and src, dst aligned to kVec * sizeof(T), so every vector lies whole inside or outside a tile.
+// A thread loads kVec consecutive elements of a source row, and stores kVec consecutive elements of a destination
+// row gathered from a column of the tile.
+template <typename T, int kVec, bool kRound>
+__global__ void __launch_bounds__(kThreads)
+    transpose_batched_vec(const T* __restrict__ src, T* __restrict__ dst, int64_t rows, int64_t cols) {
+  using V = typename VecOf<kVec * static_cast<int>(sizeof(T))>::type;
+  constexpr int kLine = kVecTile / kVec;  // vectors along a tile's row (loads) or column (stores)
+  constexpr int kPerThread = kVecTile * kLine / kThreads;
+  static_assert(kPerThread >= 1 && kVecTile * kLine % kThreads == 0, "whole vectors per thread");
+  // Rows padded by one 32-bit word: a warp's stores into a row, and its column reads, spread over the banks.
+  constexpr int kPitch = kVecTile + (sizeof(T) == 2 ? 2 : 1);
+  __shared__ T tile[kVecTile][kPitch];
+  const int64_t image = blockIdx.z;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kVecTile, r0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
+  const T* s = src + image * rows * cols + r0 * cols + c0;
+  T* d = dst + image * rows * cols + c0 * rows + r0;
+  const int nr = static_cast<int>(rows - r0 < kVecTile ? rows - r0 : kVecTile);
+  const int nc = static_cast<int>(cols - c0 < kVecTile ? cols - c0 : kVecTile);
+  V v[kPerThread];
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the source
+    const int idx = threadIdx.x + k * kThreads, i = idx / kLine, j = idx % kLine * kVec;
+    if (i < nr && j < nc) v[k] = *reinterpret_cast<const V*>(s + i * cols + j);
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int idx = threadIdx.x + k * kThreads, i = idx / kLine, j = idx % kLine * kVec;
+    if (i < nr && j < nc) {
+      T e[kVec];
+      memcpy(e, &v[k], sizeof(V));
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) tile[i][j + q] = e[q];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the destination
+    const int idx = threadIdx.x + k * kThreads, j = idx / kLine, i = idx % kLine * kVec;
+    if (i < nr && j < nc) {
+      T e[kVec];
+#pragma unroll
+      for (int q = 0; q < kVec; ++q) e[q] = moved<kRound>(tile[i + q][j]);
+      V out;
+      memcpy(&out, e, sizeof(V));
+      *reinterpret_cast<V*>(d + j * rows + i) = out;
+    }
   }
 }
 
@@ -119,6 +191,37 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
   return cudaSuccess;
 }
 
+template <typename T, int kVec, bool kRound>
+cudaError_t launch_transpose_vec(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
+                                 cudaStream_t stream) {
+  const int64_t col_tiles = (cols + kVecTile - 1) / kVecTile, row_tiles = (rows + kVecTile - 1) / kVecTile;
+  if (col_tiles > INT32_MAX || row_tiles > 65535) return cudaErrorInvalidValue;
+  const int64_t per_image = rows * cols;
+  for (int64_t first = 0; first < images; first += 65535) {  // at most 65535 images a launch (the grid's z)
+    const int64_t count = images - first < 65535 ? images - first : 65535;
+    const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
+    transpose_batched_vec<T, kVec, kRound><<<grid, kThreads, 0, stream>>>(
+        static_cast<const T*>(src) + first * per_image, static_cast<T*>(dst) + first * per_image, rows, cols);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+// The widest vector (16, 8 or 4 bytes, at least one element) that divides rows and cols and both addresses, in
+// elements; 0 when none does, the image is too small for 64 x 64 tiles to pay (fewer than 32 rows or columns), or
+// the elements are 8 bytes (fp64: not a speed target; its 64 x 64 tile would take 33 KB of shared memory).
+template <typename T>
+int vector_elements(const void* src, const void* dst, int64_t rows, int64_t cols) {
+  if (sizeof(T) > 4 || rows < 32 || cols < 32) return 0;
+  const uintptr_t both = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  for (int bytes = 16; bytes >= 4 && bytes >= static_cast<int>(sizeof(T)); bytes /= 2) {
+    const int n = bytes / static_cast<int>(sizeof(T));
+    if (n >= 2 && rows % n == 0 && cols % n == 0 && both % bytes == 0) return n;
+  }
+  return 0;
+}
+
 template <typename T, bool kRound>
 cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t c, int64_t hw,
                              bool to_channels_last, cudaStream_t stream) {
@@ -127,6 +230,17 @@ cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t
   }
   if (c <= kFewChannels) return launch_few_channels<T, kRound>(src, dst, images, c, hw, to_channels_last, stream);
   const int64_t rows = to_channels_last ? c : hw, cols = to_channels_last ? hw : c;
+  switch (vector_elements<T>(src, dst, rows, cols)) {
+    case 8:
+      if constexpr (sizeof(T) == 2) return launch_transpose_vec<T, 8, kRound>(src, dst, images, rows, cols, stream);
+      break;
+    case 4:
+      if constexpr (sizeof(T) <= 4) return launch_transpose_vec<T, 4, kRound>(src, dst, images, rows, cols, stream);
+      break;
+    case 2:
+      if constexpr (sizeof(T) <= 4) return launch_transpose_vec<T, 2, kRound>(src, dst, images, rows, cols, stream);
+      break;
+  }
   if (cols <= 8) return launch_transpose_cols<T, 8, kRound>(src, dst, images, rows, cols, stream);
   if (cols <= 16) return launch_transpose_cols<T, 16, kRound>(src, dst, images, rows, cols, stream);
   return launch_transpose_cols<T, 32, kRound>(src, dst, images, rows, cols, stream);

@@ -206,6 +206,33 @@ def test_gemm_nchw_output_staged_or_straight(problem: str, mode: str, layout: st
         assert err <= tol, f"{problem}/{mode}/{layout}/staged={staged}/split {split}: rel err {err:.3e} > {tol:.0e}"
 
 
+# Layout changes by vectors (kernels/csrc/layout.cu's transpose_batched_vec): x's channels and positions, and y's,
+# multiples of 8, of 4 and of 2 elements (16-, 8- and 4-byte vectors of 16-bit values; 16 and 8 bytes of fp32), with
+# partial 64 x 64 tiles on both sides.
+VECTOR_LAYOUT_PROBLEMS = {
+    "vec8": dict(n=3, c_in=72, c_out=80, h=8, w=12, k=2, stride=2),  # x 72 x 96, y 384 x 80
+    "vec4": dict(n=2, c_in=68, c_out=76, h=9, w=4, k=2, stride=2),  # x 68 x 36, y 144 x 76
+    "vec2": dict(n=2, c_in=66, c_out=70, h=9, w=6, k=3, stride=2, padding=1, output_padding=1),  # x 66 x 54, y 216 x 70
+}
+
+
+@needs_sm90
+@pytest.mark.parametrize("rounded", [None, True])
+@pytest.mark.parametrize("layout", ["nchw", "nchw_new"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", list(VECTOR_LAYOUT_PROBLEMS))
+def test_gemm_nchw_layout_changes_by_vectors(problem: str, mode: str, layout: str, rounded: bool | None) -> None:
+    """x changed to channels-last (TF32: rounded on the way too) and y staged and changed back, by the vector
+    kernel: every element in its place."""
+    if rounded and mode != "tf32":
+        pytest.skip("rounding before the kernel is TF32's")
+    err, tol, path, y = run(VECTOR_LAYOUT_PROBLEMS[problem], mode, layout=layout, config=1, staged=True,
+                            rounded=rounded, seed=zlib.crc32(problem.encode()))
+    assert path == "gemm"
+    assert y.is_contiguous()
+    assert err <= tol, f"{problem}/{mode}/{layout}/rounded={rounded}: rel err {err:.3e} > {tol:.0e}"
+
+
 # Few input channels: the layout change of an NCHW x moves them a position a thread (4 and 8 channels) instead of in
 # tiles, and rounds them on the way too.
 ROUNDING_PROBLEMS = {**{k: PROBLEMS[k] for k in ("k4s2p1", "k3s2_op1", "groups")},
