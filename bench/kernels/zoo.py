@@ -27,6 +27,15 @@ row:
   allocator hands the freed block back) and every element must be finite. ``max_rel_err`` is null when the
   output holds a non-finite value or the call failed; a wrong row has ``"correct": false`` and is printed loudly.
 
+- With ``--cutlass``, NVIDIA CUTLASS's strided dgrad kernels as a peer (bench/kernels/cutlass/peer.py): every
+  configuration that can run the problem, on channels_last x and w (its layout, like cuDNN's cl figure), timed the
+  same way; the fastest is ``cutlass_config`` with ``cutlass_ms`` (the smaller of two medians), checked against the
+  same float64 reference (``cutlass_rel_err``, ``cutlass_correct``); ``vs_cutlass`` = cutlass_ms / ours_ms. Both
+  rows of a problem and precision carry the same figures. ``cutlass_note`` says why there is none (exact fp32, or no
+  configuration runs the problem: groups, dilation). The summary adds, per suite, precision and layout, the geomean
+  of vs_cutlass and of best cuDNN / CUTLASS. The peer's build (~30 s on 16 cores) stays outside the budget; its
+  timing is inside it.
+
 Timing: CUDA events, an L2 flush and a host-slack sleep before every timed call (bench/harness.py's ``AdaptiveTimer``),
 one warm-up call, then timed calls until ~25 ms of GPU time (at least 3, at most 40), the median; every figure (ours,
 served, both cuDNN layouts) is the smaller of two such medians, the second taken after all of the problem's other calls
@@ -48,6 +57,7 @@ stdout.
 
     python -m bench.kernels.zoo --out /tmp/zoo                # everything (~6 min on an H100 after the build)
     python -m bench.kernels.zoo --precisions bf16 --layouts cl --only unet-up1 maskhead --no-check
+    python -m bench.kernels.zoo --precisions bf16 fp16 tf32 --cutlass --budget-s 600 --out /tmp/zoo
     python -m bench.kernels.zoo --merge a.json b.json --out docs/benchmarks   # join partial runs (no GPU needed)
     python -m bench.kernels.zoo --estimate                                   # the run-time estimate (no GPU needed)
 """
@@ -174,6 +184,9 @@ def inputs(p: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 TimerFn = Callable[[Callable[[], object]], float]
+# A peer library: (x, w, bias, conv kwargs) -> one call per configuration that can run the problem, or ValueError
+# with the reason none can (bench/kernels/cutlass/peer.py's candidates).
+PeerFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, dict], dict[str, Callable[[], torch.Tensor]]]
 
 
 def sync() -> None:
@@ -181,9 +194,30 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def time_peer(peer: PeerFn, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kw: dict,
+              ref: torch.Tensor, timer: TimerFn, tol: float) -> dict[str, Any]:
+    """The peer's figures (the ``cutlass_*`` fields): its configurations on channels_last x and w (its own layout, as
+    cuDNN's cl figure) timed once each, the fastest checked against the float64 reference in a NaN-filled block and
+    timed again, the smaller median kept. A problem no configuration runs gets the reason in ``cutlass_note``."""
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    w_cl = w.contiguous(memory_format=torch.channels_last)
+    try:
+        runs = peer(x_cl, w_cl, b, kw)
+    except ValueError as exc:  # the peer's UnsupportedError: no configuration runs the problem
+        return {"cutlass_note": str(exc)[:400]}
+    times = {name: timer(fn) for name, fn in runs.items()}
+    name = min(times, key=times.__getitem__)
+    poison_allocator(tuple(ref.shape), x.dtype)
+    err = rel_err(runs[name](), ref)
+    ms = min(times[name], timer(runs[name]))
+    return {"cutlass_ms": ms, "cutlass_config": name, "cutlass_rel_err": err,
+            "cutlass_correct": math.isfinite(err) and err <= tol}
+
+
 def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ceilings: dict[str, float],
-             refs: RefCache, log: Callable[[str], None], errors: list[str]) -> list[dict]:
-    """The rows of one problem in one precision, one per layout (cuDNN measured once for both)."""
+             refs: RefCache, log: Callable[[str], None], errors: list[str], peer: PeerFn | None = None) -> list[dict]:
+    """The rows of one problem in one precision, one per layout (cuDNN, and the peer when given, measured once for
+    both)."""
     dtype = DTYPES[precision]
     prec_arg = OURS_PRECISION[precision]
     tol = ZOO_TOL[precision]
@@ -254,6 +288,19 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
         except Exception as exc:
             errors.append(f"{tag}: cuDNN: {type(exc).__name__}: {exc}")
             log(f"!!! {tag} cuDNN failed:\n{traceback.format_exc()}")
+        peer_res: dict[str, Any] = {}
+        if peer is not None and precision == "fp32":
+            peer_res = {"cutlass_note": "no exact fp32 kernels (its float kernels run TF32)"}
+        elif peer is not None:
+            try:
+                peer_res = time_peer(peer, x, w, b, kw, ref, timer, tol)
+            except Exception as exc:
+                errors.append(f"{tag}: CUTLASS: {type(exc).__name__}: {exc}")
+                log(f"!!! {tag} CUTLASS failed:\n{traceback.format_exc()}")
+                peer_res = {"cutlass_note": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+            if peer_res.get("cutlass_correct") is False:
+                errors.append(f"{tag}: CUTLASS {peer_res['cutlass_config']} wrong: relative error "
+                              f"{peer_res['cutlass_rel_err']}")
         for res, key, call in again:  # the second medians of ours (cuDNN's: above, after both first ones)
             try:
                 res[key] = min(res[key], timer(call))
@@ -270,13 +317,15 @@ def run_unit(p: dict, precision: str, layouts: Sequence[str], timer: TimerFn, ce
         correct = res["ok"] and finite and err is not None and err <= tol
         row = make_row(p, precision, layout, ours_ms=res["ours_ms"], served_ms=res["served_ms"],
                        cudnn_nchw_ms=cudnn["nchw"], cudnn_cl_ms=cudnn["cl"], gflop=gflop, floor=floor,
-                       choice=res["choice"], max_rel_err=err, correct=correct)
+                       choice=res["choice"], max_rel_err=err, correct=correct, peer=peer_res)
         rows.append(row)
         sp = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
         log(f"{p['name']:<15} {precision:<4} {layout:<4} ours {row['ours_ms']} served {row['served_ms']} "
             f"({res.get('served_choice', '-')}) cuDNN {row['cudnn_nchw_ms']}|{row['cudnn_cl_ms']} {sp} "
             f"floor {row['pct_of_floor']}% {row['choice']} err {row['max_rel_err']} tune "
-            f"{res.get('tune_s', 0):.2f}s")
+            f"{res.get('tune_s', 0):.2f}s"
+            + (f" CUTLASS {row.get('cutlass_ms')} ({row.get('cutlass_config') or row.get('cutlass_note')})"
+               if peer else ""))
         if not correct:
             log(f"!!! WRONG RESULT {p['name']}/{precision}/{layout}: errors {errs} (tolerance {tol:.0e})")
     return rows
@@ -375,7 +424,8 @@ def gpu_alive() -> bool:
 
 def run_problems(problems: Sequence[dict], precisions: Sequence[str], layouts: Sequence[str], timer: TimerFn,
                  ceilings: dict[str, float], deadline: float, log: Callable[[str], None], errors: list[str],
-                 rows: list[dict], skipped: list[dict], after_problem: Callable[[], None] = lambda: None) -> None:
+                 rows: list[dict], skipped: list[dict], after_problem: Callable[[], None] = lambda: None,
+                 peer: PeerFn | None = None) -> None:
     """Every problem in every precision (tf32 before fp32: they share a reference) into ``rows``; once
     ``time.perf_counter()`` passes ``deadline`` the units not started go to ``skipped``, one entry per row.
     ``after_problem`` runs after each problem (the JSON is rewritten there)."""
@@ -392,7 +442,7 @@ def run_problems(problems: Sequence[dict], precisions: Sequence[str], layouts: S
                 continue
             n_errors = len(errors)
             try:
-                rows += run_unit(p, prec, layouts, timer, ceilings, refs, log, errors)
+                rows += run_unit(p, prec, layouts, timer, ceilings, refs, log, errors, peer)
             except Exception as exc:  # the inputs or the reference failed
                 errors.append(f"{p['name']}/{prec}: {type(exc).__name__}: {exc}")
                 log(f"!!! {p['name']}/{prec} failed:\n{traceback.format_exc()}")
@@ -426,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip KernelBench's correctness check under PyTorch's default flags")
     ap.add_argument("--estimate", action="store_true", help="print the run-time estimate of the selection and exit")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="time NVIDIA CUTLASS's dgrad kernels too (bench/kernels/cutlass; its build: ~30 s on 16 "
+                         "cores, minutes on few), the cutlass_* fields")
     args = ap.parse_args(argv)
 
     unknown = set(args.only or ()) - {p["name"] for p in zoo_problems() + kernelbench_problems()}
@@ -457,8 +510,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     log = Log(args.out / f"layer_zoo-{slug}.log")
     t_build = time.perf_counter()
     kernels.conv_transpose2d(torch.randn(1, 1, 2, 2, device="cuda"), torch.randn(1, 1, 1, 1, device="cuda"))
+    peer: PeerFn | None = None
+    if args.cutlass:
+        from bench.kernels.cutlass import peer as cutlass
+
+        cutlass.load(log)  # the build stays outside the budget
+
+        def cutlass_candidates(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kw: dict) -> dict:
+            return cutlass.candidates(x, w, b, kw["stride"], kw["padding"], kw["output_padding"], kw["dilation"],
+                                      kw["groups"])
+
+        peer = cutlass_candidates
     t0 = time.perf_counter()
-    log(f"# extension built/loaded in {t0 - t_build:.1f} s; budget {args.budget_s:.0f} s from now")
+    log(f"# extension(s) built/loaded in {t0 - t_build:.1f} s; budget {args.budget_s:.0f} s from now")
     timer = AdaptiveTimer(TARGET_MS, MIN_REPS, MAX_REPS)
     ceilings = measure_ceilings(timer, ("tf32", "fp32", "bf16", "fp16"))
     log(f"# {device}; torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; ceilings: "
@@ -482,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         summarize(rows, check, skipped, errors, extra))
 
     run_problems(problems, args.precisions, args.layouts, timer, ceilings, t0 + args.budget_s, log, errors, rows,
-                 skipped, lambda: write(json_path, doc_now(False)))
+                 skipped, lambda: write(json_path, doc_now(False)), peer)
     doc = doc_now(True)
     write(json_path, doc)
     text = report(doc)

@@ -26,8 +26,9 @@ CHECK_SEEDS = 5
 
 def make_row(p: dict, precision: str, layout: str, *, ours_ms: float | None, served_ms: float | None,
              cudnn_nchw_ms: float | None, cudnn_cl_ms: float | None, gflop: float, floor: float, choice: str,
-             max_rel_err: float | None, correct: bool) -> dict:
-    """One row of the JSON, its derived fields (best cuDNN, % of floor, speedup) computed here."""
+             max_rel_err: float | None, correct: bool, peer: dict | None = None) -> dict:
+    """One row of the JSON, its derived fields (best cuDNN, % of floor, speedup) computed here; ``peer``: the
+    CUTLASS figures (zoo.py's time_peer), with ``vs_cutlass`` = cutlass_ms / ours_ms."""
     cudnn = [t for t in (cudnn_nchw_ms, cudnn_cl_ms) if t is not None]
     best = min(cudnn) if cudnn else None
     r4 = (lambda t: None if t is None else round(t, 4))  # noqa: E731
@@ -38,7 +39,17 @@ def make_row(p: dict, precision: str, layout: str, *, ours_ms: float | None, ser
             "speedup": round(best / ours_ms, 4) if ours_ms and best else None, "choice": choice,
             "max_rel_err": None if max_rel_err is None or not math.isfinite(max_rel_err)
             else float(f"{max_rel_err:.3e}"),
-            "correct": bool(correct), "suite": p["suite"]}
+            "correct": bool(correct), "suite": p["suite"]} | peer_fields(peer, ours_ms)
+
+
+def peer_fields(peer: dict | None, ours_ms: float | None) -> dict:
+    if not peer:
+        return {}
+    ms, err = peer.get("cutlass_ms"), peer.get("cutlass_rel_err")
+    return {"cutlass_ms": None if ms is None else round(ms, 4), "cutlass_config": peer.get("cutlass_config"),
+            "cutlass_rel_err": None if err is None or not math.isfinite(err) else float(f"{err:.3e}"),
+            "cutlass_correct": peer.get("cutlass_correct"), "cutlass_note": peer.get("cutlass_note"),
+            "vs_cutlass": round(ms / ours_ms, 4) if ms and ours_ms else None}
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -77,7 +88,7 @@ def summarize(rows: Sequence[dict], check: Sequence[dict] = (), skipped: Sequenc
                     "big_layers": len(big),
                     "big_at_half_floor": sum((r["pct_of_floor"] or 0) >= HALF_FLOOR_PCT for r in big),
                     "incorrect": sum(not r["correct"] for r in rs),
-                }
+                } | peer_summary(rs)
     out["incorrect"] = [f"{r['name']}/{r['precision']}/{r['layout']}" for r in rows if not r["correct"]]
     out["skipped"] = list(skipped)
     out["errors"] = list(errors)
@@ -86,6 +97,19 @@ def summarize(rows: Sequence[dict], check: Sequence[dict] = (), skipped: Sequenc
         out["kernelbench_check"] = {"passed": len(check) - len(failed), "total": len(check), "failed": failed}
     out.update(extra or {})
     return out
+
+
+def peer_summary(rs: Sequence[dict]) -> dict:
+    """CUTLASS against ours (geomean of cutlass_ms / ours_ms, rows at or above 1.0x) and against the best cuDNN
+    layout (geomean of best_cudnn_ms / cutlass_ms, rows where CUTLASS is faster), over the rows it ran."""
+    ran = [r for r in rs if r.get("vs_cutlass") is not None]
+    if not ran:
+        return {}
+    vs = [r["best_cudnn_ms"] / r["cutlass_ms"] for r in ran if r["best_cudnn_ms"]]
+    return {"cutlass_rows": len(ran), "geomean_vs_cutlass": round(geomean([r["vs_cutlass"] for r in ran]), 3),
+            "at_or_above_cutlass": sum(r["vs_cutlass"] >= 1.0 for r in ran),
+            "geomean_cutlass_vs_cudnn": round(geomean(vs), 3) if vs else None,
+            "cutlass_beats_cudnn": sum(v > 1.0 for v in vs)}
 
 
 def document(device: str, torch_version: str, cudnn: int | None, ceilings: dict[str, float], rows: Sequence[dict],
@@ -171,6 +195,14 @@ def report(doc: dict, worst: int = 12) -> str:
             lines.append(f"{suite:<11} {key:<11} {v['rows']:>4} {gm:>8} {v['at_or_above_1x']:>5} {mn:>6} "
                          f"{v['min_name'] or '-':<15} {sv:>7} {v['big_at_half_floor']:>4}/{v['big_layers']:<4} "
                          f"{v['incorrect'] or ''}")
+    peer_lines = [(suite, key, v) for suite in SUITES for key, v in s.get(suite, {}).items() if "cutlass_rows" in v]
+    if peer_lines:
+        lines.append(f"CUTLASS: {'suite':<11} {'prec/layout':<11} {'rows':>4} {'ours/CUTLASS':>12} {'>=1x':>5} "
+                     f"{'CUTLASS/cuDNN':>13} {'faster':>6}")
+        for suite, key, v in peer_lines:
+            cv = "-" if v["geomean_cutlass_vs_cudnn"] is None else f"{v['geomean_cutlass_vs_cudnn']:.2f}x"
+            lines.append(f"         {suite:<11} {key:<11} {v['cutlass_rows']:>4} {v['geomean_vs_cutlass']:>11.2f}x "
+                         f"{v['at_or_above_cutlass']:>5} {cv:>13} {v['cutlass_beats_cudnn']:>6}")
     timed = sorted((r for r in doc["rows"] if r["speedup"] is not None), key=lambda r: r["speedup"])
     if timed:
         lines.append(f"slowest {min(worst, len(timed))} rows (ms: ours / best cuDNN nchw|cl, % of floor, choice):")

@@ -357,3 +357,58 @@ def test_dead_gpu_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [(r["precision"], r["correct"]) for r in rows] == [("tf32", False)]
     assert skipped == [{"suite": "zoo", "name": "small", "precision": "bf16", "layout": "nchw"}]
     assert "no longer works" in errors[-1]
+
+
+def _peer(kind: str):
+    """A stand-in for the CUTLASS peer's candidates: PyTorch's call under two names (one slow), a wrong one, or
+    none that can run the problem."""
+    def candidates(x, w, b, kw):
+        if kind == "none":
+            raise ValueError("no CUTLASS configuration runs this problem: {'a8': 'channels'}")
+        good = lambda: F.conv_transpose2d(x, w, b, **kw)  # noqa: E731
+        if kind == "wrong":
+            return {"bad": lambda: good() + 1.0}
+        return {"slow": good, "fast": good}
+    return candidates
+
+
+@pytest.mark.usefixtures("cpu_zoo")
+def test_run_unit_times_the_peer_once_for_both_layouts() -> None:
+    errors: list[str] = []
+    rows = zoo.run_unit(SMALL, "bf16", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), lambda _: None, errors,
+                        _peer("good"))
+    assert errors == []
+    for r in rows:
+        assert set(ROW_KEYS) < set(r)
+        assert r["cutlass_config"] in ("slow", "fast")
+        assert r["cutlass_ms"] == 0.5
+        assert r["cutlass_correct"] is True
+        assert r["cutlass_rel_err"] <= ZOO_TOL["bf16"]
+        assert r["vs_cutlass"] == 1.0
+    s = summarize(rows)["zoo"]["bf16/nchw"]
+    assert (s["cutlass_rows"], s["geomean_vs_cutlass"], s["at_or_above_cutlass"]) == (1, 1.0, 1)
+    assert (s["geomean_cutlass_vs_cudnn"], s["cutlass_beats_cudnn"]) == (1.0, 0)
+    text = report(document("cpu", "2.11", None, CEILINGS, rows, [], summarize(rows)))
+    assert "CUTLASS:" in text
+
+
+@pytest.mark.usefixtures("cpu_zoo")
+def test_run_unit_reports_a_wrong_or_absent_peer() -> None:
+    errors: list[str] = []
+    rows = zoo.run_unit(SMALL, "bf16", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), lambda _: None, errors,
+                        _peer("wrong"))
+    assert [r["correct"] for r in rows] == [True, True]  # ours stay right; the peer's row fields say it is wrong
+    assert all(r["cutlass_correct"] is False for r in rows)
+    assert len(errors) == 1
+    assert "CUTLASS bad wrong" in errors[0]
+    errors.clear()
+    rows = zoo.run_unit(SMALL, "bf16", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), lambda _: None, errors,
+                        _peer("none"))
+    assert errors == []
+    assert all(r["cutlass_ms"] is None and r["vs_cutlass"] is None and "channels" in r["cutlass_note"] for r in rows)
+    assert "cutlass_rows" not in summarize(rows)["zoo"]["bf16/nchw"]
+    rows = zoo.run_unit(SMALL, "fp32", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), lambda _: None, errors,
+                        _peer("good"))
+    assert all(r["cutlass_ms"] is None and "exact fp32" in r["cutlass_note"] for r in rows)
+    rows = zoo.run_unit(SMALL, "bf16", LAYOUTS, _timer, CEILINGS, zoo.RefCache(), lambda _: None, errors)
+    assert all("cutlass_ms" not in r for r in rows)  # without a peer the rows are as before

@@ -1,0 +1,1 @@
+"""NVIDIA CUTLASS's dgrad kernels as a ConvTranspose2d peer for the zoo benchmark (``peer``)."""
