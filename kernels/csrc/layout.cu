@@ -34,6 +34,23 @@ __device__ __forceinline__ T moved(T v) {
   }
 }
 
+// This block's tile of a batched transpose (tiles of kTileR x kTileC; grid: column tiles, row tiles, images): its
+// first element in the source and the destination, and how many of its rows and columns lie inside the image.
+template <typename T, int kTileR, int kTileC>
+struct Tile {
+  const T* src;
+  T* dst;
+  int rows, cols;
+  __device__ __forceinline__ Tile(const T* s, T* d, int64_t n_rows, int64_t n_cols) {
+    const int64_t image = blockIdx.z;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileC, r0 = static_cast<int64_t>(blockIdx.y) * kTileR;
+    src = s + image * n_rows * n_cols + r0 * n_cols + c0;
+    dst = d + image * n_rows * n_cols + c0 * n_rows + r0;
+    rows = static_cast<int>(n_rows - r0 < kTileR ? n_rows - r0 : kTileR);
+    cols = static_cast<int>(n_cols - c0 < kTileC ? n_cols - c0 : kTileC);
+  }
+};
+
 template <typename T, int kCols, bool kRound>
 __global__ void __launch_bounds__(kThreads)
     transpose_batched(const T* __restrict__ src, T* __restrict__ dst, int64_t rows, int64_t cols) {
@@ -42,12 +59,10 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kPitch = kCols + (sizeof(T) == 2 ? 2 : 1);
   constexpr int kPerThread = kTileRows * kCols / kThreads;
   __shared__ T tile[kTileRows][kPitch];
-  const int64_t image = blockIdx.z;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kCols, r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
-  const T* s = src + image * rows * cols + r0 * cols + c0;
-  T* d = dst + image * rows * cols + c0 * rows + r0;
-  const int nr = static_cast<int>(rows - r0 < kTileRows ? rows - r0 : kTileRows);
-  const int nc = static_cast<int>(cols - c0 < kCols ? cols - c0 : kCols);
+  const Tile<T, kTileRows, kCols> at(src, dst, rows, cols);
+  const T* s = at.src;
+  T* d = at.dst;
+  const int nr = at.rows, nc = at.cols;
   T v[kPerThread];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the source
@@ -99,12 +114,10 @@ __global__ void __launch_bounds__(kThreads)
   // Rows padded by one 32-bit word: a warp's stores into a row, and its column reads, spread over the banks.
   constexpr int kPitch = kVecTile + (sizeof(T) == 2 ? 2 : 1);
   __shared__ T tile[kVecTile][kPitch];
-  const int64_t image = blockIdx.z;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kVecTile, r0 = static_cast<int64_t>(blockIdx.y) * kVecTile;
-  const T* s = src + image * rows * cols + r0 * cols + c0;
-  T* d = dst + image * rows * cols + c0 * rows + r0;
-  const int nr = static_cast<int>(rows - r0 < kVecTile ? rows - r0 : kVecTile);
-  const int nc = static_cast<int>(cols - c0 < kVecTile ? cols - c0 : kVecTile);
+  const Tile<T, kVecTile, kVecTile> at(src, dst, rows, cols);
+  const T* s = at.src;
+  T* d = at.dst;
+  const int nr = at.rows, nc = at.cols;
   V v[kPerThread];
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the source
@@ -173,39 +186,36 @@ cudaError_t launch_few_channels(const void* src, void* dst, int64_t images, int6
   return cudaSuccess;
 }
 
-template <typename T, int kCols, bool kRound>
-cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
-                                cudaStream_t stream) {
-  const int64_t col_tiles = (cols + kCols - 1) / kCols, row_tiles = (rows + kTileRows - 1) / kTileRows;
+// A batched transpose kernel (src, dst, rows, cols) over tiles of kTileR x kTileC: grid (column tiles, row tiles,
+// images), at most 65535 images a launch (the grid's z); larger batches go in slices.
+template <typename T, int kTileR, int kTileC>
+cudaError_t launch_tiles(void (*kernel)(const T*, T*, int64_t, int64_t), const void* src, void* dst, int64_t images,
+                         int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t col_tiles = (cols + kTileC - 1) / kTileC, row_tiles = (rows + kTileR - 1) / kTileR;
   if (col_tiles > INT32_MAX || row_tiles > 65535) return cudaErrorInvalidValue;
   const int64_t per_image = rows * cols;
-  // At most 65535 images a launch (the grid's z); larger batches go in slices.
   for (int64_t first = 0; first < images; first += 65535) {
     const int64_t count = images - first < 65535 ? images - first : 65535;
     const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
-    transpose_batched<T, kCols, kRound><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(src) + first * per_image, static_cast<T*>(dst) + first * per_image, rows, cols);
+    kernel<<<grid, kThreads, 0, stream>>>(static_cast<const T*>(src) + first * per_image,
+                                          static_cast<T*>(dst) + first * per_image, rows, cols);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }
 
+template <typename T, int kCols, bool kRound>
+cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
+                                  cudaStream_t stream) {
+  return launch_tiles<T, kTileRows, kCols>(transpose_batched<T, kCols, kRound>, src, dst, images, rows, cols, stream);
+}
+
 template <typename T, int kVec, bool kRound>
 cudaError_t launch_transpose_vec(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
                                  cudaStream_t stream) {
-  const int64_t col_tiles = (cols + kVecTile - 1) / kVecTile, row_tiles = (rows + kVecTile - 1) / kVecTile;
-  if (col_tiles > INT32_MAX || row_tiles > 65535) return cudaErrorInvalidValue;
-  const int64_t per_image = rows * cols;
-  for (int64_t first = 0; first < images; first += 65535) {  // at most 65535 images a launch (the grid's z)
-    const int64_t count = images - first < 65535 ? images - first : 65535;
-    const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(row_tiles), static_cast<unsigned>(count));
-    transpose_batched_vec<T, kVec, kRound><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(src) + first * per_image, static_cast<T*>(dst) + first * per_image, rows, cols);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return launch_tiles<T, kVecTile, kVecTile>(transpose_batched_vec<T, kVec, kRound>, src, dst, images, rows, cols,
+                                             stream);
 }
 
 // The widest vector (16, 8 or 4 bytes, at least one element) that divides rows and cols and both addresses, in
