@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for the zoo benchmark: cold build, the gemm kernel's GPU tests (TESTS; "none" skips), then
 # bench/kernels/zoo.py (ZOO_ARGS) within the call's time. The JSON and its log go to $OUT; the summary table comes last.
+# ZOO_ARGS=--cutlass times CUTLASS's dgrad kernels too: their headers from an installed nvidia-cutlass, or from an
+# nvidia_cutlass wheel carried in .whl/ (bench/kernels/cutlass/build.py); their build adds ~30 s.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 DECONV_KERNEL_CACHE=/tmp/deconv-kernel-cache
