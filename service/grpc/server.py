@@ -21,6 +21,7 @@ are the dicts of ``service.engine.kserve``, the HTTP routes' own, parsed into th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -489,7 +490,13 @@ def _parsed(value: dict[str, Any], name: str) -> Any:
 
 
 def _answered(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    """``handler`` with every error answered as a gRPC status (``service.errors.grpc_code``), never a traceback."""
+    """``handler`` with every error answered as a gRPC status (``service.errors.grpc_code``), never a traceback.
+
+    A call can end before its error is answered: its gRPC deadline passes in the core at the moment the handler's
+    own timer for it fires, or its client leaves. Sending the status then fails (grpc.aio raises from ``abort``, and
+    would log that failure with a traceback unless the core has already told it the client is gone); the call is
+    over and its client has its status from the core (DEADLINE_EXCEEDED, CANCELLED), so the handler ends as a
+    cancelled call does (``asyncio.CancelledError``, which grpc.aio logs at debug level only)."""
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -500,7 +507,14 @@ def _answered(handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
             log.error("unhandled error in gRPC %s", handler.__name__.lstrip("_"), exc_info=exc)
             error = InternalError("internal server error")
         metadata = tuple((k.lower(), v) for k, v in error.headers.items())
-        await context.abort(grpc.StatusCode[grpc_code(error)], error.message, metadata)
+        try:
+            await context.abort(grpc.StatusCode[grpc_code(error)], error.message, metadata)
+        except grpc.aio.AbortError:
+            raise  # the status was sent: how grpc.aio ends an aborted handler
+        except Exception as exc:
+            log.debug("gRPC %s ended before its status (%s) could be sent: %s", handler.__name__.lstrip("_"),
+                      grpc_code(error), exc)
+            raise asyncio.CancelledError from exc
 
     return call
 
