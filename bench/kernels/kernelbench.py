@@ -150,7 +150,7 @@ def tuned_label(x: torch.Tensor, conv: nn.ConvTranspose2d) -> str:
 
 def served_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, args: ConvArgs,
                 mode: str) -> tuple[Callable[..., tuple[torch.Tensor, str]], KernelChoice]:
-    """A layer's call as the service runs it on the GPU (service/engine/worker.py): the weights packed once and kept
+    """A layer's call as the service runs it on the GPU (service/engine/paths.py): the weights packed once and kept
     (``WeightPacks``), the kernel measured with them (tuning on; tunes the problem first if it is new). Returns
     the call (``out=`` may be passed to it) and the kernel choice."""
     packs = WeightPacks(weight)

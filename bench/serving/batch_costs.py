@@ -7,8 +7,8 @@ For each batch size n (median microseconds over ``--reps`` calls, after a warm-u
 
 - ``gathered``: ``kernel_forward_gathered``, the extension call (inputs copied from the slots into pinned staging
   memory, upload, kernels, download into pinned memory, wait) with its Python checks and the kernel choice;
-- ``batch``: ``Worker._batch_output``, the whole batch's output as the worker thread computes it (the above, plus
-  the worker's bookkeeping);
+- ``batch``: ``paths.forward_span``, the whole batch's output as the worker thread computes it on the host path
+  (the above, plus the worker's bookkeeping);
 - ``deliver``: ``Worker._deliver``, the output split per request, each request's rows written into its slot;
 - ``thread``: ``Worker.submit(...).result()``, the batch handed to the worker thread and back (``batch`` and
   ``deliver`` plus two thread hand-overs, with nobody else holding the GIL), and ``cpu``, the process's CPU time a
@@ -17,7 +17,7 @@ For each batch size n (median microseconds over ``--reps`` calls, after a warm-u
   events on the worker's stream, ``h2d``, ``kernel`` and ``d2h`` and their sum ``gpu``.
 
 ``--pinned`` page-locks the slots' memory first (``HostPin``), as the engine process does with each HTTP process's
-arena: the worker thread then takes the direct path (``Worker._direct_batch``), and ``direct`` is its extension call
+arena: the worker thread then takes the direct path (``paths.direct_batch``), and ``direct`` is its extension call
 alone (``kernel_forward_direct``: inputs taken from the slots and outputs put into them, with the Python checks and
 the kernel choice).
 
@@ -42,12 +42,20 @@ import torch
 
 from kernels import conv_transpose2d, tuning
 from service.codec import SlotTensor, tensor_bytes
+from service.engine.kinds import Kind, Request, batch_kind, kind_of
 from service.engine.ops import HostPin
+from service.engine.paths import forward_span, gather, kernel_forward_direct, kernel_forward_gathered
 from service.engine.registry import BatchLimits, Layer, load_repository
-from service.engine.worker import Worker, _gather, kernel_forward_direct, kernel_forward_gathered
+from service.engine.worker import Worker
 from service.ipc import shm
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def kind_of_batch(xs: list[SlotTensor]) -> Kind:
+    """The batch's kind as the server's batcher says it (page-locked slots: the direct path on a GPU)."""
+    requests: list[Request] = list(xs)
+    return batch_kind(kind_of(x) for x in requests)
 
 
 def wall_us(fn: Callable[[], object], reps: int) -> float:
@@ -108,8 +116,8 @@ def slot_inputs(memory: memoryview, pinned: bool, layer: Layer, n: int, h: int, 
 
 def row(worker: Worker, layer: Layer, memory: memoryview, pinned: bool, n: int, h: int, w: int, reps: int) -> str:
     """The table's row for a batch of ``n`` one-sample requests."""
-    weight, bias, packs = worker._weights[layer.name]
-    stream = worker._stream
+    weight, bias, packs = worker.weights[layer.name]
+    stream = worker.stream
     assert stream is not None
     c, cfg = layer.config, layer.args
     h_out, w_out = layer.output_hw(h, w)
@@ -117,14 +125,15 @@ def row(worker: Worker, layer: Layer, memory: memoryview, pinned: bool, n: int, 
     with torch.cuda.stream(stream):
         gathered = wall_us(lambda: kernel_forward_gathered(xs, weight, bias, layer, packs), reps)
         direct = wall_us(lambda: kernel_forward_direct(xs, weight, bias, layer, packs), reps) if pinned else None
-        batch = wall_us(lambda: worker._batch_output(layer, xs), reps)
-        y = worker._batch_output(layer, xs)
+        batch = wall_us(lambda: forward_span(worker, layer, xs, None), reps)
+        y = forward_span(worker, layer, xs, None)
     deliver = wall_us(lambda: worker._deliver(xs, y, worker._generation), reps)
-    thread = wall_us(lambda: worker.submit(layer, xs).result(), reps)
-    cpu = cpu_us(lambda: worker.submit(layer, xs).result(), reps)
+    kind = kind_of_batch(xs)
+    thread = wall_us(lambda: worker.submit(layer, xs, kind).result(), reps)
+    cpu = cpu_us(lambda: worker.submit(layer, xs, kind).result(), reps)
     host_in = torch.empty((n, c.in_channels, h, w), dtype=layer.dtype, pin_memory=True)
     host_out = torch.empty((n, c.out_channels, h_out, w_out), dtype=layer.dtype, pin_memory=True)
-    stage = wall_us(lambda: _gather(xs, out=host_in), reps)
+    stage = wall_us(lambda: gather(xs, out=host_in), reps)
     dev_in = torch.empty(host_in.shape, dtype=layer.dtype, device="cuda")
     dev_out = torch.empty(host_out.shape, dtype=layer.dtype, device="cuda")
     with torch.cuda.stream(stream):
@@ -154,10 +163,11 @@ def contended(worker: Worker, layer: Layer, xs: list[SlotTensor], busy_us: int, 
     if other is not None:
         other.start()
     times = []
+    kind = kind_of_batch(xs)
     c0, t0 = time.process_time(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         t = time.perf_counter()
-        worker.submit(layer, xs).result()
+        worker.submit(layer, xs, kind).result()
         times.append(time.perf_counter() - t)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     stop.set()
@@ -205,7 +215,7 @@ def main() -> None:
     if args.contend:
         xs = slot_inputs(memory, args.pinned, layer, max(sizes), h, w)
         for _ in range(50):  # warm-up
-            worker.submit(layer, xs).result()
+            worker.submit(layer, xs, kind_of_batch(xs)).result()
         print(f"n = {max(sizes)}, worker thread against another thread that wants the GIL:")
         for busy_us in (int(v) for v in args.contend.split(",")):
             print(contended(worker, layer, xs, busy_us), flush=True)

@@ -59,7 +59,7 @@ class InstantExecutor:
         self.busy = False
         self.free.set()
 
-    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[AnyTensor]:
+    async def run(self, reservation: Any, layer: Layer, inputs: list[Any], kind: Any = None) -> list[AnyTensor]:
         try:
             await asyncio.sleep(0)
             outputs: list[AnyTensor] = []

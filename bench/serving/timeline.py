@@ -5,11 +5,12 @@ Two parts, one file:
 * Recording, inside the engine process. ``bench/serving/timeline_site`` on ``PYTHONPATH`` with ``DECONV_TIMELINE_DIR``
   set makes Python's start-up (its ``sitecustomize``) call ``install`` once ``service.engine.local`` is imported, in
   whichever process imports it (the engine process of a multi-process server, the only process of a single-process one).
-  ``install`` wraps a few functions of ``service.engine.worker`` and ``service.engine.batcher`` so that each step of a
-  batch leaves a timestamp (the thread's native id, ``time.time_ns``): on a worker thread ``start`` (the batch taken
-  from its queue), ``call0``/``call1`` (around the extension call: ``conv_transpose2d_placed``,
-  ``kernel_forward_gathered`` or ``kernel_forward_direct``; a CPU worker's ``kernel_forward``), ``end`` and ``settled``
-  (its future resolved); on the event loop ``packed`` (a batch formed) and ``done`` (its outputs back on the loop).
+  ``install`` wraps a few functions of ``service.engine.paths``, ``service.engine.worker``, ``service.engine.pool`` and
+  ``service.engine.batcher`` so that each step of a batch leaves a timestamp (the thread's native id,
+  ``time.time_ns``): on a worker thread ``start`` (the batch taken from its queue), ``call0``/``call1`` (around the
+  extension call: ``conv_transpose2d_placed``, ``kernel_forward_gathered`` or ``kernel_forward_direct``; a CPU
+  worker's ``kernel_forward``), ``end`` and ``settled`` (its future resolved); on the event loop ``packed`` (a batch
+  formed) and ``done`` (its outputs back on the loop).
   After ``DECONV_TIMELINE_TRIGGER`` batches in a row (default 250; a pause of half a second starts the count again)
   torch.profiler (CUPTI) records ``DECONV_TIMELINE_SECONDS`` (default 1) of the GPU's kernels and copies and every
   thread's CUDA calls, and the steps of the same window go beside it: ``trace<k>.json`` and ``steps<k>.json`` in the
@@ -123,12 +124,12 @@ def _around(fn: Callable[..., Any], before: Callable[[], None], after: Callable[
     return wrapped
 
 
-def install(recorder: Recorder, worker: ModuleType, batcher: ModuleType) -> None:
-    """Wrap the steps of a batch (module docstring) in ``service.engine.worker`` and ``service.engine.batcher``;
-    call it before any ``Worker`` is made (they bind the extension calls when made)."""
+def install(recorder: Recorder, paths: ModuleType, worker: ModuleType, pool: ModuleType, batcher: ModuleType) -> None:
+    """Wrap the steps of a batch (module docstring) in ``service.engine.paths``, ``.worker``, ``.pool`` and
+    ``.batcher``; call it before any ``Worker`` is made (they bind the extension calls when made)."""
     mark = recorder.mark
     for name in ("conv_transpose2d_placed", "kernel_forward_gathered", "kernel_forward_direct", "kernel_forward"):
-        setattr(worker, name, _around(getattr(worker, name), lambda: mark("call0"), lambda: mark("call1")))
+        setattr(paths, name, _around(getattr(paths, name), lambda: mark("call0"), lambda: mark("call1")))
     outputs = worker.Worker._outputs
 
     @functools.wraps(outputs)
@@ -150,7 +151,7 @@ def install(recorder: Recorder, worker: ModuleType, batcher: ModuleType) -> None
             mark("packed")
         return batch
     batcher.Batcher._pack = timed_pack
-    run = worker.WorkerPool.run
+    run = pool.WorkerPool.run
 
     @functools.wraps(run)
     async def timed_run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -158,7 +159,7 @@ def install(recorder: Recorder, worker: ModuleType, batcher: ModuleType) -> None
             return await run(self, *args, **kwargs)
         finally:
             mark("done")
-    worker.WorkerPool.run = timed_run
+    pool.WorkerPool.run = timed_run
 
 
 def install_from_env() -> Recorder | None:
@@ -166,12 +167,12 @@ def install_from_env() -> Recorder | None:
     directory = os.environ.get("DECONV_TIMELINE_DIR")
     if not directory:
         return None
-    from service.engine import batcher, worker
+    from service.engine import batcher, paths, pool, worker
 
     out = Path(directory) / f"engine-{os.getpid()}"  # made at the first recording: only a process with batches
     recorder = Recorder(out, int(os.environ.get("DECONV_TIMELINE_TRIGGER", "250")),
                         float(os.environ.get("DECONV_TIMELINE_SECONDS", "1")))
-    install(recorder, worker, batcher)
+    install(recorder, paths, worker, pool, batcher)
     log.warning("timeline: installed in pid %d; it records into %s once it runs batches", os.getpid(), out)
     return recorder
 

@@ -1,7 +1,9 @@
 """Dynamic batching: one bounded queue per layer; requests with the same dtype and H x W share a kernel call.
 
 Requests in clients' CUDA shared memory (``codec.CudaJob``) batch only with each other, per GPU (the *lane* of
-``Pending.key``), and their batches go to that GPU's worker (``Executor.acquire(device)``).
+``Pending.key``), and their batches go to that GPU's worker (``Executor.acquire(device)``). Each request's kind
+(``service.engine.kinds.kind_of``) is known from when it is queued, and each batch goes to its worker with its kind
+(``batch_kind``), which names the path the worker chose for it when it was made (``service.engine.paths``).
 
 A batch is executed when the group of the oldest queued request holds ``max_batch_size`` samples or
 ``max_batch_bytes`` output bytes, or when that request has waited ``max_queue_delay_ms``, whichever comes
@@ -45,8 +47,9 @@ from typing import Any, Protocol
 
 import torch
 
-from service.codec import AnyTensor, CudaJob
+from service.codec import CudaJob
 from service.engine.interface import Result
+from service.engine.kinds import Kind, Request, batch_kind, kind_of
 from service.engine.registry import Layer
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError, ServiceError
 from service.metrics import Metrics
@@ -55,7 +58,7 @@ log = logging.getLogger("deconv.service")
 
 
 class Executor(Protocol):
-    """What the batcher needs from the workers (``service.engine.worker.WorkerPool`` is one)."""
+    """What the batcher needs from the workers (``service.engine.pool.WorkerPool`` is one)."""
 
     @property
     def parallelism(self) -> int:
@@ -76,9 +79,9 @@ class Executor(Protocol):
         """Give back an unused reservation."""
         ...
 
-    async def run(self, reservation: Any, layer: Layer, inputs: list[AnyTensor]) -> list[Any]:
-        """Execute one batch on the reservation (released when done); one output per input, or the exception of
-        that input's request alone."""
+    async def run(self, reservation: Any, layer: Layer, inputs: list[Request], kind: Kind) -> list[Any]:
+        """Execute one batch of ``kind`` (the path the worker takes: ``service.engine.kinds``) on the reservation
+        (released when done); one output per input, or the exception of that input's request alone."""
         ...
 
 
@@ -151,7 +154,8 @@ class Pending:
     """A queued request: its input, its limits and its future (or ``Answer``)."""
 
     seq: int
-    x: AnyTensor  # [n, C_in, H, W]
+    x: Request  # [n, C_in, H, W]
+    kind: Kind  # which path its batch takes (service.engine.kinds); a batch's kind is its requests' (batch_kind)
     # (dtype, H, W, lane): requests with equal keys can share a kernel call. The lane is None for requests in host
     # memory, the GPU for requests in its CUDA shared memory (codec.CudaJob), which run on that GPU's worker.
     key: tuple[torch.dtype, int, int, int | None]
@@ -242,7 +246,7 @@ class Batcher:
 
     # --- the door -----------------------------------------------------------------------------------------
 
-    def submit(self, x: AnyTensor, *, received: float | None = None, deadline: float | None = None,
+    def submit(self, x: Request, *, received: float | None = None, deadline: float | None = None,
                on_done: Callable[[Any, Result | BaseException | None], None] | None = None,
                key: Any = None) -> Pending:
         """Queue ``x`` ([n, C_in, H, W], already validated against the layer) and return its pending entry.
@@ -270,7 +274,7 @@ class Batcher:
         loop = self._event_loop or asyncio.get_running_loop()
         lane = x.device if isinstance(x, CudaJob) else None
         item = Pending(
-            seq=next(self._seq), x=x, key=(x.dtype, int(h), int(w), lane), samples=int(n),
+            seq=next(self._seq), x=x, kind=kind_of(x), key=(x.dtype, int(h), int(w), lane), samples=int(n),
             out_bytes=self.layer.output_bytes(int(n), int(h), int(w)),
             enqueued=time.monotonic() if received is None else received, deadline=deadline,
             future=loop.create_future() if on_done is None else Answer(on_done, key, loop),
@@ -478,7 +482,8 @@ class Batcher:
                     self._queue_time.observe(start - item.enqueued)
         try:
             try:
-                outputs = await self.executor.run(reservation, self.layer, [i.x for i in batch])
+                outputs = await self.executor.run(reservation, self.layer, [i.x for i in batch],
+                                                  batch_kind(i.kind for i in batch))
             finally:
                 took = time.monotonic() - start  # the lane's batch time (_has_room) and the batch-time metric
                 self._left_worker(lane, took)

@@ -22,8 +22,9 @@ from service.config import Settings, parse_devices
 from service.engine.batcher import Batcher
 from service.engine.cuda_shm import CudaRegions
 from service.engine.interface import LayerQueue, Readiness
+from service.engine.pool import WorkerPool, select_devices
 from service.engine.registry import Registry, load_registry
-from service.engine.worker import Worker, WorkerPool, select_devices
+from service.engine.worker import Worker
 from service.faults import Faults
 from service.metrics import Metrics
 

@@ -20,7 +20,8 @@ import torch
 from fastapi.routing import APIRoute
 
 from service.config import Settings
-from service.engine import worker as worker_module
+from service.engine import paths as paths_module
+from service.engine import pool as pool_module
 from service.engine.registry import BatchLimits, RepositoryError, load_repository
 from service.http import kserve_routes, model_routes, native_routes, routes, shm_routes
 from service.http.app import create_app
@@ -238,7 +239,7 @@ def test_no_traceback_or_internal_path_in_any_response(repo, monkeypatch):
     def crash(x, w, b, layer):
         raise KeyError(f"{REPO_ROOT}/service/engine/worker.py line 1: internal state")
 
-    monkeypatch.setattr(worker_module, "kernel_forward", crash)
+    monkeypatch.setattr(paths_module, "kernel_forward", crash)
 
     async def main() -> None:
         async with serve_app(Settings(layer_repository=repo, devices="cpu", self_test=False)) as (_, client):
@@ -257,7 +258,7 @@ def test_a_failed_warm_up_says_why_without_internals(repo, monkeypatch):
     def broken_load(self, layer):
         raise OSError(f"{REPO_ROOT}/secret/weights.bin: device lost")
 
-    monkeypatch.setattr(worker_module.WorkerPool, "load", broken_load)
+    monkeypatch.setattr(pool_module.WorkerPool, "load", broken_load)
 
     async def main() -> None:
         async with serve_app(Settings(layer_repository=repo, devices="cpu"), wait_ready=False) as (app, client):

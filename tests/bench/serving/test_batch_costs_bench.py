@@ -29,7 +29,7 @@ def test_contended_batches_run_beside_a_thread_that_wants_the_gil() -> None:
             assert int(match.group(1)) > 0
             assert f"other thread {busy_us:>4} us on" in line
         expected = torch.nn.functional.conv_transpose2d(
-            xs[0].tensor(), worker._weights["demo"][0], worker._weights["demo"][1], layer.args.stride,
+            xs[0].tensor(), worker.weights["demo"][0], worker.weights["demo"][1], layer.args.stride,
             layer.args.padding, layer.args.output_padding, layer.args.groups, layer.args.dilation)
         torch.testing.assert_close(torch.frombuffer(xs[0].out, dtype=torch.float32).view(expected.shape), expected)
     finally:

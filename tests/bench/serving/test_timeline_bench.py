@@ -15,6 +15,8 @@ import torch
 from bench.serving import timeline as timeline_module
 from service.config import DEFAULT_LAYER_REPOSITORY
 from service.engine import batcher as batcher_module
+from service.engine import paths as paths_module
+from service.engine import pool as pool_module
 from service.engine import worker as worker_module
 from service.engine.batcher import Batcher
 from service.engine.registry import BatchLimits, load_repository
@@ -31,20 +33,20 @@ def timeline() -> ModuleType:
 
 def test_recording_marks_every_step_of_each_batch(timeline: ModuleType, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("conv_transpose2d_placed", "kernel_forward_gathered", "kernel_forward_direct", "kernel_forward",
-                 "_settle"):
-        monkeypatch.setattr(worker_module, name, getattr(worker_module, name))  # put back after the test
+    for name in ("conv_transpose2d_placed", "kernel_forward_gathered", "kernel_forward_direct", "kernel_forward"):
+        monkeypatch.setattr(paths_module, name, getattr(paths_module, name))  # put back after the test
+    monkeypatch.setattr(worker_module, "_settle", worker_module._settle)
     monkeypatch.setattr(worker_module.Worker, "_outputs", worker_module.Worker._outputs)
-    monkeypatch.setattr(worker_module.WorkerPool, "run", worker_module.WorkerPool.run)
+    monkeypatch.setattr(pool_module.WorkerPool, "run", pool_module.WorkerPool.run)
     monkeypatch.setattr(batcher_module.Batcher, "_pack", batcher_module.Batcher._pack)
     recorder = timeline.Recorder(tmp_path, trigger=10**9, seconds=1.0)
     recorder._warmed = True  # no profiler here: the steps alone
     recorder._recording = True
-    timeline.install(recorder, worker_module, batcher_module)
+    timeline.install(recorder, paths_module, worker_module, pool_module, batcher_module)
     layer = load_repository(DEFAULT_LAYER_REPOSITORY, BatchLimits(4, 1 << 28, 0.0, 64)).get("demo")
 
     async def main() -> None:
-        pool = worker_module.WorkerPool([worker_module.Worker(torch.device("cpu"))])
+        pool = pool_module.WorkerPool([worker_module.Worker(torch.device("cpu"))])
         pool.load(layer)
         batcher = Batcher(layer, pool)
         batcher.start()

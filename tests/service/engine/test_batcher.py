@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from service.codec import CudaJob, DeviceTensor
+from service.codec import CudaJob, DeviceTensor, RawTensor, SlotTensor
 from service.engine import batcher as batcher_module
 from service.engine.batcher import Batcher
 from service.engine.interface import Result
+from service.engine.kinds import Kind
 from service.engine.registry import BatchLimits, Layer, LayerConfig
 from service.errors import DeadlineExceededError, InternalError, NotReadyError, OverloadedError
 from service.metrics import Metrics
@@ -42,6 +43,7 @@ class FakeExecutor:
         self.fail = fail  # fail this many batches first
         self.hold: asyncio.Event | None = None  # set: batches wait for it before finishing
         self.started = asyncio.Event()  # set whenever a batch starts
+        self.kinds: list[Kind] = []  # each batch's kind, as handed to run
 
     async def acquire(self, device: int | None = None) -> str:
         while self.slots == 0:
@@ -54,7 +56,8 @@ class FakeExecutor:
         self.slots += 1
         self.free.set()
 
-    async def run(self, slot: Any, layer: Layer, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    async def run(self, slot: Any, layer: Layer, inputs: list[torch.Tensor], kind: Kind) -> list[torch.Tensor]:
+        self.kinds.append(kind)
         try:
             self.batches.append([int(x.shape[0]) for x in inputs])
             self.times.append(time.monotonic())
@@ -303,6 +306,35 @@ def test_a_free_gpu_does_not_wait_behind_requests_for_a_busy_one():
     run(main(), 120)
 
 
+def test_each_batch_goes_with_the_kind_of_its_requests():
+    """The batcher sorts each request once, when queued: a batch of requests in page-locked slots is of kind SLOTS,
+    one that mixes them with other host memory HOST, one in shared memory the engine maps REGIONS."""
+    def slot(pinned: bool) -> SlotTensor:
+        t = x(h=5)
+        raw = RawTensor(memoryview(bytearray(t.numpy().tobytes())), t.dtype, tuple(t.shape))
+        return SlotTensor.of(raw, memoryview(bytearray(3 * 5 * 4 * 4)), pinned=pinned)
+
+    async def main() -> None:
+        ex = FakeExecutor()
+        b = Batcher(make_layer(delay_ms=0.0), ex)
+        ex.hold = asyncio.Event()
+        b.start()
+        first = b.submit(x())  # on the one worker, held: the rest queue and batch by key
+        await ex.wait_batches(1)
+        pinned = [b.submit(slot(True)), b.submit(slot(True))]
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in pinned))
+        mixed = [b.submit(slot(True)), b.submit(slot(False))]
+        await asyncio.gather(*(i.future for i in mixed))
+        job = b.submit(CudaJob(DeviceTensor("region", 0, 0, torch.float32, (1, 2, 4, 4)), None))
+        await job.future
+        assert ex.batches == [[1], [1, 1], [1, 1], [1]]
+        assert ex.kinds == [Kind.HOST, Kind.SLOTS, Kind.HOST, Kind.REGIONS]
+        await b.drain()
+
+    run(main(), 120)
+
+
 def test_the_next_batch_starts_before_the_results_go_out():
     """When a batch leaves its worker, the worker gets the next batch before the finished batch's requests are
     answered (answering a large batch takes a while; the worker would wait for it)."""
@@ -466,7 +498,7 @@ def test_drain_runs_the_queue_now_and_refuses_new_work():
 
 
 def test_batcher_and_worker_import_nothing_from_fastapi():
-    code = ("import sys, service.engine.batcher, service.engine.worker; "
+    code = ("import sys, service.engine.batcher, service.engine.worker, service.engine.pool; "
             "sys.exit(1 if any(m.split('.')[0] in ('fastapi', 'starlette') for m in sys.modules) else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=60, capture_output=True, check=False)
     assert done.returncode == 0, done.stderr.decode()

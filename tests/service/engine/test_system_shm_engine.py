@@ -27,11 +27,13 @@ from service.ipc import frames
 from tests.numerics import rel_err
 
 from ..conftest import reference, run, serve_app
+from ..cpu_regions import cpu_regions  # noqa: F401  (a fixture)
 from ..http import test_system_shm
 from ..http.test_cuda_shm_routes import HostMemory, _body, _deliver, _infer_body, _parts, _Transport
 from ..http.test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, Objects, _settings
 
 repo = test_system_shm.repo  # the system regions' tests' layer repository (a fixture)
+pytestmark = pytest.mark.usefixtures("cpu_regions")  # the CPU workers compute requests in shared memory
 
 
 @pytest.fixture
@@ -314,8 +316,10 @@ def test_a_replacement_leaves_the_batch_writing_clients_regions_to_the_old_threa
     """A client told that its request failed could reuse its output region: the batch the GPU writes into it is not
     failed by a replacement (watchdog: stalled) but answered by the old thread once written; one queued behind it
     fails, and the new thread serves the next."""
+    from service.engine.kinds import Kind
+    from service.engine.paths import kernel_forward
     from service.engine.registry import BatchLimits, load_repository
-    from service.engine.worker import Worker, kernel_forward
+    from service.engine.worker import Worker
 
     root, module = repo
     layer = load_repository(root, BatchLimits(8, 1 << 20, 0.0, 8)).get("up")
@@ -342,9 +346,9 @@ def test_a_replacement_leaves_the_batch_writing_clients_regions_to_the_old_threa
         job = CudaJob(DeviceTensor(tokens[0], -1, 0, torch.float32, x.shape),
                       DeviceTensor(tokens[1], -1, 0, torch.float32, (1, 6, 12, 12)))
         assert job.device == -1  # system regions only: any GPU
-        writing = worker.submit(layer, [job])
+        writing = worker.submit(layer, [job], Kind.REGIONS)
         assert await asyncio.to_thread(started.wait, 30)
-        queued = worker.submit(layer, [job])
+        queued = worker.submit(layer, [job], Kind.REGIONS)
         assert worker.restart("stalled")
         with pytest.raises(InternalError, match="stalled"):
             await asyncio.wrap_future(queued)
@@ -354,7 +358,7 @@ def test_a_replacement_leaves_the_batch_writing_clients_regions_to_the_old_threa
         assert answer is job.out
         y = np.frombuffer(bytes(out_obj.buf), np.float32).reshape(1, 6, 12, 12)
         assert rel_err(y, reference(module, torch.from_numpy(x))) < 1e-5
-        (again,) = await asyncio.wrap_future(worker.submit(layer, [job]))  # the new thread serves
+        (again,) = await asyncio.wrap_future(worker.submit(layer, [job], Kind.REGIONS))  # the new thread serves
         assert again is job.out
 
     try:

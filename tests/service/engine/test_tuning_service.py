@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from kernels.tuning import DEFAULT, KernelChoice
+from service.engine.paths import kernel_forward, serving_choice
+from service.engine.pool import WorkerPool, batch_buckets
 from service.engine.registry import MAX_WARM_SHAPES, BatchLimits, Layer, RepositoryError, load_repository
-from service.engine.worker import Worker, WorkerPool, batch_buckets, kernel_forward, serving_choice
+from service.engine.worker import Worker
 from service.export import ExportError, export_model, main
 
 from ..conftest import run, write_layer
@@ -196,7 +198,7 @@ class RecordingTuner:
 def test_serving_choice_is_the_default_when_tuning_is_off(tmp_path, monkeypatch):
     layer = _layer(tmp_path)
     tuner = RecordingTuner(enabled=False)
-    monkeypatch.setattr("service.engine.worker.TUNER", tuner)
+    monkeypatch.setattr("service.engine.paths.TUNER", tuner)
     assert serving_choice((3, 4, 8, 8), layer.weight, layer.bias, layer) is DEFAULT
     assert tuner.calls == []
 
@@ -210,7 +212,7 @@ def test_serving_choice_tunes_at_the_batch_bucket(tmp_path, monkeypatch, n: int,
     layer = _layer(tmp_path, limits={"max_batch_size": 50})
     assert layer.limits.max_batch_size == 50
     tuner = RecordingTuner()
-    monkeypatch.setattr("service.engine.worker.TUNER", tuner)
+    monkeypatch.setattr("service.engine.paths.TUNER", tuner)
     assert serving_choice((n, 4, 7, 9), layer.weight, layer.bias, layer) == TUNED
     assert len(tuner.calls) == 1
     shape, weight, bias, args, precision, aligned = tuner.calls[0]
@@ -229,7 +231,7 @@ def test_serving_choice_passes_the_resolved_precision(tmp_path, monkeypatch):
     export_model(nn.ConvTranspose2d(4, 6, 3, bias=False), tmp_path, dtype=torch.bfloat16, names={"": "bf"})
     reg = load_repository(tmp_path, DEFAULTS)
     tuner = RecordingTuner()
-    monkeypatch.setattr("service.engine.worker.TUNER", tuner)
+    monkeypatch.setattr("service.engine.paths.TUNER", tuner)
     for name in ("tf", "bf"):
         layer = reg.get(name)
         assert layer is not None
@@ -326,7 +328,7 @@ def test_warm_up_reports_a_failing_batch(tmp_path):
 def test_serving_choice_hands_the_packs_to_the_tuner(tmp_path, monkeypatch):
     layer = _layer(tmp_path)
     tuner = RecordingTuner()
-    monkeypatch.setattr("service.engine.worker.TUNER", tuner)
+    monkeypatch.setattr("service.engine.paths.TUNER", tuner)
     packs = object()
     serving_choice((3, 4, 8, 8), layer.weight, layer.bias, layer, packs)  # type: ignore[arg-type]
     assert tuner.packs is packs

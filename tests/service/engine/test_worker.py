@@ -13,8 +13,11 @@ import torch
 
 from service.codec import CudaJob, DeviceTensor
 from service.config import DEFAULT_LAYER_REPOSITORY
+from service.engine.kinds import Kind
+from service.engine.paths import Paths, host_batch, kernel_forward, region_stream
+from service.engine.pool import WorkerPool, select_devices
 from service.engine.registry import BatchLimits, Layer, load_repository
-from service.engine.worker import Worker, WorkerPool, kernel_forward, select_devices
+from service.engine.worker import Worker
 from service.errors import InternalError
 from service.metrics import Metrics
 from tests.numerics import rel_err
@@ -177,15 +180,15 @@ def test_pool_gives_the_workers_of_each_gpu_one_stream_for_its_cuda_shared_memor
 def test_a_batch_in_cuda_shared_memory_runs_on_the_gpu_stream_one_in_system_regions_on_the_workers_own():
     worker = Worker(torch.device("cpu"))
     own, shared = object(), object()
-    worker._stream, worker.gpu_stream = own, shared  # type: ignore[assignment]
+    worker.stream, worker.gpu_stream = own, shared  # type: ignore[assignment]
 
     def job(device: int) -> CudaJob:
         return CudaJob(DeviceTensor("region", device, 0, torch.float32, (1, 2, 4, 4)), None)
 
-    assert worker._stream_for([job(0), job(0)]) is shared
-    assert worker._stream_for([job(-1)]) is own
+    assert region_stream(worker, [job(0), job(0)]) is shared
+    assert region_stream(worker, [job(-1)]) is own
     worker.gpu_stream = None  # a worker outside a pool: its own stream for everything
-    assert worker._stream_for([job(0)]) is own
+    assert region_stream(worker, [job(0)]) is own
     worker.shutdown()
 
 
@@ -273,8 +276,8 @@ def test_a_dead_worker_thread_is_replaced_and_its_batches_fail(layers, caplog):
         worker.load(layer)
         submit = worker.submit
 
-        def submit_and_tell(lay: Layer, inputs: list[torch.Tensor]) -> Any:
-            future = submit(lay, inputs)
+        def submit_and_tell(lay: Layer, inputs: list[torch.Tensor], kind: Kind = Kind.HOST) -> Any:
+            future = submit(lay, inputs, kind)
             if inputs[0].shape[0] == 1:
                 queued.set()
             return future
@@ -350,7 +353,7 @@ def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
             pool = app.state.engine.pool
             assert [w.name for w in pool.workers] == ["cpu/0", "cpu/1"]
             assert (pool.parallelism, pool.devices) == (2, 1)  # a layer's full batches may use both
-            assert all(set(w._weights) == set(layers) for w in pool.workers)
+            assert all(set(w.weights) == set(layers) for w in pool.workers)
             answers = await asyncio.gather(*(
                 client.post("/deconv?layer=demo", content=npy_bytes(x.numpy()), headers={"content-type": NPY})
                 for x in xs))
@@ -360,3 +363,43 @@ def test_several_workers_a_device_each_hold_the_layers_and_answer(layers):
             torch.testing.assert_close(y.double(), _reference(layer, x), rtol=1e-4, atol=1e-5)
 
     run(main_())
+
+
+def test_a_batch_takes_the_path_its_worker_chose_for_its_kind(layers):
+    """The worker picks a path per kind once, when made; each batch runs the one of the kind it came with."""
+    layer = layers["demo"]
+    taken: list[str] = []
+
+    def path(name: str) -> Any:
+        def run(w: Any, lay: Layer, inputs: Any, turn: Any) -> list[Any]:
+            taken.append(name)
+            return host_batch(w, lay, inputs, turn)
+        return run
+
+    worker = Worker(torch.device("cpu"), paths=Paths(host=path("host"), slots=path("slots"), regions=path("regions")))
+    worker.load(layer)
+    try:
+        x = torch.randn(2, 16, 4, 4)
+        for kind in (Kind.SLOTS, Kind.HOST, Kind.REGIONS):
+            (y,) = worker.submit(layer, [x], kind).result(timeout=30)
+            torch.testing.assert_close(y, kernel_forward(x, layer.weight, layer.bias, layer))
+        assert taken == ["slots", "host", "regions"]
+    finally:
+        worker.shutdown()
+
+
+def test_a_cpu_worker_refuses_requests_in_shared_memory(layers):
+    """A CPU server maps no shared memory; a batch of such requests that reached a CPU worker fails, and the worker
+    keeps serving."""
+    layer = layers["demo"]
+    worker = Worker(torch.device("cpu"))
+    worker.load(layer)
+    try:
+        job = CudaJob(DeviceTensor("region", -1, 0, torch.float32, (1, 16, 4, 4)), None)
+        with pytest.raises(InternalError, match="need a GPU"):
+            worker.submit(layer, [job], Kind.REGIONS).result(timeout=30)
+        x = torch.randn(1, 16, 4, 4)
+        (y,) = worker.submit(layer, [x]).result(timeout=30)
+        torch.testing.assert_close(y, kernel_forward(x, layer.weight, layer.bias, layer))
+    finally:
+        worker.shutdown()

@@ -37,8 +37,11 @@ from service.metrics import Metrics
 from tests.numerics import rel_err
 
 from ..conftest import reference, run, serve_app
+from ..cpu_regions import cpu_regions  # noqa: F401  (a fixture)
 from . import test_system_shm
 from .test_system_shm import AUTH, X_BYTES, X_SHAPE, Y_BYTES, Y_SHAPE, _settings
+
+pytestmark = pytest.mark.usefixtures("cpu_regions")  # the CPU workers compute requests in shared memory
 
 repo = test_system_shm.repo  # the system regions' tests' layer repository (a fixture) and settings serve here too
 
@@ -453,6 +456,7 @@ def test_the_worker_answers_a_request_whose_region_went_with_its_error_alone(rep
     regions.configure([torch.device("cpu")], memory)
 
     async def main() -> None:
+        from service.engine.kinds import Kind
         from service.engine.registry import BatchLimits, load_repository
         from service.engine.worker import Worker
 
@@ -470,7 +474,7 @@ def test_the_worker_answers_a_request_whose_region_went_with_its_error_alone(rep
             jobs = [CudaJob(DeviceTensor(ins[0], 0, 0, torch.float32, x.shape),
                             DeviceTensor(outs[0], 0, 0, torch.float32, (1, 6, 12, 12))) for ins, outs in (good, bad)]
             await regions.close([bad[1][0]])  # its output region went while it waited
-            answers = await asyncio.wrap_future(worker.submit(layer, jobs))
+            answers = await asyncio.wrap_future(worker.submit(layer, jobs, Kind.REGIONS))
             assert answers[0] is jobs[0].out
             assert isinstance(answers[1], UnknownRegionError)
             y = np.frombuffer(bytes(good[1][1]), np.float32).reshape(1, 6, 12, 12)

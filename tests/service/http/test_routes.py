@@ -22,7 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from service.config import Settings
-from service.engine import worker as worker_module
+from service.engine import paths as paths_module
 from service.engine.local import LocalEngine
 from service.http.app import create_app
 from service.http.inference import MAX_DEADLINE_MS
@@ -281,14 +281,14 @@ def test_unknown_route_and_method_use_the_error_shape(repo):
 
 
 def test_kernel_failure_fails_the_batch_and_the_server_keeps_serving(repo, monkeypatch):
-    real = worker_module.kernel_forward
+    real = paths_module.kernel_forward
 
     def fails_for_three(x, w, b, layer):
         if x.shape[0] == 3:
             raise RuntimeError("simulated kernel failure at /secret/path.cu:12")
         return real(x, w, b, layer)
 
-    monkeypatch.setattr(worker_module, "kernel_forward", fails_for_three)
+    monkeypatch.setattr(paths_module, "kernel_forward", fails_for_three)
 
     async def main() -> None:
         async with serve_app(settings(repo)) as (_, client):
@@ -394,8 +394,8 @@ def test_live_at_once_ready_after_self_tests(repo, monkeypatch):
 
 
 def test_failed_self_test_keeps_the_server_unready_with_the_reason(repo, monkeypatch):
-    real = worker_module.kernel_forward
-    monkeypatch.setattr(worker_module, "kernel_forward", lambda x, w, b, layer: real(x, w, b, layer) + 1.0)
+    real = paths_module.kernel_forward
+    monkeypatch.setattr(paths_module, "kernel_forward", lambda x, w, b, layer: real(x, w, b, layer) + 1.0)
 
     async def main() -> None:
         async with serve_app(settings(repo), wait_ready=False) as (app, client):

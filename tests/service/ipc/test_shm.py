@@ -10,6 +10,7 @@ import math
 import socket
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,8 @@ from service import codec
 from service.codec import RawTensor, SlotTensor, tensor_bytes
 from service.config import DEFAULT_LAYER_REPOSITORY, Settings
 from service.engine.interface import Result
+from service.engine.kinds import Kind, batch_kind, kind_of
+from service.engine.paths import direct_batch, forward_span, host_batch, paths_for
 from service.engine.registry import BatchLimits, Layer, load_repository
 from service.engine.remote import EngineClient, RemoteEngine, RemoteQueue
 from service.engine.worker import Worker
@@ -259,7 +262,7 @@ def test_a_replaced_worker_thread_never_writes_into_slots(demo: Layer) -> None:
         x = torch.randn(1, 16, 4, 4)
         a, a_out = _slot_input(demo, x)
         stale = worker._generation
-        y = worker._batch_output(demo, [a])
+        y = forward_span(worker, demo, [a], None)
         assert worker.restart("stalled")  # the batch's requests were answered 500; their slots may serve others
         a_out[:] = b"\x07" * a_out.nbytes
         late = worker._deliver([a], y, stale)
@@ -298,32 +301,30 @@ def _direct_by_reference(started: threading.Event | None = None, go: threading.E
 
 
 def test_which_batches_go_straight_between_slots_and_the_gpu(demo: Layer) -> None:
-    worker = Worker(torch.device("cuda", 0))  # never loaded: only the choice is asked
-    try:
-        big = torch.zeros(1, 16, 128, 128)  # 1 MiB of input
-        small = torch.zeros(1, 16, 8, 8)
-        pinned, _ = _pinned_slot(demo, big)
-        unpinned, _ = _slot_input(demo, big)
-        tiny, _ = _pinned_slot(demo, small)
-        inline = RawTensor(memoryview(bytearray(tensor_bytes(big))), torch.float32, tuple(big.shape))
-        assert worker._direct_slots([pinned, pinned])
-        assert worker._direct_slots([pinned, tiny])
-        assert worker._direct_slots([tiny])  # whatever their size: the extension stages small ones
-        assert not worker._direct_slots([pinned, unpinned])
-        assert not worker._direct_slots([unpinned])
-        assert not worker._direct_slots([pinned, inline])
-    finally:
-        worker.shutdown()
-    cpu = Worker(torch.device("cpu"))
-    try:
-        assert not cpu._direct_slots([pinned])
-    finally:
-        cpu.shutdown()
+    big = torch.zeros(1, 16, 128, 128)  # 1 MiB of input
+    small = torch.zeros(1, 16, 8, 8)
+    pinned, _ = _pinned_slot(demo, big)
+    unpinned, _ = _slot_input(demo, big)
+    tiny, _ = _pinned_slot(demo, small)
+    inline = RawTensor(memoryview(bytearray(tensor_bytes(big))), torch.float32, tuple(big.shape))
+
+    def kind(*xs: RawTensor) -> Kind:
+        return batch_kind(kind_of(x) for x in xs)
+
+    assert kind(pinned, pinned) is Kind.SLOTS
+    assert kind(pinned, tiny) is Kind.SLOTS
+    assert kind(tiny) is Kind.SLOTS  # whatever their size: the extension stages small ones
+    assert kind(pinned, unpinned) is Kind.HOST
+    assert kind(unpinned) is Kind.HOST
+    assert kind(pinned, inline) is Kind.HOST
+    assert paths_for(torch.device("cuda", 0)).slots is direct_batch  # a GPU takes such batches straight
+    assert paths_for(torch.device("cpu")).slots is host_batch  # the CPU computes them as any other
 
 
 def _direct_worker(layer: Layer, direct: Any, metrics: Metrics | None = None) -> Worker:
-    worker = Worker(torch.device("cpu"), metrics, direct=direct)
-    worker._direct_slots = lambda inputs: True  # type: ignore[method-assign]  # as a GPU worker would choose
+    # A CPU worker that takes the direct path for page-locked slots, as a GPU worker does.
+    cpu = paths_for(torch.device("cpu"))
+    worker = Worker(torch.device("cpu"), metrics, direct=direct, paths=replace(cpu, slots=direct_batch))
     worker.load(layer)
     return worker
 
@@ -335,7 +336,7 @@ def test_a_direct_batch_answers_with_views_of_the_slots_it_wrote(demo: Layer) ->
     try:
         xs = [torch.randn(n, 16, 6, 5) for n in (2, 1)]
         slots = [_pinned_slot(demo, x) for x in xs]
-        outputs = worker.submit(demo, [s for s, _ in slots]).result(timeout=30)
+        outputs = worker.submit(demo, [s for s, _ in slots], Kind.SLOTS).result(timeout=30)
         assert calls == [2]
         for x, (_, out), y in zip(xs, slots, outputs, strict=True):
             assert y.data is out
@@ -355,7 +356,7 @@ def test_a_direct_batch_out_of_memory_is_staged_and_halved(demo: Layer) -> None:
     try:
         x = torch.randn(3, 16, 4, 4)
         slot, out = _pinned_slot(demo, x)
-        (y,) = worker.submit(demo, [slot]).result(timeout=30)
+        (y,) = worker.submit(demo, [slot], Kind.SLOTS).result(timeout=30)
         assert y.data is out  # written into the slot by the staged path
         torch.testing.assert_close(y.tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
         assert m.worker_failures.labels("cpu", "oom_retry")._value.get() == 1
@@ -373,9 +374,9 @@ def test_a_replacement_leaves_the_batch_being_written_into_slots_to_the_old_thre
     try:
         x = torch.randn(1, 16, 4, 4)
         slot, out = _pinned_slot(demo, x)
-        writing = worker.submit(demo, [slot])
+        writing = worker.submit(demo, [slot], Kind.SLOTS)
         assert started.wait(30)
-        queued = worker.submit(demo, [_pinned_slot(demo, x)[0]])
+        queued = worker.submit(demo, [_pinned_slot(demo, x)[0]], Kind.SLOTS)
         assert worker.restart("stalled")
         with pytest.raises(InternalError, match="stalled"):
             queued.result(timeout=30)
@@ -384,7 +385,7 @@ def test_a_replacement_leaves_the_batch_being_written_into_slots_to_the_old_thre
         (y,) = writing.result(timeout=30)
         assert y.data is out
         torch.testing.assert_close(y.tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
-        again = worker.submit(demo, [_pinned_slot(demo, x)[0]]).result(timeout=30)  # the new thread serves
+        again = worker.submit(demo, [_pinned_slot(demo, x)[0]], Kind.SLOTS).result(timeout=30)  # the new thread serves
         torch.testing.assert_close(again[0].tensor(), _expected(demo, x), rtol=1e-5, atol=1e-5)
     finally:
         go.set()
