@@ -3,9 +3,9 @@
 A request's input reaches the engine as one of: a torch tensor, a ``RawTensor`` (its bytes as they arrived), a
 ``SlotTensor`` (a ``RawTensor`` in a slot of an HTTP process's arena, with its output's place there too), or a
 ``CudaJob`` (its tensors in shared memory the engine maps). ``Request`` is that union. The batcher sorts each
-request into a ``Kind`` once, when it is queued (``kind_of``), keeps the kinds that need a path of their own apart,
-and hands each batch to a worker with its kind (``batch_kind``); the worker runs the path it chose for that kind
-when it was made (``service.engine.paths``).
+request into a ``Kind`` once, when it is queued (``kind_of``), batches requests in shared memory the engine maps
+only with each other (its lanes), and hands each batch to a worker with its kind (``batch_kind``); the worker runs
+the path it chose for that kind when it was made (``service.engine.paths``).
 """
 
 from __future__ import annotations

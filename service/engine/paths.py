@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -231,13 +231,14 @@ def guarded(w: Runner, layer: Layer, inputs: Sequence[Request], run: Callable[[]
             w.metrics.worker_batches.labels(w.name).inc()
 
 
-def on_device(w: Runner, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+@contextlib.contextmanager
+def on_device(w: Runner, stream: torch.cuda.Stream | None) -> Iterator[None]:
     """The worker's device and ``stream`` current (nothing on the CPU)."""
-    stack = contextlib.ExitStack()
-    if w.is_cuda:
-        stack.enter_context(torch.cuda.device(w.device))
-        stack.enter_context(torch.cuda.stream(stream))
-    return stack
+    if not w.is_cuda:
+        yield
+        return
+    with torch.cuda.device(w.device), torch.cuda.stream(stream):
+        yield
 
 
 def out_shape(layer: Layer, x: Request) -> tuple[int, int, int, int]:
