@@ -4,9 +4,10 @@ released once per batch.
 ``conv_transpose2d_gathered`` (a batch given as the requests' bytes where they arrived, copied into staging
 memory), ``conv_transpose2d_placed`` (a batch read from and written into places the GPU reaches: clients' CUDA
 shared memory, memory locked with ``HostPin``; ``conv_transpose2d_direct`` gives it host buffers) and
-``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers (``service.engine.worker``) run;
-``WeightPacks`` keeps a served layer's packed weights. They call the extension through the kernels' internal layer
-(``kernels.internal``), as ``kernels.functional`` does; a training user's ``kernels`` never needs them.
+``conv_transpose2d_staged`` (a host tensor into a host tensor) are what the workers' batch paths
+(``service.engine.paths``) run; ``WeightPacks`` keeps a served layer's packed weights. They call the extension
+through the kernels' internal layer (``kernels.internal``), as ``kernels.functional`` does; a training user's
+``kernels`` never needs them.
 """
 
 from __future__ import annotations
