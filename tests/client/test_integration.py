@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -553,7 +553,7 @@ def test_server_error(fresh_asgi: Server, flavour: str, monkeypatch: pytest.Monk
         raise RuntimeError("simulated kernel failure")
 
     for worker in fresh_asgi.app.state.engine.pool.workers:
-        monkeypatch.setattr(worker, "_forward", broken_kernel)
+        monkeypatch.setattr(worker, "steps", replace(worker.steps, forward=broken_kernel))
     client = fresh_asgi.client(flavour)
     try:
         with pytest.raises(ServerError) as info:
