@@ -14,7 +14,11 @@ For each batch size n (median microseconds over ``--reps`` calls, after a warm-u
   ``deliver`` plus two thread hand-overs, with nobody else holding the GIL), and ``cpu``, the process's CPU time a
   batch on that path (both threads);
 - then the parts measured alone: ``stage`` (the inputs copied into pinned memory by ``copy_into``) and, with CUDA
-  events on the worker's stream, ``h2d``, ``kernel`` and ``d2h`` and their sum ``gpu``.
+  events on the worker's stream, ``h2d``, ``kernel`` and ``d2h`` and their sum ``gpu``;
+- what a CUDA graph per layer and batch size could save a batch: ``eager``, the wall time of the upload, the
+  library call and the download issued on the worker's stream from and into fixed pinned buffers and waited for,
+  against ``graph``, the same three captured once in a CUDA graph and replayed (wall time of the replay and the
+  wait). ``eager - graph`` is the host time a graph takes off a batch.
 
 ``--pinned`` page-locks the slots' memory first (``HostPin``), as the engine process does with each HTTP process's
 arena: the worker thread then takes the direct path (``paths.direct_batch``), and ``direct`` is its extension call
@@ -41,10 +45,17 @@ from pathlib import Path
 import torch
 
 from kernels import conv_transpose2d, tuning
+from kernels.internal import ext_packs, load_extension, resolve_precision
 from service.codec import SlotTensor, tensor_bytes
 from service.engine.kinds import Kind, Request, batch_kind, kind_of
 from service.engine.ops import HostPin
-from service.engine.paths import forward_span, gather, kernel_forward_direct, kernel_forward_gathered
+from service.engine.paths import (
+    forward_span,
+    gather,
+    kernel_forward_direct,
+    kernel_forward_gathered,
+    serving_choice,
+)
 from service.engine.registry import BatchLimits, Layer, load_repository
 from service.engine.worker import Worker
 from service.ipc import shm
@@ -141,9 +152,54 @@ def row(worker: Worker, layer: Layer, memory: memoryview, pinned: bool, n: int, 
         kernel = gpu_us(lambda: conv_transpose2d(dev_in, weight, bias, cfg.stride, cfg.padding, cfg.output_padding,
                                                  cfg.groups, cfg.dilation, precision=layer.kernel_precision), reps)
         d2h = gpu_us(lambda: host_out.copy_(dev_out, non_blocking=True), reps)
+    choice = serving_choice(tuple(dev_in.shape), weight, bias, layer, packs)
+    mode = resolve_precision(weight.dtype, layer.kernel_precision)
+
+    def forward() -> torch.Tensor:  # the worker's kernels with its packed weights, as a graph per batch size would
+        y, _ = load_extension().forward(
+            dev_in, weight, bias, list(cfg.stride), list(cfg.padding), list(cfg.output_padding), list(cfg.dilation),
+            cfg.groups, mode, None, *choice.forced(), ext_packs(packs, weight), prepare=False, torch_layout=True,
+            remember=False)
+        return y  # type: ignore[no-any-return]
+
+    eager, graph = graph_us(stream, host_in, dev_in, host_out, forward, reps)
     direct_text = "-" if direct is None else f"{direct:.1f}"
     return (f"{n:>3} {gathered:9.1f} {direct_text:>8} {batch:9.1f} {deliver:8.1f} {thread:8.1f} {cpu:8.1f} | "
-            f"{stage:6.1f} {h2d:6.1f} {kernel:6.1f} {d2h:6.1f} {h2d + kernel + d2h:6.1f}")
+            f"{stage:6.1f} {h2d:6.1f} {kernel:6.1f} {d2h:6.1f} {h2d + kernel + d2h:6.1f} | {eager:6.1f} {graph:6.1f}")
+
+
+def graph_us(stream: torch.cuda.Stream, host_in: torch.Tensor, dev_in: torch.Tensor, host_out: torch.Tensor,
+             forward: Callable[[], torch.Tensor], reps: int) -> tuple[float, float]:
+    """(eager, graph): median wall microseconds of upload, ``forward`` and download on ``stream`` and their wait,
+    issued one by one, and as one CUDA graph's replay. The forward's problem must have run before (its kernel
+    choice made outside the capture); the graph's output is checked against the eager one."""
+
+    def eager_step() -> None:
+        with torch.cuda.stream(stream):
+            dev_in.copy_(host_in, non_blocking=True)
+            host_out.copy_(forward(), non_blocking=True)
+        stream.synchronize()
+
+    eager = wall_us(eager_step, reps)
+    expected = host_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device=stream.device)  # capture on a side stream, as torch.cuda.graph does
+    side.wait_stream(stream)
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        dev_in.copy_(host_in, non_blocking=True)
+        host_out.copy_(forward(), non_blocking=True)
+    stream.wait_stream(side)
+
+    def graph_step() -> None:
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+
+    host_out.zero_()
+    graph_step()
+    if not torch.equal(host_out, expected):
+        raise SystemExit("the graph's replay gave another output than the eager call")
+    return eager, wall_us(graph_step, reps)
 
 
 def contended(worker: Worker, layer: Layer, xs: list[SlotTensor], busy_us: int, seconds: float = 3.0) -> str:
@@ -209,7 +265,7 @@ def main() -> None:
           f"slots {'page-locked' if args.pinned else 'pageable'}, measured kernel choice "
           f"{'off' if args.no_tune else 'on'}; median us of {args.reps} calls (cpu: mean)")
     print(f"{'n':>3} {'gathered':>9} {'direct':>8} {'batch':>9} {'deliver':>8} {'thread':>8} {'cpu':>8} | "
-          f"{'stage':>6} {'h2d':>6} {'kernel':>6} {'d2h':>6} {'gpu':>6}")
+          f"{'stage':>6} {'h2d':>6} {'kernel':>6} {'d2h':>6} {'gpu':>6} | {'eager':>6} {'graph':>6}")
     for n in sizes:
         print(row(worker, layer, memory, args.pinned, n, h, w, args.reps), flush=True)
     if args.contend:
