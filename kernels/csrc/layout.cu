@@ -4,8 +4,8 @@
 // and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kCols columns go through shared
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
 // raw bits (2, 4 or 8 bytes). Where both sides allow it (rows and columns multiples of a vector, both tensors aligned
-// to it: most layers), transpose_batched_vec moves 64 x 64 tiles as 16-, 8- or 4-byte vectors: twice the bytes in
-// flight a thread and a quarter of the memory instructions of the element-wise tiles (bench/NOTES.md v28). kCols is
+// to it: most layers), transpose_batched_vec moves 64 x 64 tiles as 16-byte (fp32), 8- or 4-byte vectors: more
+// bytes in flight a thread and fewer memory instructions than the element-wise tiles (bench/NOTES.md v28, v29). kCols is
 // 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
 // the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32
 // bits) rounds each value to TF32 on the way: an input bound for the gemm kernel's TF32 products, which then need
@@ -218,14 +218,16 @@ cudaError_t launch_transpose_vec(const void* src, void* dst, int64_t images, int
                                              stream);
 }
 
-// The widest vector (16, 8 or 4 bytes, at least one element) that divides rows and cols and both addresses, in
-// elements; 0 when none does, the image is too small for 64 x 64 tiles to pay (fewer than 32 rows or columns), or
-// the elements are 8 bytes (fp64: not a speed target; its 64 x 64 tile would take 33 KB of shared memory).
+// The widest vector (16 bytes for fp32, 8 for 16-bit values, then 8 and 4 bytes, at least two elements) that
+// divides rows and cols and both addresses, in elements; 0 when none does, the image is too small for 64 x 64 tiles
+// to pay (fewer than 32 rows or columns), or the elements are 8 bytes (fp64: not a speed target; its 64 x 64 tile
+// would take 33 KB of shared memory). 16-bit values move as 8-byte vectors at most: with 16-byte ones the same tiles
+// ran up to 1.9x slower (Mask R-CNN's 512 x [784][256] output, 214 against 113 us on an H200; bench/NOTES.md v29).
 template <typename T>
 int vector_elements(const void* src, const void* dst, int64_t rows, int64_t cols) {
   if (sizeof(T) > 4 || rows < 32 || cols < 32) return 0;
   const uintptr_t both = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
-  for (int bytes = 16; bytes >= 4 && bytes >= static_cast<int>(sizeof(T)); bytes /= 2) {
+  for (int bytes = sizeof(T) == 2 ? 8 : 16; bytes >= 4 && bytes >= static_cast<int>(sizeof(T)); bytes /= 2) {
     const int n = bytes / static_cast<int>(sizeof(T));
     if (n >= 2 && rows % n == 0 && cols % n == 0 && both % bytes == 0) return n;
   }
@@ -241,9 +243,6 @@ cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t
   if (c <= kFewChannels) return launch_few_channels<T, kRound>(src, dst, images, c, hw, to_channels_last, stream);
   const int64_t rows = to_channels_last ? c : hw, cols = to_channels_last ? hw : c;
   switch (vector_elements<T>(src, dst, rows, cols)) {
-    case 8:
-      if constexpr (sizeof(T) == 2) return launch_transpose_vec<T, 8, kRound>(src, dst, images, rows, cols, stream);
-      break;
     case 4:
       if constexpr (sizeof(T) <= 4) return launch_transpose_vec<T, 4, kRound>(src, dst, images, rows, cols, stream);
       break;

@@ -207,8 +207,8 @@ def test_gemm_nchw_output_staged_or_straight(problem: str, mode: str, layout: st
 
 
 # Layout changes by vectors (kernels/csrc/layout.cu's transpose_batched_vec): x's channels and positions, and y's,
-# multiples of 8, of 4 and of 2 elements (16-, 8- and 4-byte vectors of 16-bit values; 16 and 8 bytes of fp32), with
-# partial 64 x 64 tiles on both sides.
+# multiples of 8, of 4 and of 2 elements (8- and 4-byte vectors of 16-bit values, which never move in 16-byte ones;
+# 16 and 8 bytes of fp32), with partial 64 x 64 tiles on both sides.
 VECTOR_LAYOUT_PROBLEMS = {
     "vec8": dict(n=3, c_in=72, c_out=80, h=8, w=12, k=2, stride=2),  # x 72 x 96, y 384 x 80
     "vec4": dict(n=2, c_in=68, c_out=76, h=9, w=4, k=2, stride=2),  # x 68 x 36, y 144 x 76
