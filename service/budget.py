@@ -2,9 +2,10 @@
 
 Each HTTP process holds a ``Budget``: a request takes from it the bytes it declares before its body is read (its
 Content-Length, or each chunk as it comes when it declares none), then its decompressed body and its output, and
-gives everything back once its answer is written. A request that does not fit is answered 429 with Retry-After
-before anything is allocated for it, so that however many clients send large bodies at once, the memory held for
-requests stays bounded. Nothing here waits: the event loop is the only thread that takes and gives.
+gives everything back once its answer is written (what one request holds: its ``Held``). A request that does not
+fit is answered 429 with Retry-After before anything is allocated for it, so that however many clients send large
+bodies at once, the memory held for requests stays bounded. Nothing here waits: the event loop is the only thread
+that takes and gives.
 """
 
 from __future__ import annotations
@@ -47,3 +48,32 @@ class Budget:
         if n > 0:
             self.used -= n
             self._gauge.set(self.used)
+
+
+class Held:
+    """The bytes one request holds of a ``Budget``: taken as it needs them (``take``, 429 when they do not fit), all
+    given back when it ends (``release``): an HTTP request's once its answer is written (``service.http.asgi``), a
+    gRPC call's when its handler returns (the context it runs in)."""
+
+    __slots__ = ("budget", "held")
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+    def take(self, n: int) -> None:
+        """Hold ``n`` more bytes (``Budget.take``)."""
+        self.budget.take(n)
+        self.held += n
+
+    def release(self) -> None:
+        """Give back every byte held."""
+        if self.held:
+            self.budget.give(self.held)
+            self.held = 0

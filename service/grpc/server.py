@@ -35,6 +35,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from service import codec
+from service.budget import Held
 from service.codec import AnyTensor, DeviceTensor, RawTensor
 from service.config import VERSION, inflight_limit
 from service.engine.kserve import (
@@ -87,32 +88,6 @@ SERVER_NAME = "deconv"
 MIN_CONCURRENT_RPCS = 64
 # The typed contents a floating-point input may come in (the others travel as raw_input_contents).
 _TYPED_CONTENTS = {"FP32": ("fp32_contents", np.float32), "FP64": ("fp64_contents", np.float64)}
-
-
-class _Held:
-    """The bytes one call holds of the process's budget, given back when it ends (``Call.hold`` of HTTP): the
-    context the call runs in."""
-
-    __slots__ = ("budget", "held")
-
-    def __init__(self, budget: Budget) -> None:
-        self.budget = budget
-        self.held = 0
-
-    def __enter__(self) -> _Held:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.release()
-
-    def take(self, n: int) -> None:
-        self.budget.take(n)
-        self.held += n
-
-    def release(self) -> None:
-        if self.held:
-            self.budget.give(self.held)
-            self.held = 0
 
 
 class _Cancelled:
@@ -287,7 +262,7 @@ class GRPCFrontEnd:
         request = parsed.message
         engine = self.engine
         name = request.model_name
-        with Counted(engine, name, "grpc") as counted, _Held(self.budget) as held:
+        with Counted(engine, name, "grpc") as counted, Held(self.budget) as held:
             layer, batcher = find_layer(engine, name, request.model_version or None)
             engine.readiness.check_ready()
             params = _parameters(request.parameters)
@@ -324,7 +299,7 @@ class GRPCFrontEnd:
             return _Answer(response, raw)
 
     def _input(self, request: Any, raw: Sequence[bytes | memoryview],
-               held: _Held) -> AnyTensor | codec.SourceTensor | DeviceTensor:
+               held: Held) -> AnyTensor | codec.SourceTensor | DeviceTensor:
         """The request's one input, checked (as HTTP's ``_kserve_input``): its raw bytes, its typed contents, or
         its place in a shared-memory region (a reference the engine reads, or the region's bytes read when the
         request is queued); its bytes taken from the budget."""
