@@ -12,11 +12,19 @@ its handler, and the pydantic models of its parameters, bodies and errors. From 
 ``Allow: POST``, and the trailing-slash redirect, as for any route), and adds the routes' OpenAPI operations to the
 document FastAPI generates for the rest (``FastRoutes.document``). There is no FastAPI route for these POSTs: one
 path per URL.
+
+What the connection says of a matched request is gathered once, into its ``Call``, before its handler runs: the
+headers and query parameters, the app's engine, the watch on its client; ``admit`` checks the API key, the query
+parameters the route requires (from its model in the table) and the deadline header, in that order. The handler
+reads them as they are (no call back into this module for them), and comes back here once, for its body
+(``read_body``); the walk of one request: docs/architecture.md, "A request's path".
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
 import logging
 import re
@@ -24,25 +32,29 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.openapi.constants import REF_TEMPLATE
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match, NoMatchFound, compile_path
 
+from service.budget import Held
 from service.errors import (
     ClientGoneError,
     InternalError,
+    InvalidInputError,
     MalformedBodyError,
     PayloadTooLargeError,
     RequestTimeoutError,
     ServiceError,
+    UnauthorizedError,
     error_body,
 )
 from service.http.bodies import MIN_BYTES
 
 if TYPE_CHECKING:
+    from pydantic import SecretStr
     from starlette.datastructures import URLPath
     from starlette.types import Receive, Scope, Send
 
@@ -68,69 +80,95 @@ ANSWER_NOW = "deconv.answer_now"
 CLOSE = (b"connection", b"close")
 
 
-class Call:
-    """One HTTP request as the inference handlers see it: the ASGI scope and receive channel, the headers (the
-    first value of each, by lower-case name, as Starlette's ``Headers.get``) and the path parameters."""
+# The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
+# anything longer is a mistake; the request timeout bounds every request anyway).
+MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
 
-    __slots__ = ("body_read", "headers", "held", "params", "receive", "scope")
+
+class Call:
+    """One HTTP request as the inference handlers see it, gathered once when ``App`` matched its route: the ASGI
+    scope and receive channel, the headers (the first value of each, by lower-case name, as Starlette's
+    ``Headers.get``), the query parameters (the last value of each, as Starlette's ``QueryParams.get``), the path
+    parameters, the app's ``Engine`` and reused body buffers, the bytes the request holds of the app's budget
+    (``held``, given back once its answer is written) and the watch on its client (``on_disconnect``, the
+    connection's own where it has one: ``disconnect_watch``). ``admit`` adds the deadline it asks for
+    (``deadline_ms``) before the route runs."""
+
+    __slots__ = ("bodies", "body_read", "deadline_ms", "engine", "headers", "held", "on_disconnect", "params", "query",
+                 "receive", "scope")
 
     def __init__(self, scope: Scope, receive: Receive, params: dict[str, str]) -> None:
+        app = scope["app"]
         self.scope = scope
         self.receive = receive
         self.params = params
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
-        self.held = 0  # bytes taken from the app's budget (service.budget), given back by release()
+        self.query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True))
+        self.engine: Engine = app.engine
+        self.bodies: BodyPool = app.bodies
+        self.held = Held(app.budget)
+        self.on_disconnect = disconnect_watch(scope, receive)
+        self.deadline_ms: float | None = None
         self.body_read = False  # the request's body has been received to its end
-
-    def hold(self, n: int) -> None:
-        """Take ``n`` bytes from the app's budget for this request (429 when they do not fit)."""
-        self.budget.take(n)
-        self.held += n
-
-    def release(self) -> None:
-        """Give back every byte this request holds (once its answer is written)."""
-        if self.held:
-            self.budget.give(self.held)
-            self.held = 0
-
-    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call ``callback`` on the event loop when the client goes (once its body is read); returns what stops
-        that. The connection says so itself where it can (``ON_DISCONNECT``); elsewhere a task waits for the ASGI
-        disconnect, the next message after the body."""
-        watch = self.scope.get(ON_DISCONNECT)
-        if watch is not None:
-            return watch(callback)  # type: ignore[no-any-return]
-        gone = asyncio.get_running_loop().create_task(disconnected(self.receive))
-        gone.add_done_callback(lambda task: None if task.cancelled() else callback())
-        return gone.cancel
-
-    @property
-    def engine(self) -> Engine:
-        """The app's ``Engine``."""
-        return self.scope["app"].engine  # type: ignore[no-any-return]
-
-    @property
-    def bodies(self) -> BodyPool:
-        """The app's reused buffers for request bodies."""
-        return self.scope["app"].bodies  # type: ignore[no-any-return]
-
-    @property
-    def budget(self) -> Budget:
-        """The app's bound on bytes in flight."""
-        return self.scope["app"].budget  # type: ignore[no-any-return]
 
     @property
     def path(self) -> str:
         """The path below the app's root path (what the routes match)."""
         return route_path(self.scope)
 
-    def query(self, name: str) -> str | None:
-        """The last value of query parameter ``name`` (as Starlette's ``QueryParams.get``), None when absent."""
-        value = None
-        for key, item in parse_qsl(self.scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True):
-            if key == name:
-                value = item
-        return value
+
+def disconnect_watch(scope: Scope, receive: Receive) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """What calls a callback on the event loop when the request's client goes (once its body is read), and returns
+    what stops that: the connection's own hook where it has one (``ON_DISCONNECT``); elsewhere a task that waits for
+    the ASGI disconnect, the next message after the body."""
+    watch = scope.get(ON_DISCONNECT)
+    return watch if watch is not None else functools.partial(_watch_receive, receive)  # type: ignore[no-any-return]
+
+
+def _watch_receive(receive: Receive, callback: Callable[[], None]) -> Callable[[], None]:
+    gone = asyncio.get_running_loop().create_task(disconnected(receive))
+    gone.add_done_callback(lambda task: None if task.cancelled() else callback())
+    return gone.cancel
+
+
+def admit(call: Call, query: Sequence[str]) -> None:
+    """Check what the connection says of a request before its route runs, in this order: the API key
+    (``check_api_key``), the query parameters its route requires (``query``; 422 for the first one missing), the
+    deadline it asks for (``X-Deadline-Ms``, kept as ``call.deadline_ms``)."""
+    check_api_key(call.engine.settings.api_key, call.scope["headers"])
+    for name in query:
+        if name not in call.query:
+            raise InvalidInputError(f"query.{name}: Field required")
+    call.deadline_ms = deadline_header(call.headers.get("x-deadline-ms"))
+
+
+def check_api_key(key: SecretStr | None, headers: Sequence[tuple[bytes, bytes]]) -> None:
+    """When an API key (``key``) is configured, demand ``Authorization: Bearer <key>`` (401 otherwise), in exactly
+    one Authorization header (400 for several: which one counts would be a guess). ``headers``: the request's, as in
+    the ASGI scope."""
+    if key is None:
+        return
+    sent = [value for name, value in headers if name == b"authorization"]
+    if len(sent) > 1:
+        raise MalformedBodyError("more than one Authorization header; send exactly one")
+    scheme, _, token = (sent[0].decode("latin-1") if sent else "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
+        raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
+
+
+def deadline_header(text: str | None) -> float | None:
+    """``X-Deadline-Ms`` (its value ``text``) in milliseconds, None when absent (422 unless a non-negative number)."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInputError(f"header.x-deadline-ms: Input should be a valid number, got {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise InvalidInputError("header.x-deadline-ms: Input should be greater than or equal to 0")
+    if value > MAX_DEADLINE_MS:  # infinity too
+        raise InvalidInputError(f"header.x-deadline-ms: Input should be less than or equal to {MAX_DEADLINE_MS}")
+    return value
 
 
 class Reply(NamedTuple):
@@ -175,11 +213,6 @@ async def send_reply(send: Send, reply: Reply) -> None:
         await send({"type": "http.response.body", "body": part, "more_body": i < last})
 
 
-def call_of(request: Request) -> Call:
-    """The ``Call`` of a request that came through FastAPI (the shared-memory routes check the API key on it)."""
-    return Call(request.scope, request.receive, dict(request.path_params))
-
-
 async def read_body(call: Call, limit: int, *, tensor_as_is: bool = True) -> bytearray | memoryview:
     """The request body in a writable buffer (decoded tensors share it); 413 before reading when too large.
 
@@ -203,7 +236,7 @@ async def read_body(call: Call, limit: int, *, tensor_as_is: bool = True) -> byt
     if size is not None:
         if size > limit:
             raise PayloadTooLargeError(f"body of {size} bytes exceeds the limit of {limit} bytes")
-        call.hold(size)
+        call.held.take(size)
     lent = _lent_buffer(call, size, tensor_as_is) if size is not None and size >= MIN_BYTES else None
     received, more = 0, True
     if lent is not None:
@@ -226,7 +259,7 @@ async def read_body(call: Call, limit: int, *, tensor_as_is: bool = True) -> byt
                 if len(buf) + len(chunk) > limit:
                     raise PayloadTooLargeError(f"body exceeds the limit of {limit} bytes")
                 if size is None:
-                    call.hold(len(chunk))
+                    call.held.take(len(chunk))
                 buf += chunk
         body, received = buf, len(buf)
     call.body_read = True
@@ -314,8 +347,9 @@ async def disconnected(receive: Receive) -> None:
         return
 
 
-async def serve_call(handler: Handler, call: Call, send: Send) -> None:
-    """Run ``handler`` and write its reply, or the error's (no traceback reaches the client).
+async def serve_call(handler: Handler, query: Sequence[str], call: Call, send: Send) -> None:
+    """Admit ``call`` (``admit``, with the query parameters its route requires), run ``handler`` and write its
+    reply, or the error's (no traceback reaches the client).
 
     An error answered before the whole body came (a refusal: 401, 404, 413, 429, 503...) goes at once, with
     ``Connection: close``, where the connection can drop the rest of the body after it (``ANSWER_NOW``): a client
@@ -325,6 +359,7 @@ async def serve_call(handler: Handler, call: Call, send: Send) -> None:
     """
     try:
         try:
+            admit(call, query)
             reply = await handler(call)
         except ServiceError as exc:
             reply = error_reply(exc, call.path)
@@ -338,7 +373,7 @@ async def serve_call(handler: Handler, call: Call, send: Send) -> None:
                 reply = reply._replace(headers={**reply.headers, "Connection": "close"})
         await send_reply(send, reply)
     finally:
-        call.release()
+        call.held.release()
 
 
 class Body(NamedTuple):
@@ -373,14 +408,16 @@ class FastRoutes:
 
     def __init__(self, routes: Sequence[FastRoute]) -> None:
         self.routes = tuple(routes)
-        self.patterns = [(compile_path(route.path)[0], route.handler) for route in self.routes]
+        self.patterns = [(compile_path(route.path)[0], route.handler, required(route.parameters.get("query")))
+                         for route in self.routes]
 
-    def match(self, path: str) -> tuple[Handler, dict[str, str]] | None:
-        """The handler and path parameters of the route at ``path`` (below the root path), or None."""
-        for pattern, handler in self.patterns:
+    def match(self, path: str) -> tuple[Handler, tuple[str, ...], dict[str, str]] | None:
+        """The handler of the route at ``path`` (below the root path), the query parameters it requires and the
+        path parameters, or None."""
+        for pattern, handler, query in self.patterns:
             found = pattern.match(path)
             if found is not None:
-                return handler, found.groupdict()
+                return handler, query, found.groupdict()
         return None
 
     def document(self, document: dict[str, Any]) -> dict[str, Any]:
@@ -406,6 +443,14 @@ class FastRoutes:
 
 
 BINARY = {"type": "string", "format": "binary"}
+
+
+def required(model: type[BaseModel] | None) -> tuple[str, ...]:
+    """The parameters ``model`` declares required, by the names they are sent under (a field's alias, else its
+    name)."""
+    if model is None:
+        return ()
+    return tuple(field.alias or name for name, field in model.model_fields.items() if field.is_required())
 
 
 def parameters(where: str, model: type[BaseModel]) -> list[dict[str, Any]]:
@@ -480,7 +525,8 @@ class App(FastAPI):
                 found = self.fast_routes.match(route_path(scope))
                 if found is not None:
                     scope["app"] = self
-                    await serve_call(found[0], Call(scope, receive, found[1]), send)
+                    handler, query, params = found
+                    await serve_call(handler, query, Call(scope, receive, params), send)
                     return
         await super().__call__(scope, receive, send)
 

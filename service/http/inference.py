@@ -4,15 +4,14 @@ the KServe v2 HTTP routes (``service.http.kserve_routes``) and the KServe v2 gRP
 A request finds its layer and the layer's queue (``find_layer``), has its decoded input checked against the layer
 (``validate_input``; its output's size: ``output_bytes``) and an input or output in a shared-memory region found and
 checked (``region_input``, ``output_place``), is queued and waited for (``run_inference``: the result, the deadline,
-the request timeout or the client leaving), and is counted in the metrics (``Counted``). Over HTTP it is checked
-first for the API key (``check_api_key``, which the shared-memory routes take too) and its deadline header
-(``deadline_header``); ``get_engine`` gives FastAPI's routes the app's engine.
+the request timeout or the client leaving), and is counted in the metrics (``Counted``). Over HTTP its API key and
+deadline header were checked before its route ran (``service.http.asgi.admit``); ``get_engine`` gives FastAPI's
+routes the app's engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import math
 import time
 from collections.abc import Callable
@@ -30,13 +29,12 @@ from service.errors import (
     ClientGoneError,
     DeadlineExceededError,
     InvalidInputError,
-    MalformedBodyError,
     NotReadyError,
     PayloadTooLargeError,
     RegionError,
     ServiceError,
-    UnauthorizedError,
 )
+from service.http.asgi import MAX_DEADLINE_MS
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -45,44 +43,13 @@ if TYPE_CHECKING:
     from service.http.asgi import Call
     from service.http.shm_regions import RegionTable, RegionWriter, TensorRef
 
-# The largest deadline a client may ask for, X-Deadline-Ms in ms and KServe's parameters.timeout in us (a year:
-# anything longer is a mistake; the request timeout bounds every request anyway).
-MAX_DEADLINE_MS = 365 * 24 * 3600 * 1000
+# The largest KServe parameters.timeout, in us: as X-Deadline-Ms's largest (service.http.asgi).
 MAX_TIMEOUT_US = MAX_DEADLINE_MS * 1000
 
 
 def get_engine(request: Request) -> Engine:
     """The app's ``Engine``."""
     return request.app.state.engine  # type: ignore[no-any-return]
-
-
-def check_api_key(call: Call) -> None:
-    """When an API key is configured, demand ``Authorization: Bearer <key>`` (401 otherwise), in exactly one
-    Authorization header (400 for several: which one counts would be a guess)."""
-    key = call.engine.settings.api_key
-    if key is None:
-        return
-    if sum(name == b"authorization" for name, _ in call.scope["headers"]) > 1:
-        raise MalformedBodyError("more than one Authorization header; send exactly one")
-    scheme, _, token = call.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.get_secret_value().encode()):
-        raise UnauthorizedError("missing or wrong API key; send 'Authorization: Bearer <key>'")
-
-
-def deadline_header(call: Call) -> float | None:
-    """``X-Deadline-Ms`` in milliseconds, None when absent (422 unless a non-negative number)."""
-    text = call.headers.get("x-deadline-ms")
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidInputError(f"header.x-deadline-ms: Input should be a valid number, got {text!r}") from None
-    if not value >= 0:  # NaN too
-        raise InvalidInputError("header.x-deadline-ms: Input should be greater than or equal to 0")
-    if value > MAX_DEADLINE_MS:  # infinity too
-        raise InvalidInputError(f"header.x-deadline-ms: Input should be less than or equal to {MAX_DEADLINE_MS}")
-    return value
 
 
 def find_layer(engine: Engine, name: str, version: str | None = None) -> tuple[Layer, LayerQueue]:

@@ -41,8 +41,6 @@ from service.http.bodies import (
 from service.http.inference import (
     Counted,
     batch_headers,
-    check_api_key,
-    deadline_header,
     engine_request,
     find_layer,
     get_engine,
@@ -183,7 +181,8 @@ async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_l
         req, binary = _parse_kserve(body, header_length)
         return req, _kserve_input(req, binary, limit)
     parsed_bytes = PARSED_BYTES_PER_JSON_BYTE * json_bytes
-    call.budget.take(parsed_bytes)
+    budget = call.held.budget
+    budget.take(parsed_bytes)
     try:
         def parse() -> tuple[dict[str, Any], AnyTensor | RegionInput]:
             req, binary = _parse_kserve(body, header_length)
@@ -193,7 +192,7 @@ async def _parse_kserve_input(call: Call, body: bytearray | memoryview, header_l
         async with call.scope["app"].state.json_parsing:
             return await asyncio.to_thread(parse)
     finally:
-        call.budget.give(parsed_bytes)
+        budget.give(parsed_bytes)
 
 
 def _header_length(header_length: str) -> int:
@@ -344,8 +343,6 @@ async def _json_answer(response: dict[str, Any], out: dict[str, Any], y: AnyTens
 
 async def v2_infer_call(call: Call) -> Reply:
     """``POST /v2/models/{name}[/versions/{version}]/infer``."""
-    check_api_key(call)
-    deadline_ms = deadline_header(call)
     name, version = call.params["name"], call.params.get("version")
     engine = call.engine
     with Counted(engine, name, "kserve") as counted:
@@ -366,22 +363,22 @@ async def v2_infer_call(call: Call) -> Reply:
         else:
             body = await decompress_json(raw, encoding)
         if body is not raw:
-            call.hold(len(body))
+            call.held.take(len(body))
         req, parsed = await _parse_kserve_input(call, body, call.headers.get("inference-header-content-length"),
                                                 limit)
         regions: RegionTable = call.scope["app"].state.regions
-        x = (region_input(regions, parsed.ref, parsed.dtype, parsed.shape, call.hold)
+        x = (region_input(regions, parsed.ref, parsed.dtype, parsed.shape, call.held.take)
              if isinstance(parsed, RegionInput) else parsed)
         binary_out = _wants_binary(req)
         out_ref = _output_ref(req)
         x4, unbatched = validate_input(layer, x)
         out_device = out_writer = None
         if out_ref is not None:
-            out_device = output_place(regions, layer, x4, out_ref, call.hold)
+            out_device = output_place(regions, layer, x4, out_ref, call.held.take)
             if isinstance(out_device, RegionWriter):
                 out_device, out_writer = None, out_device
         elif binary_out:
-            call.hold(output_bytes(layer, x4))
+            call.held.take(output_bytes(layer, x4))
         else:
             json_bytes = JSON_BYTES_PER_VALUE * output_values(layer, x4)
             if json_bytes > engine.settings.max_json_output_bytes:
@@ -389,9 +386,9 @@ async def v2_infer_call(call: Call) -> Reply:
                     f"the output as JSON could take {json_bytes} bytes, above the limit of "
                     f"{engine.settings.max_json_output_bytes}; ask for binary output (parameters.binary_data_output: "
                     "true, or binary_data: true in the output's parameters)")
-            call.hold(json_bytes)
+            call.held.take(json_bytes)
         x4 = engine_request(x4, out_device, batcher)
-        timeouts = [t for t in (deadline_ms, timeout_ms(req.get("parameters"))) if t is not None]
+        timeouts = [t for t in (call.deadline_ms, timeout_ms(req.get("parameters"))) if t is not None]
         result = await run_inference(engine, layer, batcher, x4, call, counted.received,
                                      min(timeouts) if timeouts else None)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output

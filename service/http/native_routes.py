@@ -12,13 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from service import codec
-from service.errors import InvalidInputError, UnsupportedMediaTypeError
+from service.errors import UnsupportedMediaTypeError
 from service.http.asgi import Call, Reply, read_body
 from service.http.inference import (
     Counted,
     batch_headers,
-    check_api_key,
-    deadline_header,
     find_layer,
     get_engine,
     output_bytes,
@@ -31,33 +29,23 @@ from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 router = APIRouter()
 
 
-def query_layer(call: Call) -> str:
-    """The required ``layer`` query parameter (422 when missing)."""
-    name = call.query("layer")
-    if name is None:
-        raise InvalidInputError("query.layer: Field required")
-    return name
-
-
 async def deconv_call(call: Call) -> Reply:
     """``POST /deconv``: run layer ``layer`` on the tensor in the body; the output in the negotiated format."""
-    check_api_key(call)
-    layer, x_deadline_ms = query_layer(call), deadline_header(call)
-    engine = call.engine
-    with Counted(engine, layer, "native") as counted:
-        spec, batcher = find_layer(engine, layer)
-        headers = call.headers
+    engine, headers, name = call.engine, call.headers, call.query["layer"]
+    with Counted(engine, name, "native") as counted:
+        layer, batcher = find_layer(engine, name)
         media = codec.media_type_of(headers.get("content-type"))
         out_media = codec.negotiate(headers.get("accept"), media)
         if headers.get("content-encoding", "identity").strip().lower() != "identity":
             raise UnsupportedMediaTypeError("Content-Encoding is not supported on /deconv; send the tensor as is")
         engine.readiness.check_ready()
-        body = await read_body(call, engine.settings.max_body_bytes)
-        x4, unbatched = validate_input(spec, codec.decode_raw(body, media, engine.settings.max_body_bytes))
-        if out_media == codec.NPY and spec.dtype == torch.bfloat16:
+        limit = engine.settings.max_body_bytes
+        x = codec.decode_raw(await read_body(call, limit), media, limit)
+        x4, unbatched = validate_input(layer, x)
+        if out_media == codec.NPY and layer.dtype == torch.bfloat16:
             raise UnsupportedMediaTypeError(f"bfloat16 cannot be written as .npy; accept {codec.SAFETENSORS}")
-        call.hold(output_bytes(spec, x4))
-        result = await run_inference(engine, spec, batcher, x4, call, counted.received, x_deadline_ms)
+        call.held.take(output_bytes(layer, x4))
+        result = await run_inference(engine, layer, batcher, x4, call, counted.received, call.deadline_ms)
         y = result.output.reshape(tuple(result.output.shape[1:])) if unbatched else result.output
         return Reply(codec.encode_parts(y, out_media), out_media, batch_headers(result))
 

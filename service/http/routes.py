@@ -5,9 +5,11 @@ answers itself; the app's other routes are FastAPI's, on the routers of ``servic
 Every inference request, native or KServe, takes the same path (``service.http.inference``): read the body
 (size-checked), decode it without copies, validate it against the layer, submit it to the layer's queue in the
 engine (``Engine.queues``), wait for its result while watching for the client going away and for its deadline,
-encode the output. Their handlers (``deconv_call``, ``v2_infer_call``) take a ``service.http.asgi.Call``.
-``INFERENCE_ROUTES`` declares their routes once: the paths ``App`` matches, and the pydantic models of their
-parameters, bodies and errors (``service.http.schemas``), from which their OpenAPI operations are generated.
+encode the output. Their handlers (``deconv_call``, ``v2_infer_call``) take a ``service.http.asgi.Call``, admitted
+before they run (``service.http.asgi.admit``: the API key, the query parameters the route's model requires, the
+deadline header). ``INFERENCE_ROUTES`` declares their routes once: the paths ``App`` matches, and the pydantic models
+of their parameters, bodies and errors (``service.http.schemas``), from which their OpenAPI operations are
+generated.
 """
 
 from __future__ import annotations

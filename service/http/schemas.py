@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from service.engine.kserve import KSERVE_INPUT, KSERVE_OUTPUT, MODEL_VERSION
-from service.http.inference import MAX_DEADLINE_MS
+from service.http.asgi import MAX_DEADLINE_MS
 
 
 class ErrorDetail(BaseModel):
@@ -132,7 +132,7 @@ class VersionedModelPath(ModelPath):
 
 
 class DeadlineHeader(BaseModel):
-    """The header of an inference request that bounds its wait (read by ``deadline_header``)."""
+    """The header of an inference request that bounds its wait (read by ``service.http.asgi.deadline_header``)."""
 
     x_deadline_ms: float | None = Field(
         None, alias="x-deadline-ms", ge=0, le=MAX_DEADLINE_MS,

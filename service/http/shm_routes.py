@@ -33,9 +33,8 @@ from pydantic import BaseModel, Field
 
 from service.engine.interface import CudaMemory
 from service.errors import MalformedBodyError, PayloadTooLargeError, RegionError, ServiceError
-from service.http.asgi import call_of
+from service.http.asgi import check_api_key
 from service.http.bodies import LongNumberError, parse_json
-from service.http.inference import check_api_key
 from service.http.shm_regions import CUDA, SYSTEM, RegionTable
 
 log = logging.getLogger("deconv.service")
@@ -93,7 +92,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 def regions_of(request: Request) -> RegionTable:
     """The app's region table, after the API key check."""
-    check_api_key(call_of(request))
+    check_api_key(request.app.state.engine.settings.api_key, request.scope["headers"])
     return request.app.state.regions  # type: ignore[no-any-return]
 
 

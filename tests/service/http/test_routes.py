@@ -25,7 +25,7 @@ from service.config import Settings
 from service.engine import paths as paths_module
 from service.engine.local import LocalEngine
 from service.http.app import create_app
-from service.http.inference import MAX_DEADLINE_MS
+from service.http.asgi import MAX_DEADLINE_MS
 from service.http.schemas import (
     DeadlineHeader,
     ErrorBody,
@@ -227,14 +227,19 @@ def test_api_key_protects_inference_only(repo):
 
 
 def test_inference_parameters_are_checked_like_fastapi_did(repo):
-    # The inference routes read `layer` and X-Deadline-Ms themselves: the key first, then the parameters (422).
+    # The app reads `layer` and X-Deadline-Ms itself, before the route runs (service.http.asgi.admit): the key
+    # first, then the query, then the header (422).
     async def main() -> None:
         async with serve_app(settings(repo, api_key="sekret")) as (_, client):
             ok = npy_bytes(np.zeros((1, 4, 5, 5), np.float32))
             assert_error(await client.post("/deconv", content=ok, headers={"content-type": NPY}), 401, "unauthorized")
+            r = await client.post("/deconv", content=ok, headers={"content-type": NPY, "x-deadline-ms": "soon"})
+            assert_error(r, 401, "unauthorized")
             auth = {"authorization": "Bearer sekret", "content-type": NPY}
             body = assert_error(await client.post("/deconv", content=ok, headers=auth), 422, "invalid_input")
-            assert "layer" in body["error"]["message"]
+            assert body["error"]["message"] == "query.layer: Field required"
+            r = await client.post("/deconv", content=ok, headers={**auth, "x-deadline-ms": "soon"})
+            assert assert_error(r, 422, "invalid_input")["error"]["message"] == "query.layer: Field required"
             for bad in ("-1", "nan", "soon", ""):
                 r = await client.post("/deconv?layer=small", content=ok, headers={**auth, "x-deadline-ms": bad})
                 body = assert_error(r, 422, "invalid_input")

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, Call
+from service.http.asgi import BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, disconnect_watch
 from service.http.server import CoalescingTransport, HTTPProtocol
 
 from ..conftest import REPO_ROOT
@@ -333,25 +333,26 @@ def test_a_client_gone_mid_body_is_a_disconnect_for_the_application() -> None:
 
 @pytest.mark.parametrize("through", ["connection", "receive"])
 def test_a_request_waiting_after_its_body_learns_that_its_client_went(through: str) -> None:
-    """``Call.on_disconnect``: through the connection's own hook (``ON_DISCONNECT``), for a request that registered
-    before the connection was lost, one after, and not for one that stopped watching; and, with no hook (another
-    ASGI server), through the ASGI disconnect."""
+    """A request's watch on its client (``disconnect_watch``, a ``Call``'s ``on_disconnect``): through the
+    connection's own hook (``ON_DISCONNECT``), for a request that registered before the connection was lost, one
+    after, and not for one that stopped watching; and, with no hook (another ASGI server), through the ASGI
+    disconnect."""
     events: list[str] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if through == "receive":
             scope.pop(ON_DISCONNECT)
-        call = Call(scope, receive, {})
+        on_disconnect = disconnect_watch(scope, receive)
         assert (await receive())["type"] == "http.request"  # the whole body
         gone = asyncio.get_running_loop().create_future()
-        call.on_disconnect(lambda: gone.set_result(None))
-        stop = call.on_disconnect(lambda: events.append("stopped one called"))
+        on_disconnect(lambda: gone.set_result(None))
+        stop = on_disconnect(lambda: events.append("stopped one called"))
         stop()
         await gone
         events.append("gone")
         if through == "connection":
             later = asyncio.get_running_loop().create_future()
-            call.on_disconnect(lambda: later.set_result(None))  # lost already: called soon
+            on_disconnect(lambda: later.set_result(None))  # lost already: called soon
             await later
             events.append("gone already")
 
