@@ -183,12 +183,9 @@ def graph_us(stream: torch.cuda.Stream, host_in: torch.Tensor, dev_in: torch.Ten
     eager = wall_us(eager_step, reps)
     expected = host_out.clone()
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device=stream.device)  # capture on a side stream, as torch.cuda.graph does
-    side.wait_stream(stream)
-    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+    with torch.cuda.graph(graph):  # captured on torch's side stream, after the device is synchronized
         dev_in.copy_(host_in, non_blocking=True)
         host_out.copy_(forward(), non_blocking=True)
-    stream.wait_stream(side)
 
     def graph_step() -> None:
         with torch.cuda.stream(stream):

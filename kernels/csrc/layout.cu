@@ -5,12 +5,12 @@
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
 // raw bits (2, 4 or 8 bytes). Where both sides allow it (rows and columns multiples of a vector, both tensors aligned
 // to it: most layers), transpose_batched_vec moves 64 x 64 tiles as 16-byte (fp32), 8- or 4-byte vectors: more
-// bytes in flight a thread and fewer memory instructions than the element-wise tiles (bench/NOTES.md v28, v29). kCols is
-// 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column tiles would leave most threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip
-// the tiles, which would be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32
-// bits) rounds each value to TF32 on the way: an input bound for the gemm kernel's TF32 products, which then need
-// not round it in shared memory (ConvTranspose2dParams::x_tf32_rounded); round_to_tf32 does the same for an x
-// that keeps its layout.
+// bytes in flight a thread and fewer memory instructions than the element-wise tiles (bench/NOTES.md v28, v29).
+// kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column tiles would leave most
+// threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip the tiles, which would
+// be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32 bits) rounds each value to
+// TF32 on the way: an input bound for the gemm kernel's TF32 products, which then need not round it in shared memory
+// (ConvTranspose2dParams::x_tf32_rounded); round_to_tf32 does the same for an x that keeps its layout.
 #include <cstdint>
 #include <cstring>
 
