@@ -355,7 +355,9 @@ async def serve_call(handler: Handler, query: Sequence[str], call: Call, send: S
     ``Connection: close``, where the connection can drop the rest of the body after it (``ANSWER_NOW``): a client
     whose body stalls, or that waits for ``100 Continue``, gets its refusal now. Elsewhere, or when the body is all
     there already, the rest of the body is read and dropped first (up to the body limit; past it the connection
-    closes after the answer), so that the client reads the answer.
+    closes after the answer), so that the client reads the answer. An answer written once the server drains closes
+    its connection too, also for a request that came in before (``App`` closes those that come in after): in an HTTP
+    process of N, the engine's drain can reach this process before its own signal does.
     """
     try:
         try:
@@ -366,11 +368,14 @@ async def serve_call(handler: Handler, query: Sequence[str], call: Call, send: S
         except Exception as exc:
             log.error("unhandled error on %s %s", call.scope["method"], call.path, exc_info=exc)
             reply = error_reply(InternalError("internal server error"), call.path)
+        close = call.engine.readiness.state == "draining"
         if not call.body_read:
             answer_now = call.scope.get(ANSWER_NOW)
             if (answer_now is not None and answer_now(call.scope)) or not await discard_body(
                     call, call.engine.settings.max_body_bytes):
-                reply = reply._replace(headers={**reply.headers, "Connection": "close"})
+                close = True
+        if close:
+            reply = reply._replace(headers={**reply.headers, "Connection": "close"})
         await send_reply(send, reply)
     finally:
         call.held.release()

@@ -323,6 +323,24 @@ def test_deadline_passes_in_the_queue(repo):
     run(main())
 
 
+def test_an_answer_written_once_the_drain_began_closes_its_connection(repo):
+    """A request that came in while the server was ready and is answered after the drain began says
+    ``Connection: close``, as every answer from then on does (in an HTTP process of N the engine's drain can arrive
+    before the process's own signal)."""
+    async def main() -> None:
+        x = np.ones((1, 4, 5, 5), np.float32)
+        async with serve_app(settings(repo)) as (app, client):
+            queued = asyncio.ensure_future(post_npy(client, "slow", x))
+            engine: LocalEngine = app.state.engine
+            await until(lambda: engine.queues["slow"].depth == 1, "a request queued")
+            engine.begin_drain()
+            r = await asyncio.wait_for(queued, 60)
+            assert r.status_code == 200
+            assert r.headers["connection"] == "close"
+
+    run(main())
+
+
 def test_full_queue_429_and_shutdown_answers_the_queued(repo):
     async def main() -> None:
         x = np.ones((1, 4, 5, 5), np.float32)
