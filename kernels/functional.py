@@ -82,8 +82,9 @@ def conv_transpose2d(
         precision: for float32 inputs on CUDA, ``"tf32"`` (operands rounded to TF32, sums in fp32, as cuDNN's
             TF32 kernels compute; layers that run on the narrow or SIMT kernels, e.g. few output channels, and
             grouped layers on the sparse kernel compute exact fp32, as cuDNN does for grouped layers) or ``"fp32"``
-            (exact IEEE fp32). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch does. Ignored for
-            other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
+            (exact fp32: FFMA, or 3xTF32 on the tensor cores, with an error on the order of cuDNN's strict fp32;
+            docs/architecture.md, "Kernels"). ``None`` follows ``torch.backends.cudnn.allow_tf32``, as PyTorch
+            does. Ignored for other dtypes (bf16/fp16 accumulate in fp32; float64 is exact).
 
     Returns:
         ``[N, C_out, H_out, W_out]`` (or ``[C_out, H_out, W_out]``) in the input's dtype, with

@@ -1,5 +1,6 @@
-// ConvTranspose2d forward as a channel-major implicit GEMM on Hopper tensor cores (sm_90a wgmma; TF32, BF16, FP16),
-// for the channel-heavy layers of real decoders: many channels, few pixels (docs/architecture.md, "Kernels").
+// ConvTranspose2d forward as a channel-major implicit GEMM on Hopper tensor cores (sm_90a wgmma; TF32, BF16, FP16,
+// and exact fp32 as 3xTF32), for the channel-heavy layers of real decoders: many channels, few pixels
+// (docs/architecture.md, "Kernels").
 //
 // Per stride phase (conv_transpose2d.cu) and group the problem is a GEMM with
 //   M = N * rows_in_phase * cols_in_phase (output positions), N = C_out / groups, K = taps * C_in / groups,
@@ -51,9 +52,12 @@ namespace {
 
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
 
-constexpr size_t gemm_smem_bytes(const GemmShape& s) {
-  // Stages, their three barriers, the two turn barriers, alignment slack.
-  return static_cast<size_t>(s.stages) * ((s.bm + s.bn) * kGemmRowBytes + 24) + 16 + 1024;
+constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
+  // Stages (exact fp32: A and B twice, gemm_exact_stages of them), their three barriers, the two turn barriers,
+  // alignment slack.
+  return static_cast<size_t>(exact ? gemm_exact_stages(s) : s.stages) *
+             ((exact ? 2 : 1) * (s.bm + s.bn) * kGemmRowBytes + 24) +
+         16 + 1024;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -68,17 +72,25 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s) {
 // loader runs through the same tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the
 // next tile's first stages land while the multipliers store the last one's output. kTransB: B is the channels-last
 // weights as they are, brought as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
+// K = k3xTF32 (exact fp32): a stage also brings the weights' residual rows (the packed plane after the TF32 parts), the
+// loader warps split each landed A box into its TF32 parts (in place) and residuals (beside it), and the multipliers
+// run A_lo x B_hi + A_hi x B_lo + A_hi x B_hi for each stage into zeroed partial sums that they add to their
+// accumulators in fp32: the tensor cores truncate as they accumulate, and a sum over one stage keeps that error from
+// growing with K (bench/NOTES.md v7, v30).
 template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
                                  const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
+  constexpr bool kExact = K == tc::MmaKind::k3xTF32;
+  constexpr tc::MmaKind KM = kExact ? tc::MmaKind::kTF32 : K;  // the wgmma instructions' kind
+  constexpr int kParts = kExact ? 2 : 1;                       // exact fp32: TF32 parts and residuals
   constexpr int kCH = kGemmRowBytes / sizeof(T);  // channels a stage
-  constexpr int kAStage = BM * kGemmRowBytes;
-  constexpr int kStage = (BM + BN) * kGemmRowBytes;
+  constexpr int kAStage = kParts * BM * kGemmRowBytes;  // A (exact: its TF32 parts, then its residuals), then B
+  constexpr int kStage = kParts * (BM + BN) * kGemmRowBytes;
   constexpr int kMW = kPing ? BM / 64 : BM / 128;  // 64-row wgmma blocks a multiplier warpgroup
-  static_assert(kMW * BN / 2 <= 128, "accumulators: at most 128 registers a thread");
+  static_assert(kMW * BN / 2 * kParts <= 128, "accumulators (and partial sums): at most 128 registers a thread");
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
-  constexpr bool kTF32 = K == tc::MmaKind::kTF32;
+  constexpr bool kTF32 = KM == tc::MmaKind::kTF32;
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
@@ -110,7 +122,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int cpt = g.ci_pad / kCH;  // stages a tap
   const int wgi = threadIdx.x >> 7;
   const int rows = static_cast<int>(tl.bw.d * tl.bh.d) * tl.bni;  // A rows a box fills
-  const uint32_t stage_bytes = static_cast<uint32_t>((rows + BN) * kGemmRowBytes);
+  const uint32_t stage_bytes = static_cast<uint32_t>((rows + kParts * BN) * kGemmRowBytes);
   const uint32_t a_bytes = static_cast<uint32_t>(rows * kGemmRowBytes);
   uint32_t it = 0;  // stages loaded (loader) or consumed (multipliers) so far
 
@@ -146,6 +158,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
                           &full[s]);
           } else {
             tma_load_3d(st + kAStage, &map_w, cc * kCH, d.c0, d.grp * g.kh * g.kw + tap, &full[s]);
+            if constexpr (kExact)  // the residuals' plane: groups x taps rows further
+              tma_load_3d(st + kAStage + BN * kGemmRowBytes, &map_w, cc * kCH, d.c0,
+                          (static_cast<int>(tl.groups.d) + d.grp) * g.kh * g.kw + tap, &full[s]);
           }
           if (++cc == cpt) {
             cc = 0;
@@ -160,8 +175,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     if constexpr (kTF32) {
       // Warps 1-3: round each landed A box to TF32 (nearest), as the weights were when packed; wgmma would truncate.
-      // Not for an x rounded on its way in: the multipliers then wait for the copies alone.
-      if (tl.a_rounded) return;
+      // Not for an x rounded on its way in: the multipliers then wait for the copies alone. Exact fp32: split each
+      // into its TF32 parts (in place) and their residuals (the next BM rows).
+      if (!kExact && tl.a_rounded) return;
       const int rt = threadIdx.x - 32;
       for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
         GemmTile d;
@@ -169,7 +185,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
-          tc::round_tf32_inplace(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96);
+          if constexpr (kExact)
+            tc::round_tf32_inplace<true>(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96,
+                                         smem + s * kStage + BM * kGemmRowBytes);
+          else
+            tc::round_tf32_inplace(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96);
           fence_async_smem();
           wg::mbar_arrive(&ready[s]);
         }
@@ -184,7 +204,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int row0 = kPing ? 0 : mw * (BM / 2);
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
-  uint64_t* const landed = kTF32 && !tl.a_rounded ? ready : full;
+  uint64_t* const landed = kExact || (kTF32 && !tl.a_rounded) ? ready : full;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   // 16-bit channels-last output in whole multiples of 4 channels, 8-byte aligned: quads of lanes store four channels
@@ -213,25 +233,51 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     for (int b = 0; b < kMW; ++b)
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[b][i] = 0.f;
+    [[maybe_unused]] float part[kExact ? kMW : 1][kExact ? BN / 2 : 1];  // exact fp32: one stage's sums
     int prev = -1;  // the stage whose wgmma may still run
     for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
       wg::mbar_wait(&landed[s], (it / kStages) & 1);
       const uint32_t a_addr = base + s * kStage + row0 * kGemmRowBytes;
       const uint32_t b_addr = base + s * kStage + kAStage;
+      if constexpr (kExact) {
+#pragma unroll
+        for (int b = 0; b < kMW; ++b)
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) part[b][i] = 0.f;
+      }
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
         for (int b = 0; b < kMW; ++b) {
           const uint32_t ab = a_addr + b * 64 * kGemmRowBytes + 32 * kk;
-          if constexpr (kTransB)  // k16 steps are 16 rows of 128 bytes down each B chunk
-            wgmma_ss<BN, K, true>(acc[b], sw128_desc(ab), sw128_desc_nmajor(b_addr + 2048 * kk));
-          else
-            wgmma_ss<BN, K, false>(acc[b], sw128_desc(ab), sw128_desc(b_addr + 32 * kk));
+          if constexpr (kExact) {  // the small products first
+            const uint64_t a_hi = sw128_desc(ab), a_lo = sw128_desc(ab + BM * kGemmRowBytes);
+            const uint64_t b_hi = sw128_desc(b_addr + 32 * kk);
+            const uint64_t b_lo = sw128_desc(b_addr + BN * kGemmRowBytes + 32 * kk);
+            wgmma_ss<BN, KM, false>(part[b], a_lo, b_hi);
+            wgmma_ss<BN, KM, false>(part[b], a_hi, b_lo);
+            wgmma_ss<BN, KM, false>(part[b], a_hi, b_hi);
+          } else if constexpr (kTransB) {  // k16 steps are 16 rows of 128 bytes down each B chunk
+            wgmma_ss<BN, KM, true>(acc[b], sw128_desc(ab), sw128_desc_nmajor(b_addr + 2048 * kk));
+          } else {
+            wgmma_ss<BN, KM, false>(acc[b], sw128_desc(ab), sw128_desc(b_addr + 32 * kk));
+          }
         }
       }
       wg::commit();
+      if constexpr (kExact) {  // the stage's sums, once done (the buffer goes back to the loader), into the accumulators
+        wg::wait<0>();
+        wg::mbar_arrive(&empty[s]);
+#pragma unroll
+        for (int b = 0; b < kMW; ++b) {
+          wg::pin<BN / 2>(part[b]);
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) acc[b][i] += part[b][i];
+        }
+        continue;
+      }
       wg::wait<1>();  // the previous stage's wgmma are done: its buffer goes back to the loader
       if (prev >= 0) wg::mbar_arrive(&empty[prev]);
       prev = s;
@@ -293,7 +339,9 @@ __global__ void conv_transpose2d_gemm_reduce(const GemmArgs g, int splits) {
   }
 }
 
-// Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32:
+// Packs w [C_in][cout_g][kH][kW] into [groups][kH][kW][cout_g][ci_pad] (zeros past cin_g), TF32-rounded for TF32
+// (kMode 1), or for exact fp32 (kMode 2) split into the TF32 parts there and their residuals in a second such plane
+// `plane` elements further (3xTF32):
 // per group a transpose of [ci][j] into [j][ci], j = co * kH * kW + tap, through a tile of 64 ci x 32 kPackVec<T> j
 // in shared memory, so that both the reads (j fastest) and the writes (ci fastest) are coalesced, 8 bytes a load
 // and a store (kPackVec<T> elements; a load of one where `vec` is false: j rows whose length is no multiple of it,
@@ -312,10 +360,10 @@ struct alignas(8) PackVec {
   T e[kPackVec<T>];
 };
 
-template <typename T, bool kRound, PackRows kRows>
+template <typename T, int kMode, PackRows kRows>
 __global__ void __launch_bounds__(256)
     conv_transpose2d_gemm_pack(const T* __restrict__ w, T* __restrict__ dst, int cin_g, int cout_g, int khw,
-                               int ci_pad, bool vec) {
+                               int ci_pad, bool vec, int64_t plane) {
   constexpr int V = kPackVec<T>, kCols = kPackCols<T>;
   // Rows padded by one element: the column reads of the write phase spread over the banks (at most 2-way).
   __shared__ T tile[kPackRows][kCols + 1];
@@ -348,7 +396,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       T a = v[i].e[e];
-      if constexpr (kRound) a = __uint_as_float(tc::to_tf32(a));
+      if constexpr (kMode == 1) a = __uint_as_float(tc::to_tf32(a));
       tile[ty + 8 * i][jl + e] = a;
     }
   __syncthreads();
@@ -372,6 +420,16 @@ __global__ void __launch_bounds__(256)
     PackVec<T> o;
 #pragma unroll
     for (int e = 0; e < V; ++e) o.e[e] = tile[V * q + e][r];
+    if constexpr (kMode == 2) {
+      PackVec<T> lo;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float h = __uint_as_float(tc::to_tf32(o.e[e]));
+        lo.e[e] = __uint_as_float(tc::to_tf32(o.e[e] - h));
+        o.e[e] = h;
+      }
+      *reinterpret_cast<PackVec<T>*>(out + plane + static_cast<int64_t>(row) * ci_pad + ci) = lo;
+    }
     *reinterpret_cast<PackVec<T>*>(out + static_cast<int64_t>(row) * ci_pad + ci) = o;
   }
 }
@@ -473,10 +531,16 @@ GemmGrid gemm_grid(const ConvTranspose2dParams& p, int config) {
 
 }  // namespace
 
+namespace {
+// Exact fp32: 3xTF32 on the wgmma configurations that hold it (gemm_exact_fits).
+bool gemm_exact(const ConvTranspose2dParams& p) {
+  return p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
+}
+}  // namespace
+
 bool gemm_eligible(const ConvTranspose2dParams& p_in) {
   const ConvTranspose2dParams p = gemm_view(p_in);
-  const bool fp32 = p.dtype == DType::kFloat32;
-  if (p.dtype == DType::kFloat64 || (fp32 && p.precision != Precision::kTF32)) return false;
+  if (p.dtype == DType::kFloat64 || (gemm_exact(p) && !gemm_wgmma_ready())) return false;
   if (gemm_device_cc() < 80) return false;  // mma.sync, ldmatrix and cp.async: sm_80
   const int64_t eb = gemm_elem_bytes(p);
   const int64_t cin_g = p.C_in / p.groups, pitch = gemm_x_pitch(p);
@@ -501,6 +565,11 @@ bool gemm_default_ready() { return gemm_wgmma_ready(); }
 int gemm_config(const ConvTranspose2dParams& p_in) {
   const ConvTranspose2dParams p = gemm_view(p_in);
   const bool wgmma = gemm_wgmma_ready();
+  if (gemm_exact(p)) {  // 128 x 128 tiles, 128 x 64 ones for few output channels
+    if (p.force_config >= 0 && p.force_config < kNumGemmConfigs && gemm_exact_fits(kGemmShapes[p.force_config]))
+      return p.force_config;
+    return p.C_out / p.groups <= 64 ? 2 : 0;
+  }
   if (p.force_config >= 0 && p.force_config < kNumGemmConfigs && (wgmma || kGemmShapes[p.force_config].sync))
     return p.force_config;
   const int64_t cout_g = p.C_out / p.groups;
@@ -554,8 +623,10 @@ WeightPacking gemm_packing(const ConvTranspose2dParams& p, int config) {
   WeightPacking w{};
   if (gemm_reads_weights(p, config)) return w;  // read as they are
   const int64_t ci_pad = gemm_ci_pad(p);
-  w.bytes = static_cast<size_t>(p.groups * p.kH * p.kW * (p.C_out / p.groups) * ci_pad * gemm_elem_bytes(p));
-  w.kind = static_cast<int64_t>(p.dtype == DType::kFloat32 ? tc::MmaKind::kTF32
+  w.bytes = static_cast<size_t>(p.groups * p.kH * p.kW * (p.C_out / p.groups) * ci_pad * gemm_elem_bytes(p) *
+                                (gemm_exact(p) ? 2 : 1));
+  w.kind = static_cast<int64_t>(gemm_exact(p)                ? tc::MmaKind::k3xTF32
+                                : p.dtype == DType::kFloat32 ? tc::MmaKind::kTF32
                                 : p.dtype == DType::kBFloat16 ? tc::MmaKind::kBF16
                                                               : tc::MmaKind::kFP16);
   w.groups = p.groups;
@@ -576,15 +647,16 @@ size_t gemm_workspace_bytes(const ConvTranspose2dParams& p, int config) {
 }
 
 namespace {
-template <typename T, bool kRound, PackRows kRows>
+template <typename T, int kMode, PackRows kRows>
 cudaError_t gemm_pack_as(const void* w, void* dst, int cin_g, int cout_g, int khw, int ci_pad, unsigned groups,
                          cudaStream_t stream) {
   const bool vec = cout_g * khw % kPackVec<T> == 0 && reinterpret_cast<uintptr_t>(w) % 8 == 0;
   const dim3 grid(static_cast<unsigned>(tc::div_up(cout_g * khw, kPackCols<T>)),
                   static_cast<unsigned>(tc::div_up(ci_pad, kPackRows)), groups);  // y and z < 65536: gemm_eligible
   if (grid.y > 65535 || grid.z > 65535) return cudaErrorInvalidValue;
-  conv_transpose2d_gemm_pack<T, kRound, kRows><<<grid, 256, 0, stream>>>(
-      static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad, vec);
+  const int64_t plane = static_cast<int64_t>(groups) * khw * cout_g * ci_pad;  // kMode 2: the residuals' offset
+  conv_transpose2d_gemm_pack<T, kMode, kRows><<<grid, 256, 0, stream>>>(
+      static_cast<const T*>(w), static_cast<T*>(dst), cin_g, cout_g, khw, ci_pad, vec, plane);
   return cudaGetLastError();
 }
 }  // namespace
@@ -596,22 +668,23 @@ cudaError_t gemm_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t st
   // Source rows are co-major ([ci][co][tap]) or, channels-last, tap-major ([ci][tap][co]); one kind is kept as is.
   const PackRows rows = p.w_channels_last ? (co_major ? PackRows::kToCoMajor : PackRows::kAsIs)
                                           : (co_major ? PackRows::kAsIs : PackRows::kToTapMajor);
-  const auto as = [&](auto t, auto round) -> cudaError_t {
+  const auto as = [&](auto t, auto mode) -> cudaError_t {
     using T = decltype(t);
-    constexpr bool kRound = decltype(round)::value;
+    constexpr int kMode = decltype(mode)::value;
     switch (rows) {
       case PackRows::kAsIs:
-        return gemm_pack_as<T, kRound, PackRows::kAsIs>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+        return gemm_pack_as<T, kMode, PackRows::kAsIs>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
       case PackRows::kToTapMajor:
-        return gemm_pack_as<T, kRound, PackRows::kToTapMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+        return gemm_pack_as<T, kMode, PackRows::kToTapMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
       case PackRows::kToCoMajor:
-        return gemm_pack_as<T, kRound, PackRows::kToCoMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
+        return gemm_pack_as<T, kMode, PackRows::kToCoMajor>(p.w, dst, cin_g, cout_g, khw, ci_pad, groups, stream);
     }
     return cudaErrorInvalidValue;
   };
-  if (p.dtype == DType::kFloat32) return as(float{}, std::true_type{});
-  if (p.dtype == DType::kBFloat16) return as(__nv_bfloat16{}, std::false_type{});
-  if (p.dtype == DType::kFloat16) return as(__half{}, std::false_type{});
+  if (gemm_exact(p)) return as(float{}, std::integral_constant<int, 2>{});
+  if (p.dtype == DType::kFloat32) return as(float{}, std::integral_constant<int, 1>{});
+  if (p.dtype == DType::kBFloat16) return as(__nv_bfloat16{}, std::integral_constant<int, 0>{});
+  if (p.dtype == DType::kFloat16) return as(__half{}, std::integral_constant<int, 0>{});
   return cudaErrorInvalidValue;
 }
 
@@ -653,8 +726,9 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   }
+  // Exact fp32: the residuals' plane follows the TF32 parts' (groups x taps rows more).
   const cuuint64_t wdim[3] = {static_cast<cuuint64_t>(a.ci_pad), static_cast<cuuint64_t>(a.cout_g),
-                              static_cast<cuuint64_t>(p.groups * p.kH * p.kW)};
+                              static_cast<cuuint64_t>(p.groups * p.kH * p.kW * (gemm_exact(p) ? 2 : 1))};
   const cuuint64_t wstride[2] = {a.ci_pad * eb, a.cout_g * a.ci_pad * eb};
   const cuuint32_t wbox[3] = {ch, static_cast<cuuint32_t>(bn), 1};
   return encode(mw, dt, 3, const_cast<void*>(a.wp), wdim, wstride, wbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -678,7 +752,7 @@ GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int spl
   tl.phases = make_fast_div(static_cast<uint32_t>(p.stride_h * p.stride_w));
   tl.stride_w = make_fast_div(static_cast<uint32_t>(p.stride_w));
   tl.total = static_cast<int>(gr.tiles * split);
-  tl.a_rounded = p.dtype == DType::kFloat32 && p.x_tf32_rounded;
+  tl.a_rounded = p.dtype == DType::kFloat32 && p.x_tf32_rounded && !gemm_exact(p);
   return tl;
 }
 
@@ -687,10 +761,13 @@ template <typename T, tc::MmaKind K, int kShape, bool kTransB>
 cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr,
                               const GemmTiles& tl, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, s.stages, s.ping, kTransB>;
-  constexpr size_t smem = gemm_smem_bytes(s);
+  constexpr bool kExact = K == tc::MmaKind::k3xTF32;
+  constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
+  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB>;
+  constexpr size_t smem = gemm_smem_bytes(s, kExact);
+  static_assert(smem <= kGemmSmemLimit, "a block's shared memory");
   const cudaError_t err =
-      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, s.stages, s.ping, kTransB>>();
+      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB>>();
   if (err != cudaSuccess) return err;
   CUtensorMap mx, mw;
   if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
@@ -699,12 +776,14 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
   return cudaGetLastError();
 }
 
-// The wgmma launch of each configuration, indexed by configuration (null for the mma.sync ones).
+// The wgmma launch of each configuration, indexed by configuration (null for the mma.sync ones and, for exact fp32,
+// the tiles that do not hold it).
 using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, const GemmTiles&,
                                     cudaStream_t);
 template <typename T, tc::MmaKind K, bool kTransB, int kShape>
 constexpr WgmmaLaunch wgmma_launch() {
-  if constexpr (kGemmShapes[kShape].sync) {
+  if constexpr (kGemmShapes[kShape].sync ||
+                (K == tc::MmaKind::k3xTF32 && !gemm_exact_fits(kGemmShapes[kShape]))) {
     return nullptr;
   } else {
     return &gemm_launch_wgmma<T, K, kShape, kTransB>;
@@ -724,8 +803,8 @@ cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const G
   const GemmTiles tl = gemm_tiles(p, gr, split);
   cudaError_t err = cudaErrorInvalidValue;
   if (kGemmShapes[config].sync) {
-    if (!kTransB) err = launch_gemm_sync(p.dtype, config, a, tl, stream);
-  } else {
+    if (!kTransB && K != tc::MmaKind::k3xTF32) err = launch_gemm_sync(p.dtype, config, a, tl, stream);
+  } else if (kWgmma[config] != nullptr) {
     err = kWgmma[config](p, a, gr, tl, stream);
   }
   if (err != cudaSuccess || split == 1) return err;
@@ -789,7 +868,8 @@ cudaError_t launch_gemm(const ConvTranspose2dParams& p_in, int config, cudaStrea
   }
   switch (p.dtype) {
     case DType::kFloat32:
-      return gemm_launch_kind<float, tc::MmaKind::kTF32, false>(p, config, a, split, stream);
+      return gemm_exact(p) ? gemm_launch_kind<float, tc::MmaKind::k3xTF32, false>(p, config, a, split, stream)
+                           : gemm_launch_kind<float, tc::MmaKind::kTF32, false>(p, config, a, split, stream);
     case DType::kBFloat16:
       return trans_b ? gemm_launch_kind<__nv_bfloat16, tc::MmaKind::kBF16, true>(p, config, a, split, stream)
                      : gemm_launch_kind<__nv_bfloat16, tc::MmaKind::kBF16, false>(p, config, a, split, stream);

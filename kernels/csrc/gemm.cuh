@@ -40,6 +40,19 @@ constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
     {128, 128, 6, false, true},  {128, 64, 8, false, true},    // 7-8: wgmma, a tile a warpgroup by turns
 };
 
+// Exact fp32 (3xTF32) on the wgmma kernel: a stage holds A and B twice (their TF32 parts and the TF32 roundings of
+// what is left), and a multiplier sums each stage into partial sums beside its accumulators, so only the wgmma tiles
+// whose accumulators take at most 64 registers a thread run it (0, 2, 5 and 8), with as many stages as fit in the
+// shared memory a block may have.
+constexpr int kGemmSmemLimit = 227 * 1024;
+constexpr bool gemm_exact_fits(const GemmShape& s) {
+  return !s.sync && (s.ping ? s.bm / 64 : s.bm / 128) * s.bn / 2 <= 64;
+}
+constexpr int gemm_exact_stages(const GemmShape& s) {
+  const int fit = (kGemmSmemLimit - 1040) / (2 * (s.bm + s.bn) * kGemmRowBytes + 24);
+  return fit < s.stages ? fit : s.stages;
+}
+
 // Per-launch tables: each residue's phase on both axes, and the divisors of the tile index.
 // An M tile is a box of the phase's output positions, bn images x bh rows x bw columns (<= 128 rows in all, w
 // fastest): the input it reads for one tap is the same box shifted, zero-filled past every border.
