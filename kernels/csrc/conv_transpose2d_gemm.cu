@@ -424,9 +424,9 @@ __global__ void __launch_bounds__(256)
       PackVec<T> lo;
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const float h = __uint_as_float(tc::to_tf32(o.e[e]));
-        lo.e[e] = __uint_as_float(tc::to_tf32(o.e[e] - h));
-        o.e[e] = h;
+        const uint32_t h = tc::to_tf32(o.e[e]);
+        lo.e[e] = __uint_as_float(tc::tf32_residual(o.e[e], h));
+        o.e[e] = __uint_as_float(h);
       }
       *reinterpret_cast<PackVec<T>*>(out + plane + static_cast<int64_t>(row) * ci_pad + ci) = lo;
     }
@@ -529,13 +529,11 @@ GemmGrid gemm_grid(const ConvTranspose2dParams& p, int config) {
   return gr;
 }
 
-}  // namespace
-
-namespace {
 // Exact fp32: 3xTF32 on the wgmma configurations that hold it (gemm_exact_fits).
 bool gemm_exact(const ConvTranspose2dParams& p) {
   return p.dtype == DType::kFloat32 && p.precision != Precision::kTF32;
 }
+
 }  // namespace
 
 bool gemm_eligible(const ConvTranspose2dParams& p_in) {

@@ -25,10 +25,13 @@ __device__ __forceinline__ uint4 to_tf32(uint4 v) {
           to_tf32(__uint_as_float(v.w))};
 }
 
-// The TF32 rounding of what is left of v once its TF32 part h is taken: v = h + residual to about 2^-22 of v.
+// 3xTF32: the TF32 rounding of what is left of v once its TF32 part h (to_tf32(v)) is taken: v = h + residual to
+// about 2^-22 of v.
+__device__ __forceinline__ uint32_t tf32_residual(float v, uint32_t h) { return to_tf32(v - __uint_as_float(h)); }
+
 __device__ __forceinline__ uint4 tf32_residual(uint4 v, uint4 h) {
-  return {to_tf32(__uint_as_float(v.x) - __uint_as_float(h.x)), to_tf32(__uint_as_float(v.y) - __uint_as_float(h.y)),
-          to_tf32(__uint_as_float(v.z) - __uint_as_float(h.z)), to_tf32(__uint_as_float(v.w) - __uint_as_float(h.w))};
+  return {tf32_residual(__uint_as_float(v.x), h.x), tf32_residual(__uint_as_float(v.y), h.y),
+          tf32_residual(__uint_as_float(v.z), h.z), tf32_residual(__uint_as_float(v.w), h.w)};
 }
 
 // Rounds `words` fp32 words at `p` (16-byte aligned, a multiple of 4) to TF32 in place, threads [0, nthreads) of
