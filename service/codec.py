@@ -136,6 +136,14 @@ class RawTensor:
         return RawTensor(self.data, self.dtype, shape)
 
 
+def raw_view(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> RawTensor:
+    """``RawTensor(data, dtype, shape)`` without its size check, for a caller that cut ``data`` to the size of
+    ``shape`` itself (the engine's frame decoder, once per request)."""
+    t = RawTensor.__new__(RawTensor)
+    t.data, t.dtype, t.shape = data, dtype, shape
+    return t
+
+
 class SlotTensor(RawTensor):
     """A request's input whose output is to be written into ``out`` (exactly the output's bytes): the request's
     slot in an HTTP process's shared arena (``service.ipc.shm``), where the input is too. ``pinned``: the arena is

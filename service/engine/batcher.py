@@ -42,7 +42,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -140,7 +139,10 @@ class Answer:
         if self._done:
             raise asyncio.InvalidStateError("the request was answered already")
         self._done = True
-        self._call(outcome)
+        try:  # as _call, inline: once per request on the engine's event loop
+            self._on_done(self._key, outcome)
+        except Exception:
+            log.exception("answering request %r failed", self._key)
 
     def _call(self, outcome: Result | BaseException | None) -> None:
         try:
@@ -149,22 +151,30 @@ class Answer:
             log.exception("answering request %r failed", self._key)
 
 
-@dataclass(eq=False)
 class Pending:
-    """A queued request: its input, its limits and its future (or ``Answer``)."""
+    """A queued request: its input, its limits and its future (or ``Answer``). Made once per request on the engine's
+    event loop (``Batcher.submit``), so a plain class with slots and positional arguments."""
 
-    seq: int
-    x: Request  # [n, C_in, H, W]
-    kind: Kind  # which path its batch takes (service.engine.kinds); a batch's kind is its requests' (batch_kind)
-    # (dtype, H, W, lane): requests with equal keys can share a kernel call. The lane is None for requests in host
-    # memory, the GPU for requests in its CUDA shared memory (codec.CudaJob), which run on that GPU's worker.
-    key: tuple[torch.dtype, int, int, int | None]
-    samples: int
-    out_bytes: int
-    enqueued: float  # time.monotonic()
-    deadline: float | None  # time.monotonic() by which execution must start
-    future: asyncio.Future[Result] | Answer
-    state: str = "queued"  # queued -> running | dropped
+    __slots__ = ("deadline", "enqueued", "future", "key", "kind", "out_bytes", "samples", "seq", "state", "x")
+
+    def __init__(self, seq: int, x: Request, kind: Kind, key: tuple[torch.dtype, int, int, int | None], samples: int,
+                 out_bytes: int, enqueued: float, deadline: float | None,
+                 future: asyncio.Future[Result] | Answer) -> None:
+        self.seq = seq
+        self.x = x  # [n, C_in, H, W]
+        self.kind = kind  # which path its batch takes (service.engine.kinds); a batch's kind is its requests'
+        # (dtype, H, W, lane): requests with equal keys can share a kernel call. The lane is None for requests in host
+        # memory, the GPU for requests in its CUDA shared memory (codec.CudaJob), which run on that GPU's worker.
+        self.key = key
+        self.samples = samples
+        self.out_bytes = out_bytes
+        self.enqueued = enqueued  # time.monotonic()
+        self.deadline = deadline  # time.monotonic() by which execution must start
+        self.future = future
+        self.state = "queued"  # queued -> running | dropped
+
+    def __repr__(self) -> str:
+        return f"Pending(seq={self.seq}, key={self.key}, samples={self.samples}, state={self.state!r})"
 
     @property
     def started(self) -> bool:
@@ -263,32 +273,45 @@ class Batcher:
             NotReadyError: draining (503).
             OverloadedError: the queue is full (429, with Retry-After).
         """
-        if self._draining or self._changed is None:
+        # The engine process runs this once per request on its event loop, whose time a GPU batch waits for (the
+        # worker thread needs the GIL it holds): no call here that a local name or a check can replace.
+        queue = self._queue
+        changed = self._changed
+        if self._draining or changed is None:
             raise NotReadyError("server is shutting down" if self._draining else "batcher is not running")
-        limits = self.layer.limits
-        if len(self._queue) >= limits.max_queue_size:
+        layer = self.layer
+        limits = layer.limits
+        if len(queue) >= limits.max_queue_size:
             retry = max(1.0, 2 * limits.max_queue_delay_ms / 1000)
-            raise OverloadedError(f"layer {self.layer.name!r} has {len(self._queue)} requests queued "
+            raise OverloadedError(f"layer {layer.name!r} has {len(queue)} requests queued "
                              f"(max_queue_size {limits.max_queue_size}); retry later", retry_after_s=retry)
         n, _, h, w = x.shape
+        n, h, w = int(n), int(h), int(w)
         loop = self._event_loop or asyncio.get_running_loop()
         lane = x.device if isinstance(x, CudaJob) else None
-        item = Pending(
-            seq=next(self._seq), x=x, kind=kind_of(x), key=(x.dtype, int(h), int(w), lane), samples=int(n),
-            out_bytes=self.layer.output_bytes(int(n), int(h), int(w)),
-            enqueued=time.monotonic() if received is None else received, deadline=deadline,
-            future=loop.create_future() if on_done is None else Answer(on_done, key, loop),
-        )
-        self._queue[item.seq] = item
-        totals = self._totals.setdefault(item.key, [0, 0])
-        totals[0] += item.samples
-        totals[1] += item.out_bytes
-        if self._executing and self._finished is not None and self._has_room(item.key):
-            self._finished.set()  # a batch may start on a free GPU, or a full one on another worker of a busy one
+        group = (x.dtype, h, w, lane)
+        item = Pending(next(self._seq), x, kind_of(x), group, n, layer.output_bytes(n, h, w),
+                       time.monotonic() if received is None else received, deadline,
+                       loop.create_future() if on_done is None else Answer(on_done, key, loop))
+        queue[item.seq] = item
+        totals = self._totals.get(group)
+        if totals is None:
+            totals = self._totals[group] = [n, item.out_bytes]
+        else:
+            totals[0] += n
+            totals[1] += item.out_bytes
+        # While batches run, the loop may wait for room (_wait_for_room): a request gives its group room when it
+        # fills the group (a full batch may go to another worker of a busy GPU), or when its lane is a GPU's CUDA
+        # shared memory with no batch running there. A request through host memory that does not fill its group
+        # cannot: room there opens only when a batch ends (_left_worker).
+        if self._executing and self._finished is not None and (
+                lane is not None or totals[0] >= limits.max_batch_size or totals[1] >= limits.max_batch_bytes) \
+                and self._has_room(group):
+            self._finished.set()
         if not self._depth_due and self.metrics is not None:  # the gauge follows within one loop iteration:
             self._depth_due = True  # once for a burst of requests, not once per request
             loop.call_soon(self._report_depth)
-        self._wake()
+        changed.set()  # _wake
         return item
 
     def drop(self, item: Pending, reason: str) -> bool:
@@ -502,10 +525,12 @@ class Batcher:
         # iteration here instead of a batch's worth of answers between a worker's batches.
         await asyncio.sleep(0)
         worker = getattr(reservation, "name", str(reservation))
+        requests = len(batch)
         for item, y in zip(batch, outputs, strict=True):
-            if item.future.done():
+            future = item.future
+            if future.done():
                 continue
             if isinstance(y, BaseException):  # this request alone failed (its CUDA shared-memory region)
-                item.future.set_exception(y)
+                future.set_exception(y)
             else:
-                item.future.set_result(Result(y, samples, len(batch), start - item.enqueued, worker))
+                future.set_result(Result(y, samples, requests, start - item.enqueued, worker))

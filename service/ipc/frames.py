@@ -44,6 +44,7 @@ the slot again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import struct
@@ -54,7 +55,7 @@ from typing import Any, NamedTuple
 import torch
 
 from service import errors
-from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, bytes_of
+from service.codec import AnyTensor, CudaJob, DeviceTensor, RawTensor, bytes_of, raw_view
 
 SUBMIT, DROP, STATE, RESULT, ERROR, DONE, CUDA_OPEN, CUDA_CLOSE, REPLY, SYSTEM_OPEN = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 SHARED = 1  # flag of SUBMIT and RESULT: the tensor is in the HTTP process's arena, not in the frame
@@ -151,7 +152,7 @@ def result_frame(request_id: int, y: AnyTensor | DeviceTensor, batch_samples: in
                  queue_s: float, worker: str, shared: bool = False) -> list[bytes | memoryview]:
     """``RESULT`` carrying output ``y`` ``[N, C, H, W]``, or with ``shared`` saying it is in the request's slot, or
     (``y`` a ``DeviceTensor``) in the request's CUDA shared-memory region."""
-    name = worker.encode()[:255]
+    name = _worker_name(worker)
     n, c, h, w = y.shape
     if isinstance(y, DeviceTensor):
         return _frame(RESULT, _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name),
@@ -162,6 +163,11 @@ def result_frame(request_id: int, y: AnyTensor | DeviceTensor, batch_samples: in
                                     len(name), SHARED) + name]
     head = _RESULT.pack(request_id, batch_samples, batch_requests, queue_s, n, c, h, w, len(name), 0)
     return _frame(RESULT, head, name, bytes_of(y))
+
+
+@functools.lru_cache(maxsize=256)  # a server has a few workers; a RESULT per request names one
+def _worker_name(worker: str) -> bytes:
+    return worker.encode()[:255]
 
 
 def cuda_open_frame(call_id: int, token: str, handle: bytes, device: int, byte_size: int) -> list[bytes | memoryview]:
@@ -242,31 +248,30 @@ def _check_tensor_bytes(body: bytearray, offset: int, dtype: torch.dtype, shape:
 
 def parse_submit(body: bytearray, arena: memoryview | None = None) -> Submit:
     """Decode a ``SUBMIT`` body; the input is a ``RawTensor`` (no torch tensor: see ``RawTensor``) over ``body``,
-    or with flag ``SHARED`` over the sender's ``arena`` (the engine's mapping of it)."""
+    or with flag ``SHARED`` over the sender's ``arena`` (the engine's mapping of it). The engine decodes one per
+    request on its event loop: each tensor's size is computed once, here."""
     try:
         rid, layer, code, flags, n, c, h, w, received, deadline = _SUBMIT.unpack_from(body)
         dtype = DTYPES[code]
     except (struct.error, IndexError) as exc:
         raise ProtocolError(f"bad SUBMIT frame: {exc}") from exc
     shape = (n, c, h, w)
-    out_offset = None
+    due = None if deadline != deadline else deadline  # NaN: none
     if flags & DEVICE:
-        return Submit(rid, layer, _cuda_job(body, dtype, shape), received, None if math.isnan(deadline) else deadline,
-                      None)
+        return Submit(rid, layer, _cuda_job(body, dtype, shape), received, due, None)
+    nbytes = n * c * h * w * dtype.itemsize
     if flags & SHARED:
         if arena is None:
             raise ProtocolError("a SUBMIT names a slot, but the connection has no arena")
         if len(body) != _SUBMIT.size + _SLOT.size:
             raise ProtocolError(f"a SUBMIT with a slot is {_SUBMIT.size + _SLOT.size} bytes, got {len(body)}")
         in_offset, out_offset = _SLOT.unpack_from(body, _SUBMIT.size)
-        end = in_offset + math.prod(shape) * dtype.itemsize
+        end = in_offset + nbytes
         if end > arena.nbytes:  # the output's end depends on the layer: the engine checks it
             raise ProtocolError(f"input slot [{in_offset}, {end}) is outside the {arena.nbytes}-byte arena")
-        x = RawTensor(arena[in_offset:end], dtype, shape)
-    else:
-        _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
-        x = RawTensor(memoryview(body)[_SUBMIT.size:], dtype, shape)
-    return Submit(rid, layer, x, received, None if math.isnan(deadline) else deadline, out_offset)
+        return Submit(rid, layer, raw_view(arena[in_offset:end], dtype, shape), received, due, out_offset)
+    _check_tensor_bytes(body, _SUBMIT.size, dtype, shape)
+    return Submit(rid, layer, raw_view(memoryview(body)[_SUBMIT.size:], dtype, shape), received, due, None)
 
 
 def _cuda_job(body: bytearray, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> CudaJob:

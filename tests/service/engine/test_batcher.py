@@ -203,13 +203,14 @@ def test_batches_are_packed_late_unless_they_hold_one_sample(max_batch_size: int
     run(main(), 120)
 
 
-def held_batcher(workers: int, devices: int) -> tuple[FakeExecutor, Batcher]:
+def held_batcher(workers: int, devices: int, max_batch_size: int = 4,
+                 max_batch_bytes: int = 1 << 30) -> tuple[FakeExecutor, Batcher]:
     """A started batcher (batches of up to 4 samples, no delay) on ``workers`` fake workers over ``devices`` devices,
     whose batches run until ``ex.hold`` is set. Call it on the running event loop."""
     ex = FakeExecutor(slots=workers)
     ex.devices = devices
     ex.hold = asyncio.Event()
-    b = Batcher(make_layer(max_batch_size=4, delay_ms=0), ex)
+    b = Batcher(make_layer(max_batch_size=max_batch_size, max_batch_bytes=max_batch_bytes, delay_ms=0), ex)
     b.start()
     return ex, b
 
@@ -246,6 +247,26 @@ def test_only_a_full_batch_through_host_memory_goes_to_a_second_worker_of_a_devi
         ex.hold.set()
         await asyncio.gather(first.future, *(i.future for i in rest))
         assert ex.batches == [[1], [1, 1, 1, 1]] + ([] if where == "cuda region" else [[1, 1]])
+        await b.drain()
+
+    run(main(), 120)
+
+
+def test_a_group_full_by_its_bytes_goes_to_a_second_worker_at_once():
+    """As above through host memory, with the group filled by its outputs' bytes (``max_batch_bytes``: four outputs
+    of 192 bytes) rather than by its samples: the request that fills it starts a batch on the second worker."""
+    async def main() -> None:
+        ex, b = held_batcher(workers=2, devices=1, max_batch_size=64, max_batch_bytes=4 * 3 * 4 * 4 * 4)
+        first = b.submit(x())
+        await settle()
+        rest = [b.submit(x()) for _ in range(3)]
+        await settle()
+        assert ex.batches == [[1]]  # 576 of 768 bytes: waits for the running batch
+        rest.append(b.submit(x()))
+        await settle()
+        assert ex.batches == [[1], [1, 1, 1, 1]]
+        ex.hold.set()
+        await asyncio.gather(first.future, *(i.future for i in rest))
         await b.drain()
 
     run(main(), 120)
@@ -294,7 +315,10 @@ def test_a_free_gpu_does_not_wait_behind_requests_for_a_busy_one():
         first = b.submit(job(0))
         await settle()
         assert ex.batches == [[1]]  # on GPU 0 (held)
-        later = [b.submit(job(0)), b.submit(job(0)), b.submit(job(1))]
+        later = [b.submit(job(0)), b.submit(job(0))]
+        await settle()  # the batcher waits for room on GPU 0
+        assert ex.batches == [[1]]
+        later.append(b.submit(job(1)))  # wakes it: GPU 1 has room
         await settle()
         assert ex.batches == [[1], [1]]  # GPU 1's request went past GPU 0's
         assert b.depth == 2
