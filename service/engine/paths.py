@@ -367,7 +367,7 @@ def _direct(w: Runner, layer: Layer, inputs: Sequence[SlotTensor], turn: Turn) -
     else:
         if w.metrics is not None:
             w.metrics.worker_direct_batches.labels(w.name).inc()
-        _, c_out, h_out, w_out = out_shape(layer, inputs[0])  # each x.out holds exactly its output (the call checked)
+        _, c_out, h_out, w_out = out_shape(layer, inputs[0])  # each x.out is exactly its output (SlotTensor)
         return [raw_view(x.out, x.dtype, (int(x.shape[0]), c_out, h_out, w_out)) for x in inputs]
     out_of_memory(w, f"out of memory for a batch of layer {layer.name} straight from its slots; staging it instead")
     return turn.deliver(inputs, forward_span(w, layer, inputs, None))
