@@ -139,10 +139,7 @@ class Answer:
         if self._done:
             raise asyncio.InvalidStateError("the request was answered already")
         self._done = True
-        try:  # as _call, inline: once per request on the engine's event loop
-            self._on_done(self._key, outcome)
-        except Exception:
-            log.exception("answering request %r failed", self._key)
+        self._call(outcome)
 
     def _call(self, outcome: Result | BaseException | None) -> None:
         try:
@@ -296,7 +293,7 @@ class Batcher:
         queue[item.seq] = item
         totals = self._totals.get(group)
         if totals is None:
-            totals = self._totals[group] = [n, item.out_bytes]
+            self._totals[group] = [n, item.out_bytes]
         else:
             totals[0] += n
             totals[1] += item.out_bytes
@@ -304,8 +301,7 @@ class Batcher:
         # fills the group (a full batch may go to another worker of a busy GPU), or when its lane is a GPU's CUDA
         # shared memory with no batch running there. A request through host memory that does not fill its group
         # cannot: room there opens only when a batch ends (_left_worker).
-        if self._executing and self._finished is not None and (
-                lane is not None or totals[0] >= limits.max_batch_size or totals[1] >= limits.max_batch_bytes) \
+        if self._executing and self._finished is not None and (lane is not None or self._group_full(group)) \
                 and self._has_room(group):
             self._finished.set()
         if not self._depth_due and self.metrics is not None:  # the gauge follows within one loop iteration:
