@@ -143,9 +143,9 @@ struct Forced {
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
                     int64_t force_round) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 6,
+  TORCH_CHECK(force_path >= -1 && force_path <= 7,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
-              "(sparse), 4 (gemm), 5 (tiled narrow) or 6 (shuffle), got ",
+              "(sparse), 4 (gemm), 5 (tiled narrow), 6 (shuffle) or 7 (fold), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
@@ -416,6 +416,27 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   const bool w_cl = channels_last(weight);
   c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
+  // An x, in either layout, that the fold kernel reads as it is (few channels, a stride of 8 or more on the
+  // columns): it writes y in x's layout (NCHW into `out`) and reads the weights in either layout, so nothing
+  // changes layout and nothing is packed.
+  if (x_cl || x.is_contiguous()) {
+    deconv::ConvTranspose2dParams q = p;
+    q.x_channels_last = x_cl;
+    q.y_channels_last = x_cl && !has_out;
+    q.w_channels_last = w_cl;
+    q.x = x.data_ptr();
+    q.w = weight.data_ptr();
+    const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
+    if (plan.path == deconv::KernelPath::kFold) {
+      p = q;
+      p.x = p.w = nullptr;
+      c.plan = plan;
+      c.x_as_is = true;
+      c.y_cl = q.y_channels_last;
+      c.w_as_is = w_cl || weight.is_contiguous();  // else an NCHW copy (w_channels_last is false then)
+      return c;
+    }
+  }
   // An NCHW x the shuffle kernel reads as it is (layers whose kernel is their stride, 16-bit): it writes an NCHW y,
   // so nothing changes layout; it packs the weights from either layout.
   if (!x_cl && x.is_contiguous()) {
@@ -1348,8 +1369,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   parameter_type = reinterpret_cast<PyTypeObject*>(py::module_::import("torch.nn").attr("Parameter").ptr());
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
-        "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel. "
-        "force_path: -1 chooses, 0-5 ask for that kernel; 1-5 fall back to the choice of -1 when not eligible. "
+        "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel, 6 = shuffle kernel, 7 = fold kernel. "
+        "force_path: -1 chooses, 0-7 ask for that kernel; 1-7 fall back to the choice of -1 when not eligible. "
         "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's. "
         "force_staged: -1 chooses, 1 has the gemm kernel write an NCHW output channels-last into scratch and "
         "convert it, 0 write it straight. "

@@ -213,12 +213,13 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
   return (p.C_in / p.groups >= 128 && cout_g >= 64) || (p.H_in == 1 && p.W_in == 1 && cout_g >= 64);
 }
 
-// force_path 0 runs the SIMT kernel; 1, 2, 3, 4, 5 and 6 run the tensor-core, narrow, sparse, gemm, tiled narrow
-// and shuffle kernels when eligible, else what -1 chooses: the shuffle kernel when eligible and preferred (it takes
-// the NCHW tensors the others would convert), then the tiled narrow kernel when eligible and preferred, then the
-// narrow kernel when eligible, then the sparse kernel when preferred (none of these when force_config asks for the
-// tensor cores), then the gemm kernel when eligible and preferred, then the tensor cores when eligible, then the
-// SIMT kernel. Only force_path -1 or 6 runs the shuffle kernel: a forced family is timed as it runs on its own.
+// force_path 0 runs the SIMT kernel; 1, 2, 3, 4, 5, 6 and 7 run the tensor-core, narrow, sparse, gemm, tiled
+// narrow, shuffle and fold kernels when eligible, else what -1 chooses: the shuffle kernel when eligible and
+// preferred (it takes the NCHW tensors the others would convert), then the fold kernel when preferred (either
+// layout as it is), then the tiled narrow kernel when eligible and preferred, then the narrow kernel when eligible,
+// then the sparse kernel when preferred (none of these when force_config asks for the tensor cores), then the gemm
+// kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT kernel. Only force_path -1
+// or 6 runs the shuffle kernel, and -1 or 7 the fold kernel: a forced family is timed as it runs on its own.
 KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
@@ -230,6 +231,8 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 3 && sparse_eligible(p)) return {KernelPath::kSparse, -1};
   if (p.force_path == 5 && narrow_tiled_eligible(p)) return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
   if (p.force_path == 6 && shuffle_eligible(p)) return {KernelPath::kShuffle, -1};
+  if (p.force_path == 7 && fold_eligible(p)) return {KernelPath::kFold, -1};
+  if (p.force_path < 0 && p.force_config < 0 && fold_preferred(p)) return {KernelPath::kFold, -1};
   if (p.force_path < 0 && p.force_config < 0 && shuffle_eligible(p) && shuffle_preferred(p))
     return {KernelPath::kShuffle, -1};
   if (p.force_config < 0 && narrow_tiled_eligible(p) && narrow_tiled_preferred(p))
@@ -268,6 +271,7 @@ cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPl
 }
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& c, cudaStream_t stream) {
+  if (c.path == KernelPath::kFold) return launch_fold(p, stream);  // either layout
   if ((c.path == KernelPath::kGemm) != p.x_channels_last || p.y_channels_last && c.path != KernelPath::kGemm)
     return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)
   if (c.path == KernelPath::kGemm) return launch_gemm(p, c.config, stream);

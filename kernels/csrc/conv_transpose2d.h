@@ -40,7 +40,8 @@ struct ConvTranspose2dParams {
   // conv_transpose2d_packing says), or nullptr: the tensor-core kernels then pack them into the workspace first.
   const void* packed_weights;
   // Memory layouts: x is channels-last ([N, H_in, W_in, C_in] in memory) rather than NCHW, and so is y. Only the
-  // gemm path reads a channels-last x (it needs one) and writes a channels-last y; the binding converts for the rest.
+  // gemm path (which needs a channels-last x) and the fold kernel (either layout, as it is) read a channels-last x
+  // and write a channels-last y; the binding converts for the rest.
   bool x_channels_last;
   bool y_channels_last;
   // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm path takes such weights (it reads
@@ -54,7 +55,7 @@ struct ConvTranspose2dParams {
   // the gemm path's channels-last copy (convert_layout), and the gemm kernel then skips its own rounding of each
   // landed A stage. Rounding is idempotent: a kernel that rounds anyway gives the same numbers.
   bool x_tf32_rounded;
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle. A forced path that is not
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle; 7: fold. A forced path that is not
   // eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
@@ -73,7 +74,8 @@ enum class KernelPath : int {
   kSparse = 3,
   kGemm = 4,
   kNarrowTiled = 5,
-  kShuffle = 6
+  kShuffle = 6,
+  kFold = 7
 };
 
 // The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
@@ -193,6 +195,17 @@ WeightPacking shuffle_packing(const ConvTranspose2dParams& p);  // [C_out][kH][k
 size_t shuffle_workspace_bytes(const ConvTranspose2dParams& p);
 cudaError_t shuffle_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 cudaError_t launch_shuffle(const ConvTranspose2dParams& p, cudaStream_t stream);
+
+// Fold kernel (conv_transpose2d_fold.cu): layers with few channels and a stride of 8 or more on the columns (FCN's
+// score up-samplers): a row phase's GEMM with the stride's column phases folded into its columns (N = C_out
+// stride_w, K = the taps a phase has times C_in) on mma.sync TF32, stores straight from the accumulators. fp32 with
+// TF32 products, bf16 and fp16 (products exact, fp32 sums); x, w and y in either layout as they are, no packing.
+// Eligible on sm_80 and newer with one group, dilation 1, stride_w a multiple of 8, strides at most 64 and a row
+// phase's weights for up to 176 columns and a tile's input patch in 110 KiB of shared memory; preferred where
+// eligible.
+bool fold_eligible(const ConvTranspose2dParams& p);
+bool fold_preferred(const ConvTranspose2dParams& p);
+cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
 // else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits, or with round_tf32 (4-byte elements

@@ -1,0 +1,175 @@
+"""GPU correctness of the fold kernel (kernels/csrc/conv_transpose2d_fold.cu) against float64: layers with few
+channels and a column stride of 8 or more (FCN's score up-samplers), TF32 / bfloat16 / float16, x, w and y in either
+layout as they are.
+
+Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py. The parameters that change its
+indexing: input channels that leave a partial k8 step (21) or several steps a tap (40), kernels that are not a
+multiple of the stride (phases with fewer taps, a stride larger than the kernel on an axis), unequal strides (1, 4,
+8, 16, 32), padding and output padding that crop or extend the output (cropped first and last columns b), columns
+C_out s_w in one chunk, two chunks or one n8 tile, images and rows enough for many tiles a block (the weights
+loaded again at a row phase's change), tiles wholly inside y (unchecked pair stores) beside cropped ones, odd widths,
+odd padding and an output one element into its storage (element stores instead of pairs); x and the weights in both
+layouts, `out` or a new output, bias or none. Then the default choice, its fallbacks, and the kernels a steady call
+launches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.internal import forward_cuda, normalize_args, output_size
+from tests.kernels.test_cuda import MODES, reference
+from tests.numerics import rel_err
+
+pytestmark = pytest.mark.cuda
+
+needs_sm80 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                                reason="the fold kernel runs on sm_80 and newer")
+
+# k and s: kernel and stride, an int or (h, w); p: padding; op: output padding.
+PROBLEMS = {
+    "fcn8s": dict(n=2, c_in=21, c_out=21, h=9, w=10, k=16, s=8),                   # 4 taps, 21 n8 tiles
+    "fcn8s_many": dict(n=3, c_in=21, c_out=21, h=48, w=40, k=16, s=8, bias=False),  # 576 tiles: 2-3 a block
+    "fcn16s": dict(n=1, c_in=21, c_out=21, h=7, w=6, k=32, s=16),                  # 42 n8 tiles: two chunks
+    "fcn32s": dict(n=2, c_in=5, c_out=5, h=4, w=3, k=64, s=32),                    # 20 n8 tiles
+    "crop": dict(n=2, c_in=21, c_out=21, h=8, w=8, k=16, s=8, p=4),                # cropped first and last b
+    "crop_asym": dict(n=1, c_in=12, c_out=7, h=6, w=9, k=16, s=8, p=(3, 5), op=(2, 7)),
+    "partial_taps": dict(n=2, c_in=16, c_out=10, h=5, w=7, k=(12, 20), s=8),       # 2 x 3 taps, some phases fewer
+    "stride_gt_kernel": dict(n=2, c_in=8, c_out=6, h=5, w=6, k=(3, 6), s=(4, 8)),  # phases with no tap
+    "rows_s1": dict(n=2, c_in=9, c_out=4, h=6, w=5, k=(3, 8), s=(1, 8), p=(1, 0)),  # 3 vertical taps
+    "rows_s4": dict(n=2, c_in=24, c_out=8, h=7, w=6, k=(8, 16), s=(4, 8)),
+    "deep": dict(n=1, c_in=40, c_out=8, h=6, w=6, k=16, s=8),                      # 5 k8 steps a tap
+    "one_channel": dict(n=3, c_in=1, c_out=1, h=5, w=11, k=16, s=8),               # one n8 tile
+    "odd_width": dict(n=2, c_in=7, c_out=3, h=4, w=5, k=9, s=8, p=(0, 1), op=(0, 3)),  # odd W_out: element stores
+    # Tiles whose every row and column lands in y: unchecked pair stores where every pair starts at an even element
+    # (fcn8s_many too), element stores where odd offsets occur (an odd width, an odd padding).
+    "inside_pad": dict(n=2, c_in=21, c_out=21, h=40, w=24, k=16, s=8, p=4),       # W_out 320
+    "inside_odd_width": dict(n=1, c_in=5, c_out=3, h=36, w=20, k=17, s=8),        # W_out 169
+    "inside_odd_pad": dict(n=1, c_in=6, c_out=4, h=36, w=20, k=16, s=8, p=3),     # W_out 162, pad_w 3
+}
+
+
+def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nchw", new_output: bool = False,
+        out_offset: int = 0, seed: int = 0, force: bool = True) -> tuple[float, float, str, torch.Tensor]:
+    """Run one problem into a poisoned NCHW ``out`` (``out_offset`` elements into its storage, between poisoned
+    margins that must stay so) or a new output over poisoned memory. Returns (rel_err, tol, path, y)."""
+    p = dict(problem)
+    n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
+    kh, kw = (p["k"], p["k"]) if isinstance(p["k"], int) else p["k"]
+    args = normalize_args(p["s"], p.get("p", 0), p.get("op", 0), 1, 1)
+    dtype, precision, tol = MODES[mode]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, c_in, h, w, device="cuda", generator=g).to(dtype)
+    wt = torch.randn(c_in, c_out, kh, kw, device="cuda", generator=g).to(dtype)
+    b = torch.randn(c_out, device="cuda", generator=g).to(dtype) if p.get("bias", True) else None
+    if x_layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+    if w_layout == "cl":
+        wt = wt.contiguous(memory_format=torch.channels_last)
+    ho = output_size(h, kh, args.stride[0], args.padding[0], args.output_padding[0], 1)
+    wo = output_size(w, kw, args.stride[1], args.padding[1], args.output_padding[1], 1)
+    out = None
+    size, margin = n * c_out * ho * wo, 4096
+    if new_output:
+        torch.full((4 * size,), float("nan"), device="cuda", dtype=dtype)
+    else:  # `out` inside a poisoned buffer whose margins must stay poisoned: no write outside y
+        buffer = torch.full((margin + out_offset + size + margin,), float("nan"), device="cuda", dtype=dtype)
+        out = buffer[margin + out_offset:margin + out_offset + size].view(n, c_out, ho, wo)
+    y, path = forward_cuda(x, wt, b, args, precision or "fp32", out=out,
+                           **(dict(force_path="fold") if force else {}))
+    if out is not None:
+        assert buffer[:margin + out_offset].isnan().all()
+        assert buffer[margin + out_offset + size:].isnan().all()
+    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding)
+    assert y.shape == ref.shape
+    return rel_err(y, ref), tol, path, y
+
+
+@needs_sm80
+@pytest.mark.parametrize("new_output", [False, True])
+@pytest.mark.parametrize("w_layout", ["nchw", "cl"])
+@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_fold_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
+    err, tol, path, y = run(PROBLEMS[problem], mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output)
+    assert path == "fold"
+    assert not torch.isnan(y).any()
+    # y in x's layout, as PyTorch returns it (an `out` is NCHW).
+    cl = x_layout == "cl" and new_output and y.shape[1] > 1
+    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    assert err <= tol, f"{problem}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm80
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", ["fcn8s", "crop_asym", "odd_width", "one_channel", "inside_pad"])
+def test_fold_stores_elements_into_an_output_one_element_into_its_storage(problem: str, mode: str) -> None:
+    err, tol, path, y = run(PROBLEMS[problem], mode, out_offset=1)
+    assert path == "fold"
+    assert not torch.isnan(y).any()
+    assert err <= tol, f"{problem}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm80
+@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", ["fcn8s", "fcn16s", "crop", "partial_taps"])
+def test_fold_is_the_default_for_its_layers(problem: str, mode: str, x_layout: str) -> None:
+    err, tol, path, _ = run(PROBLEMS[problem], mode, x_layout=x_layout, new_output=True, force=False)
+    assert path == "fold"
+    assert err <= tol
+
+
+def _default_path(x: torch.Tensor, w: torch.Tensor, precision: str = "tf32", **kw: object) -> str:
+    args = normalize_args(kw.get("stride", 8), kw.get("padding", 0), kw.get("output_padding", 0),
+                          kw.get("groups", 1), kw.get("dilation", 1))
+    y, path = forward_cuda(x, w, None, args, precision)
+    ref = reference(x, w, None, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=args.groups, dilation=args.dilation)
+    assert rel_err(y, ref) <= MODES[precision if x.dtype == torch.float32 else "bf16"][2]
+    return path
+
+
+@needs_sm80
+def test_fold_fallbacks() -> None:
+    x = torch.randn(2, 21, 8, 8, device="cuda")
+    w = torch.randn(21, 21, 16, 16, device="cuda")
+    assert _default_path(x, w) == "fold"
+    # Exact fp32 and float64: not this kernel's products.
+    assert _default_path(x, w, "fp32") != "fold"
+    assert _default_path(x.double(), w.double(), "fp32") != "fold"
+    # A column stride that is not a multiple of 8, groups, dilation.
+    assert _default_path(x, w[:, :, :8, :8].contiguous(), stride=4) != "fold"
+    assert _default_path(x[:, :20], w[:20, :10].contiguous(), groups=2) != "fold"
+    assert _default_path(x, w[:, :, :8, :8].contiguous(), dilation=2) != "fold"
+    # Too many channels for a row phase's weights in shared memory: 256 x 4 taps of K.
+    assert _default_path(torch.randn(1, 256, 4, 4, device="cuda"), torch.randn(256, 21, 16, 16, device="cuda")) \
+        != "fold"
+
+
+@needs_sm80
+@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steady_call_launches_only_the_fold_kernel(dtype: torch.dtype, x_layout: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 21, 34, 34, device="cuda").to(dtype)
+    if x_layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(21, 21, 16, 16, device="cuda").to(dtype)
+    b = torch.randn(21, device="cuda").to(dtype)
+    precision = "tf32" if dtype == torch.float32 else "fp32"
+    with torch.no_grad():
+        y = kernels.conv_transpose2d(x, w, b, 8, precision=precision)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = kernels.conv_transpose2d(x, w, b, 8, precision=precision)
+            torch.cuda.synchronize()
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(launched) == 1, launched
+    assert "conv_transpose2d_fold_kernel" in launched[0], launched
+    assert y.is_contiguous(memory_format=torch.channels_last if x_layout == "cl" else torch.contiguous_format)
+    assert rel_err(y, reference(x, w, b, stride=8)) <= MODES["tf32" if dtype == torch.float32 else "bf16"][2]
