@@ -24,6 +24,9 @@ document at the end; bench/NOTES.md says which version used which.
   are, one kernel) against the gemm kernel (x changed to channels-last first, y stored NCHW), both with the weights
   packed once, the library call's default choice, and cuDNN in both layouts; warm (back to back) and cold (L2
   flushed) microseconds. The zoo's layers of that kind and a few others from real models (``SHUFFLE_LAYERS``).
+- ``fold``: layers with a column stride of 8 or more, NCHW inputs, TF32 and BF16: the fold kernel forced, every other
+  family forced (the fastest that ran kept), the library call's default choice, and cuDNN in both layouts; warm and
+  cold microseconds. The zoo's fcn8s-up8 and layers from real models outside the zoo (``FOLD_LAYERS``).
 
     python -m bench.kernels.probes staging [--only NAME ...] [--out FILE]
 """
@@ -340,6 +343,12 @@ def shuffle_problems() -> list[dict]:
     return mine
 
 
+def _layer_row(p: dict, precision: str) -> dict[str, Any]:
+    """A probe row's head: the problem's name, the precision, the input's shape and the output channels."""
+    return {"name": p["name"], "precision": precision, "shape": [p["batch"], p["in_channels"], p["height"],
+            p["width"]], "out_channels": p["out_channels"]}
+
+
 def shuffle(problems: Sequence[dict]) -> list[dict]:
     cold = ColdTimer()
     rows = []
@@ -349,8 +358,7 @@ def shuffle(problems: Sequence[dict]) -> list[dict]:
             args = _args(p)
             kw = conv_kwargs(p)
             packs = WeightPacks(w)
-            row: dict[str, Any] = {"name": p["name"], "precision": precision, "shape": [p["batch"], p["in_channels"],
-                                   p["height"], p["width"]], "out_channels": p["out_channels"]}
+            row = _layer_row(p, precision)
             xcl, wcl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
             calls = {"shuffle": partial(forward_cuda, x, w, b, args, "fp32", force_path="shuffle", packs=packs),
                      "gemm": partial(forward_cuda, x, w, b, args, "fp32", force_path="gemm", packs=packs),
@@ -376,10 +384,80 @@ def shuffle(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+# Real layers in the fold kernel's domain (a column stride of 8 or more, few channels) beside the zoo's fcn8s-up8:
+# (name, batch, C_in, C_out, kernel, stride, padding, H, W).
+FOLD_LAYERS = (
+    ("fcn8s-up8-b1", 1, 21, 21, 16, 8, 0, 68, 68),          # FCN-8s' upscore8 for one 500 x 500 image
+    ("fcn16s-up16", 4, 21, 21, 32, 16, 0, 36, 36),          # FCN-16s' upscore16
+    ("fcn32s-up32", 4, 21, 21, 64, 32, 0, 18, 18),          # FCN-32s' upscore32
+    ("cityscapes-up8", 2, 19, 19, 16, 8, 4, 64, 128),       # 19 classes at 1/8 of 512 x 1024, cropped by padding
+    ("mask-up8", 16, 1, 1, 16, 8, 4, 28, 28),               # a one-channel mask up-sampler
+    ("feat-up8", 4, 32, 16, 16, 8, 4, 32, 32),              # 32 feature channels to 16
+    ("ade-up8", 2, 150, 150, 16, 8, 4, 32, 32),             # ADE20K's 150 classes: too many for the fold kernel
+)
+FOLD_OTHERS = ("gemm", "tensor_core", "narrow_tiled", "narrow", "sparse")
+
+
+def fold_problems() -> list[dict]:
+    """The zoo's and KernelBench's layers with a column stride of 8 or more, and ``FOLD_LAYERS``."""
+    mine = [p for p in zoo_problems() + kernelbench_problems() if p["stride"][1] >= 8]
+    for name, n, c_in, c_out, k, st, pad, h, w in FOLD_LAYERS:
+        mine.append(spec(name, "other", n, c_in, c_out, [k, k], [st, st], [pad, pad], [0, 0], 1, [1, 1], h, w, False))
+    return mine
+
+
+def fold(problems: Sequence[dict]) -> list[dict]:
+    """The fold kernel forced, every other family forced (each call says which ran: a family that cannot take the
+    layer runs the rule's next family), the dispatcher's rule's pick (``rule_ran``), the library call (measured
+    choice; ``default_*``), and cuDNN in both layouts; NCHW inputs, TF32 and BF16, warm and cold microseconds."""
+    cold = ColdTimer()
+    rows = []
+    for p in problems:
+        for precision, dtype in (("tf32", torch.float32), ("bf16", torch.bfloat16)):
+            x, w, b = zoo.inputs(p, dtype)
+            args = _args(p)
+            kw = conv_kwargs(p)
+            mode = "tf32" if dtype == torch.float32 else "fp32"
+            row = {**_layer_row(p, precision), "kernel": p["kernel_size"], "stride": p["stride"]}
+            xcl, wcl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+            with torch.no_grad():
+                row["rule_ran"] = forward_cuda(x, w, b, args, mode)[1]  # the dispatcher's rule, unmeasured
+                row["fold_ran"] = forward_cuda(x, w, b, args, mode, force_path="fold")[1]
+                if row["fold_ran"] == "fold":
+                    fn = partial(forward_cuda, x, w, b, args, mode, force_path="fold")
+                    row["fold_warm_us"], row["fold_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
+                others = {}
+                for family in FOLD_OTHERS:
+                    ran = forward_cuda(x, w, b, args, mode, force_path=family)[1]
+                    if ran in others or ran == "fold":
+                        continue
+                    fn = partial(forward_cuda, x, w, b, args, mode, force_path=family)
+                    others[ran] = (round(warm_us(fn), 2), round(cold(fn), 2))
+                row["others_us"] = others  # family that ran: (warm, cold)
+                best = min(others, key=lambda k: others[k][1])
+                row["best_other"], row["best_other_warm_us"], row["best_other_cold_us"] = best, *others[best]
+                fn = partial(kernels.conv_transpose2d, x, w, b, precision=mode, **kw)
+                row["default_warm_us"], row["default_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
+                for name, fn in (("cudnn_nchw", partial(F.conv_transpose2d, x, w, b, **kw)),
+                                 ("cudnn_cl", partial(F.conv_transpose2d, xcl, wcl, b, **kw))):
+                    row[f"{name}_warm_us"] = round(cudnn_benchmark(warm_us, fn), 2)
+                    row[f"{name}_cold_us"] = round(cudnn_benchmark(cold, fn), 2)
+            best_cudnn = min(row["cudnn_nchw_cold_us"], row["cudnn_cl_cold_us"])
+            row["default_vs_cudnn_cold"] = round(best_cudnn / row["default_cold_us"], 3)
+            if "fold_cold_us" in row:
+                row["fold_vs_cudnn_cold"] = round(best_cudnn / row["fold_cold_us"], 3)
+                row["fold_vs_best_other_cold"] = round(row["best_other_cold_us"] / row["fold_cold_us"], 3)
+            rows.append(row)
+            print("fold", json.dumps(row), flush=True)
+            del x, w, b, xcl, wcl
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding",
-                                      "shuffle"))
+                                      "shuffle", "fold"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -388,6 +466,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         chosen = [p for p in kernelbench_problems() if not a.only or p["name"] in a.only]
     elif a.probe == "shuffle":
         chosen = [p for p in shuffle_problems() if not a.only or p["name"] in a.only]
+    elif a.probe == "fold":
+        chosen = [p for p in fold_problems() if not a.only or p["name"] in a.only]
     elif a.only:
         chosen = [p for p in every if p["name"] in a.only]
     elif a.probe == "kernels":  # small layers whose library call took much longer than the served call
@@ -399,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow, "rounding": rounding, "shuffle": shuffle}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:
