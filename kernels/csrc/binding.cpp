@@ -416,9 +416,10 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   const bool w_cl = channels_last(weight);
   c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
-  // An x, in either layout, that the fold kernel reads as it is (few channels, a stride of 8 or more on the
-  // columns): it writes y in x's layout (NCHW into `out`) and reads the weights in either layout, so nothing
-  // changes layout and nothing is packed.
+  // Families that read x as it is, so that nothing changes layout: the fold kernel (either layout; few channels, a
+  // stride of 8 or more on the columns), which writes y in x's layout (NCHW into `out`) and reads the weights in
+  // either layout unpacked, and the shuffle kernel (an NCHW x; 16-bit layers whose kernel is their stride), which
+  // writes an NCHW y and packs the weights from either layout.
   if (x_cl || x.is_contiguous()) {
     deconv::ConvTranspose2dParams q = p;
     q.x_channels_last = x_cl;
@@ -427,30 +428,12 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
     q.x = x.data_ptr();
     q.w = weight.data_ptr();
     const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
-    if (plan.path == deconv::KernelPath::kFold) {
+    if (plan.path == deconv::KernelPath::kFold || plan.path == deconv::KernelPath::kShuffle) {
       p = q;
       p.x = p.w = nullptr;
       c.plan = plan;
       c.x_as_is = true;
       c.y_cl = q.y_channels_last;
-      c.w_as_is = w_cl || weight.is_contiguous();  // else an NCHW copy (w_channels_last is false then)
-      return c;
-    }
-  }
-  // An NCHW x the shuffle kernel reads as it is (layers whose kernel is their stride, 16-bit): it writes an NCHW y,
-  // so nothing changes layout; it packs the weights from either layout.
-  if (!x_cl && x.is_contiguous()) {
-    deconv::ConvTranspose2dParams q = p;
-    q.x_channels_last = q.y_channels_last = false;
-    q.w_channels_last = w_cl;
-    q.x = x.data_ptr();
-    q.w = weight.data_ptr();
-    const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
-    if (plan.path == deconv::KernelPath::kShuffle) {
-      p = q;
-      p.x = p.w = nullptr;
-      c.plan = plan;
-      c.x_as_is = true;
       c.w_as_is = w_cl || weight.is_contiguous();  // else an NCHW copy (w_channels_last is false then)
       return c;
     }

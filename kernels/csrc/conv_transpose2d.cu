@@ -214,9 +214,9 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
 }
 
 // force_path 0 runs the SIMT kernel; 1, 2, 3, 4, 5, 6 and 7 run the tensor-core, narrow, sparse, gemm, tiled
-// narrow, shuffle and fold kernels when eligible, else what -1 chooses: the shuffle kernel when eligible and
-// preferred (it takes the NCHW tensors the others would convert), then the fold kernel when preferred (either
-// layout as it is), then the tiled narrow kernel when eligible and preferred, then the narrow kernel when eligible,
+// narrow, shuffle and fold kernels when eligible, else what -1 chooses: the fold kernel when preferred (either layout
+// as it is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors the others would
+// convert), then the tiled narrow kernel when eligible and preferred, then the narrow kernel when eligible,
 // then the sparse kernel when preferred (none of these when force_config asks for the tensor cores), then the gemm
 // kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT kernel. Only force_path -1
 // or 6 runs the shuffle kernel, and -1 or 7 the fold kernel: a forced family is timed as it runs on its own.

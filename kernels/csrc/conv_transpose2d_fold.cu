@@ -23,10 +23,10 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "gemm.cuh"
 #include "halo.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
@@ -91,9 +91,6 @@ struct FoldArgs {
   FoldDiv by_cols, by_cip, by_tw, by_inner, by_plane, by_pc, by_cin;
 };
 
-// Floor division for a positive divisor.
-__host__ __device__ inline int fold_floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-
 // Shared-memory words a channel plane of the patch takes: at least `words`, and 8 more than a multiple of 32, so
 // that the four channel planes a quad of lanes reads fall in disjoint 8-bank groups.
 __host__ __device__ inline int conflict_free(int words) { return words + ((8 - words % 32) + 32) % 32; }
@@ -102,18 +99,6 @@ template <typename T>
 __device__ __forceinline__ uint32_t tf32_word(T v, bool round) {
   const float f = to_acc(v);
   return round ? tc::to_tf32(f) : __float_as_uint(f);
-}
-
-// Two neighbouring outputs stored as one vector (their addresses adjacent and the first aligned for it).
-template <typename T>
-__device__ __forceinline__ void fold_store_pair(T* y, int64_t at, float v0, float v1) {
-  if constexpr (sizeof(T) == 4) {
-    *reinterpret_cast<float2*>(y + at) = make_float2(v0, v1);
-  } else if constexpr (std::is_same_v<T, __half>) {
-    *reinterpret_cast<__half2*>(y + at) = __floats2half2_rn(v0, v1);
-  } else {
-    *reinterpret_cast<__nv_bfloat162*>(y + at) = __floats2bfloat162_rn(v0, v1);
-  }
 }
 
 // Copies `total` elements of src into shared memory as TF32 words, 8 (kBatch) a thread at a time, every load of a
@@ -237,12 +222,7 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
     __syncthreads();
 
     float acc[kFoldTilesM][kFoldWarpTilesN][4];
-#pragma unroll
-    for (int i = 0; i < kFoldTilesM; ++i)
-#pragma unroll
-      for (int j = 0; j < kFoldWarpTilesN; ++j)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+    tc::zero_tile(acc);
     for (int s = 0; s < g.ksteps; ++s) {
       const int ko = koff[s];
       uint32_t a[kFoldTilesM][4];
@@ -287,7 +267,7 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
             if (nt < ntc) {
               const int nl = nt * 8 + 2 * tq;
               const float2 bv = *reinterpret_cast<const float2*>(col_bias + nl);
-              fold_store_pair<T>(row, col_at[nl], acc[i][j][2 * rr] + bv.x, acc[i][j][2 * rr + 1] + bv.y);
+              store_pair(row + col_at[nl], acc[i][j][2 * rr] + bv.x, acc[i][j][2 * rr + 1] + bv.y);
             }
           }
         }
@@ -318,7 +298,7 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
           T* row = y + row_at;
           const float v0 = acc[i][j][2 * rr] + bv[0], v1 = acc[i][j][2 * rr + 1] + bv[1];
           if (pair && (row_at + col[0]) % 2 == 0) {
-            fold_store_pair<T>(row, col[0], v0, v1);
+            store_pair(row + col[0], v0, v1);
           } else {
             if (col[0] >= 0) row[col[0]] = from_acc<T>(v0);
             if (col[1] >= 0) row[col[1]] = from_acc<T>(v1);
@@ -350,8 +330,8 @@ FoldArgs fold_geometry(const ConvTranspose2dParams& p) {
     if (rows > a_rows) a_rows = static_cast<int>(rows);
   }
   g.a_blocks = static_cast<int>(tc::div_up(a_rows, kFoldTileA));
-  g.b_first = fold_floor_div(static_cast<int>(p.pad_w - p.stride_w + 1), static_cast<int>(p.stride_w));
-  const int b_last = fold_floor_div(static_cast<int>(p.W_out - 1 + p.pad_w), static_cast<int>(p.stride_w));
+  g.b_first = floor_div(static_cast<int>(p.pad_w - p.stride_w + 1), static_cast<int>(p.stride_w));
+  const int b_last = floor_div(static_cast<int>(p.W_out - 1 + p.pad_w), static_cast<int>(p.stride_w));
   g.b_blocks = static_cast<int>(tc::div_up(b_last - g.b_first + 1, kFoldTileB));
   g.tiles = static_cast<int64_t>(chunks) * p.stride_h * p.N * g.a_blocks * g.b_blocks;
   return g;

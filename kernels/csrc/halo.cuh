@@ -99,7 +99,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__host__ __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 // Copies one stage's patch with 16-byte cp.async (zero-filled outside x and past the group's channels): KC
 // channels x ph rows x nvec vectors, threads [0, nthreads) of the copy taking v = (channel quad * ph + row) * nvec
