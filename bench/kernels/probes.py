@@ -392,6 +392,7 @@ FOLD_LAYERS = (
     ("fcn32s-up32", 4, 21, 21, 64, 32, 0, 18, 18),          # FCN-32s' upscore32
     ("cityscapes-up8", 2, 19, 19, 16, 8, 4, 64, 128),       # 19 classes at 1/8 of 512 x 1024, cropped by padding
     ("mask-up8", 16, 1, 1, 16, 8, 4, 28, 28),               # a one-channel mask up-sampler
+    ("feat24-up8", 4, 24, 16, 16, 8, 4, 32, 32),            # 24 feature channels to 16: the rule's edge
     ("feat-up8", 4, 32, 16, 16, 8, 4, 32, 32),              # 32 feature channels to 16
     ("ade-up8", 2, 150, 150, 16, 8, 4, 32, 32),             # ADE20K's 150 classes: too many for the fold kernel
 )

@@ -202,7 +202,7 @@ cudaError_t launch_shuffle(const ConvTranspose2dParams& p, cudaStream_t stream);
 // TF32 products, bf16 and fp16 (products exact, fp32 sums); x, w and y in either layout as they are, no packing.
 // Eligible on sm_80 and newer with one group, dilation 1, stride_w a multiple of 8, strides at most 64 and a row
 // phase's weights for up to 176 columns and a tile's input patch in 110 KiB of shared memory; preferred where
-// eligible.
+// eligible with at most 24 input channels, unless the tiled narrow kernel is preferred.
 bool fold_eligible(const ConvTranspose2dParams& p);
 bool fold_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream);

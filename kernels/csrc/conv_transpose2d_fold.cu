@@ -370,9 +370,18 @@ bool fold_eligible(const ConvTranspose2dParams& p) {
   return smem <= kFoldSmemLimit && smem <= max_dynamic_smem();
 }
 
-// Preferred where eligible: its layers have few channels (their taps and channels fit the block's shared memory)
-// and a stride of 8 or more, where the phase GEMMs of the other kernels leave most of a tile's columns idle.
-bool fold_preferred(const ConvTranspose2dParams& p) { return fold_eligible(p); }
+// Preferred where eligible for at most kFoldMaxPreferredCin input channels, unless the tiled narrow kernel is
+// preferred (at most 8 output channels over many pixels). The class-map up-samplers of FCN (19-21 channels, strides
+// 8-32) run 1.06-3.19x faster here than on any other kernel of ours, where the phase GEMMs leave most of a tile's
+// columns idle; but a one-channel mask up-sampler runs 1.7-2.4x faster on the tiled narrow kernel, and with 32 input
+// channels the gemm kernel is 1.02-1.13x faster (bench/NOTES.md v32, `probes fold`).
+constexpr int64_t kFoldMaxPreferredCin = 24;
+
+bool fold_preferred(const ConvTranspose2dParams& p) {
+  if (p.C_in > kFoldMaxPreferredCin) return false;
+  if (narrow_tiled_eligible(p) && narrow_tiled_preferred(p)) return false;
+  return fold_eligible(p);
+}
 
 cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream) {
   if (!fold_eligible(p)) return cudaErrorInvalidValue;

@@ -148,6 +148,15 @@ def test_fold_fallbacks() -> None:
     # Too many channels for a row phase's weights in shared memory: 256 x 4 taps of K.
     assert _default_path(torch.randn(1, 256, 4, 4, device="cuda"), torch.randn(256, 21, 16, 16, device="cuda")) \
         != "fold"
+    # Eligible, but not preferred: 32 input channels (the gemm kernel's tiles fill), and a one-channel mask over
+    # enough output pixels for the tiled narrow kernel.
+    assert _default_path(torch.randn(2, 32, 8, 8, device="cuda"), torch.randn(32, 16, 16, 16, device="cuda")) \
+        != "fold"
+    assert _default_path(torch.randn(16, 1, 28, 28, device="cuda"), torch.randn(1, 1, 16, 16, device="cuda"),
+                         padding=4) == "narrow_tiled"
+    # Still the default at the rule's edge: 24 input channels.
+    assert _default_path(torch.randn(2, 24, 8, 8, device="cuda"), torch.randn(24, 16, 16, 16, device="cuda")) \
+        == "fold"
 
 
 @needs_sm80
