@@ -18,8 +18,8 @@ document at the end; bench/NOTES.md says which version used which.
   channels-last inputs, every precision.
 - ``rounding``: the gemm kernel's TF32 products with x rounded to TF32 before the kernel (``force_round``: an NCHW
   x by its layout change, a channels-last one by a pass of its own) against the kernel rounding each landed A stage
-  in shared memory, whole calls, both input layouts, every wgmma configuration; the default choice and cuDNN's best
-  layout beside them.
+  (in its multipliers' registers since v33; at 256 columns in shared memory), whole calls, both input layouts, every
+  wgmma configuration; the default choice and cuDNN's best layout beside them.
 - ``shuffle``: layers whose kernel is their stride, 16-bit NCHW inputs: the shuffle kernel (x and y NCHW as they
   are, one kernel) against the gemm kernel (x changed to channels-last first, y stored NCHW), both with the weights
   packed once, the library call's default choice, and cuDNN in both layouts; warm (back to back) and cold (L2

@@ -135,8 +135,9 @@ Problem check_problem(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
 // measured choice times both.
 // `round` is for the gemm kernel's TF32 products: 1 has x rounded to TF32 before the kernel (an NCHW x by the layout
 // change it needs, a channels-last one by a pass of its own), so that the kernel skips rounding each landed A stage
-// in shared memory; 0 leaves the rounding to the kernel. The default (-1) rounds an NCHW x on its way in, which
-// costs nothing, and leaves a channels-last x to the kernel; measured choice times the pass too (bench/NOTES.md v22).
+// (in its multipliers' registers; at 256 columns in shared memory); 0 leaves the rounding to the kernel. The default
+// (-1) rounds an NCHW x on its way in, which costs nothing, and leaves a channels-last x to the kernel; measured
+// choice times the pass too (bench/NOTES.md v22, v33).
 struct Forced {
   int64_t path = -1, config = -1, split = -1, staged = -1, round = -1;
 };
@@ -469,9 +470,9 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   c.w_as_is = p.w_channels_last || weight.is_contiguous();
   // An fp32 x bound for the gemm kernel's TF32 products may come rounded to TF32 (Forced::round): an NCHW one by the
   // layout change it needs, a channels-last one by a pass of its own. The kernel then skips rounding every A stage
-  // in shared memory. Forced::round 2 has the kernel take x's fp32 values as they are, and the tensor cores read
-  // their TF32 part (the low mantissa bits dropped: rounding toward zero; measured less accurate than cuDNN's
-  // TF32, bench/NOTES.md: for experiments only).
+  // (in registers or shared memory). Forced::round 2 has the kernel take x's fp32 values as they are, and the tensor
+  // cores read their TF32 part (the low mantissa bits dropped: rounding toward zero; measured less accurate than
+  // cuDNN's TF32, bench/NOTES.md: for experiments only).
   const bool tf32_gemm =
       gemm && c.pitch == 0 && p.dtype == deconv::DType::kFloat32 && p.precision == deconv::Precision::kTF32;
   const bool moves = !x.is_contiguous(at::MemoryFormat::ChannelsLast);  // x needs a layout change

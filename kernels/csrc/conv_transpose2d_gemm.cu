@@ -18,9 +18,10 @@
 // 128-byte swizzle, brought by two bulk tensor copies (TMA) that one loader thread issues: the input box of the
 // stage's tap at its shifted origin (zero-filled past every border, which does the padding, the halo and the
 // channel tail) and a box of packed weights. A ring of kStages buffers with full / empty mbarriers lets the loader
-// run up to kStages stages ahead, across tile boundaries; for TF32 three loader warps round each landed A box to
-// TF32 in place before the multipliers may read it (a third barrier, ready), unless x came rounded (an NCHW x is
-// rounded by the layout change it needs anyway).
+// run up to kStages stages ahead, across tile boundaries. TF32 A must be rounded to nearest (wgmma would truncate),
+// unless x came rounded (an NCHW x is rounded by the layout change it needs anyway): the multipliers load their A
+// fragments from the landed stage, round them in registers and multiply from registers; at BN = 256 three loader
+// warps round each landed A box in place before the multipliers may read it (a third barrier, ready).
 //
 // Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K into an fp32 workspace,
 // summed by a second kernel that adds the bias and writes the output; otherwise the epilogue adds the bias and
@@ -68,10 +69,11 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
 // blocks, so that one stores its tile's output while the other multiplies the next (layers whose K is a few stages
 // spend much of their time in the epilogue). One loader thread issues a stage's two bulk tensor copies (the A box
 // of the stage's tap and channels, the B rows of its packed weights) once the multipliers have released the buffer;
-// for TF32, warps 1-3 of the loader round each landed A box to TF32 in place before the multipliers may read it. The
-// loader runs through the same tiles as the multipliers, up to kStages stages ahead across tile boundaries, so the
-// next tile's first stages land while the multipliers store the last one's output. kTransB: B is the channels-last
-// weights as they are, brought as BN / 64 boxes of 64 output channels x the stage's input channels (N-major).
+// TF32 A not rounded on its way in is rounded by the multipliers in their registers (kRegA), or at BN = 256 by warps
+// 1-3 of the loader in place before the multipliers may read it. The loader runs through the same tiles as the
+// multipliers, up to kStages stages ahead across tile boundaries, so the next tile's first stages land while the
+// multipliers store the last one's output. kTransB: B is the channels-last weights as they are, brought as BN / 64
+// boxes of 64 output channels x the stage's input channels (N-major).
 // K = k3xTF32 (exact fp32): a stage also brings the weights' residual rows (the packed plane after the TF32 parts), the
 // loader warps split each landed A box into its TF32 parts (in place) and residuals (beside it), and the multipliers
 // run A_lo x B_hi + A_hi x B_lo + A_hi x B_hi for each stage into zeroed partial sums that they add to their
@@ -91,6 +93,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   static_assert(kMW * BN / 2 * kParts <= 128, "accumulators (and partial sums): at most 128 registers a thread");
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
   constexpr bool kTF32 = KM == tc::MmaKind::kTF32;
+  // TF32: A rounded in the multipliers' registers (unless x came rounded); at BN = 256 the accumulators leave too
+  // few registers for fragments in flight (ptxas serializes the wgmma), and the loader warps round in shared memory.
+  constexpr bool kRegA = kTF32 && !kExact && BN <= 128;
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
@@ -173,10 +178,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       }
       return;
     }
-    if constexpr (kTF32) {
+    if constexpr (kTF32 && !kRegA) {
       // Warps 1-3: round each landed A box to TF32 (nearest), as the weights were when packed; wgmma would truncate.
       // Not for an x rounded on its way in: the multipliers then wait for the copies alone. Exact fp32: split each
-      // into its TF32 parts (in place) and their residuals (the next BM rows).
+      // into its TF32 parts (in place) and their residuals (the next BM rows). (Other TF32 tiles: the multipliers
+      // round A in their registers, kRegA.)
       if (!kExact && tl.a_rounded) return;
       const int rt = threadIdx.x - 32;
       for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
@@ -204,7 +210,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int row0 = kPing ? 0 : mw * (BM / 2);
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
-  uint64_t* const landed = kExact || (kTF32 && !tl.a_rounded) ? ready : full;
+  uint64_t* const landed = kExact || (kTF32 && !kRegA && !tl.a_rounded) ? ready : full;
+  // TF32 with an x not rounded on its way in: each thread loads its A fragments from the landed stage, rounds them
+  // to TF32 (nearest, as the weights were when packed; wgmma would truncate) and multiplies from registers. A stage's
+  // bytes are read once either way, and no pass rounds them in shared memory first.
+  [[maybe_unused]] const bool reg_a = kRegA && !tl.a_rounded;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   // 16-bit channels-last output in whole multiples of 4 channels, 8-byte aligned: quads of lanes store four channels
@@ -235,7 +245,48 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int i = 0; i < BN / 2; ++i) acc[b][i] = 0.f;
     [[maybe_unused]] float part[kExact ? kMW : 1][kExact ? BN / 2 : 1];  // exact fp32: one stage's sums
     int prev = -1;  // the stage whose wgmma may still run
-    for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
+    if constexpr (kRegA) {
+      if (reg_a) {
+        // A step is one k8 of a stage: each warp's fragments of its 16 rows (a0 (g, t), a1 (g + 8, t), a2 (g, t + 4),
+        // a3 (g + 8, t + 4)) by one ldmatrix a 64-row block from the swizzled rows, rounded, then one wgmma a block
+        // from registers. The fragments of kRing steps are held: a step's loads run while the steps before
+        // multiply, and a slot is written again only once the wgmma that read it are done (wait<kRing - 1> after
+        // each step; narrow tiles, whose wgmma are short, keep more steps in flight). A stage goes back to the
+        // loader once its last step is done.
+        constexpr int kRing = kMW * BN / 2 <= 64 ? 4 : 2;
+        static_assert(kKSteps % kRing == 0, "a slot is the same step of every stage");
+        uint32_t af[kRing][kMW][4];
+        const int lrow = row0 + wq * 16 + (lane & 15), lchunk = lane >> 4;  // this lane's ldmatrix row and chunk
+        for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
+          const int s = static_cast<int>(it % kStages);
+          wg::mbar_wait(&full[s], (it / kStages) & 1);
+          const uint32_t a_st = base + s * kStage;
+          const uint32_t b_addr = a_st + kAStage;
+#pragma unroll
+          for (int kk = 0; kk < kKSteps; ++kk) {
+            const int r = kk % kRing;
+#pragma unroll
+            for (int b = 0; b < kMW; ++b) {
+              ldmatrix_x4(af[r][b], a_st + swizzled(lrow + b * 64, 2 * kk + lchunk));
+#pragma unroll
+              for (int e = 0; e < 4; ++e) af[r][b][e] = tc::to_tf32(__uint_as_float(af[r][b][e]));
+            }
+            wg::fence();
+#pragma unroll
+            for (int b = 0; b < kMW; ++b) wg::wgmma_rs<BN, KM>(acc[b], af[r][b], sw128_desc(b_addr + 32 * kk));
+            wg::commit();
+            wg::wait<kRing - 1>();  // the step kRing - 1 back is done: its slot is the next one written
+            wg::pin<kMW * 4>(&af[(kk + 1) % kRing][0][0]);
+            if (kk == kRing - 2 && prev >= 0) {  // the last step of the stage before is done
+              wg::mbar_arrive(&empty[prev]);
+              prev = -1;
+            }
+          }
+          prev = s;
+        }
+      }
+    }
+    for (int k = d.k_begin; k < d.k_end && !(kRegA && reg_a); ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
       wg::mbar_wait(&landed[s], (it / kStages) & 1);
       const uint32_t a_addr = base + s * kStage + row0 * kGemmRowBytes;

@@ -28,17 +28,6 @@ namespace {
 
 constexpr int kSyncThreads = 256;
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// Byte offset of 16-byte chunk c of row r among rows of 128 bytes.
-__device__ __forceinline__ uint32_t swizzled(int r, int c) {
-  return static_cast<uint32_t>(r * kGemmRowBytes + ((c ^ (r & 7)) << 4));
-}
-
 template <typename T, tc::MmaKind K, int BN, int kStages, int WM, int WN>
 __global__ void __launch_bounds__(kSyncThreads, 1)
     conv_transpose2d_gemm_sync_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl) {

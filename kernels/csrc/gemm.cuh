@@ -21,6 +21,21 @@ constexpr int kGemmBM = 128;        // output positions a tile of the mma.sync k
 constexpr int kGemmRowBytes = 128;  // K bytes a stage: 32 fp32 or 64 16-bit channels of one tap
 constexpr int kGemmMaxSplit = 16;
 
+// Four 8 x 8 matrices of 16-bit values (rows of 16 bytes, one address a lane: lanes 8m .. 8m + 7 give matrix m's
+// rows) into mma.sync's fragment layout: register m of lane L holds the 32-bit word L % 4 of row L / 4 of matrix m.
+// For 32-bit values that is a TF32 m16n8k8 A fragment when the matrices are rows 0-7 and 8-15 of two 4-word chunks.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Byte offset of 16-byte chunk c of row r among rows of 128 bytes, permuted as the 128-byte swizzle of the bulk
+// tensor copies and of wgmma lays them out (chunk c of row r at c ^ (r % 8); rows from a 1024-byte aligned base).
+__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+  return static_cast<uint32_t>(r * kGemmRowBytes + ((c ^ (r & 7)) << 4));
+}
+
 // Where the weight packer puts source row j of a group's [ci][j] weights (conv_transpose2d_gemm_pack): kept as is,
 // from co-major (j = co * kH * kW + tap, PyTorch's layout) to the gemm kernel's tap-major rows, or from tap-major
 // (a channels-last weight) to the shuffle kernel's co-major rows.

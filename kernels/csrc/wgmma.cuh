@@ -63,6 +63,14 @@ __device__ __forceinline__ void pin(float* d) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The same for A fragments held in registers by wgmma still in flight: their registers must keep their values until
+// the wgmma that read them are done, which the compiler cannot see.
+template <int N>
+__device__ __forceinline__ void pin(uint32_t* a) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
+
 // Register budget of the calling warpgroup (setmaxnreg): the producer of a warp-specialized kernel gives
 // registers back, the consumers take them. Every warp of the warpgroup executes it.
 template <int N>
