@@ -24,6 +24,11 @@ document at the end; bench/NOTES.md says which version used which.
   are, one kernel) against the gemm kernel (x changed to channels-last first, y stored NCHW), both with the weights
   packed once, the library call's default choice, and cuDNN in both layouts; warm (back to back) and cold (L2
   flushed) microseconds. The zoo's layers of that kind and a few others from real models (``SHUFFLE_LAYERS``).
+- ``nchw``: where an NCHW call's time goes against a channels-last one: each kernel's GPU time (torch.profiler) of our
+  library call with NCHW and with channels-last tensors and of cuDNN's, BF16 and TF32, and of our call on the layer's
+  column-folded view (``fold_columns``: stride_w 1, C_out x stride_w output channels, the same output once the
+  columns are unfolded), which tells what a GEMM whose columns are every column phase of a channel would cost.
+  ``NCHW_LAYERS`` by default.
 - ``fold``: layers with a column stride of 8 or more, NCHW inputs, TF32 and BF16: the fold kernel forced, every other
   family forced (the fastest that ran kept), the library call's default choice, and cuDNN in both layouts; warm and
   cold microseconds. The zoo's fcn8s-up8 and layers from real models outside the zoo (``FOLD_LAYERS``).
@@ -45,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from bench.harness import ColdTimer, cudnn_benchmark, warm_us, write
+from bench.harness import ColdTimer, cudnn_benchmark, rel_err, warm_us, write
 from bench.kernels import layer_kernels, zoo
 from bench.kernels.kernelbench import Model, init_args
 from bench.kernels.problems import conv_kwargs, kernelbench_problems, out_shape, spec, zoo_problems
@@ -455,10 +460,83 @@ def fold(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+# The zoo's layers whose 16-bit NCHW rows were below cuDNN's best layout in v32, and a stride-1 one.
+NCHW_LAYERS = ("pose-up3", "dcgan64-up3", "pix2pix-u7", "cyclegan-up2", "deconvnet-s1")
+
+
+def fold_columns(w: torch.Tensor, stride_w: int) -> torch.Tensor:
+    """The weights of a layer's column-folded view, ``w'[ci, co * stride_w + r, kh, u] = w[ci, co, kh, u stride_w + r]``
+    (zeros past kW). With stride (stride_h, 1), padding (pad_h, 0) and output padding (op_h, 0), the view's output
+    column b of channel co * stride_w + r is the layer's output column stride_w * b + r - pad_w (``unfold_columns``):
+    every column phase of a channel becomes a column of the GEMM, for any kernel, padding and group count."""
+    c_in, cout_g, kh, kw = w.shape
+    taps = -(-kw // stride_w)
+    padded = F.pad(w, (0, taps * stride_w - kw))
+    return padded.view(c_in, cout_g, kh, taps, stride_w).permute(0, 1, 4, 2, 3).reshape(c_in, cout_g * stride_w, kh,
+                                                                                       taps).contiguous()
+
+
+def unfold_columns(y: torch.Tensor, stride_w: int, pad_w: int, w_out: int) -> torch.Tensor:
+    """The layer's output from its column-folded view's (``fold_columns``).
+
+    Raises:
+        ValueError: the view's columns do not reach the layer's last output column (an output padding past what the
+            taps cover: those columns hold only the bias).
+    """
+    n, c, h, w = y.shape
+    if w * stride_w < pad_w + w_out:
+        raise ValueError(f"the folded view's {w * stride_w} columns end before column {pad_w + w_out}")
+    full = y.reshape(n, c // stride_w, stride_w, h, w).permute(0, 1, 3, 4, 2).reshape(n, c // stride_w, h,
+                                                                                     w * stride_w)
+    return full[..., pad_w:pad_w + w_out]
+
+
+def nchw(problems: Sequence[dict]) -> list[dict]:
+    timer = _timer()
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    rows = []
+
+    def times(fn: Callable[[], object]) -> dict[str, Any]:
+        return {"us": round(timer(fn) * 1e3, 1),
+                "kernels": {k: round(v, 1) for k, v in layer_kernels.kernel_times(fn, 20).items()}}
+
+    for p in problems:
+        for precision, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32)):
+            x, w, b = zoo.inputs(p, dtype)
+            kw = conv_kwargs(p)
+            xcl, wcl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+            mode = "tf32" if dtype == torch.float32 else None
+            row: dict[str, Any] = _layer_row(p, precision)
+            with torch.no_grad():
+                row["ours_nchw"] = times(partial(kernels.conv_transpose2d, x, w, b, precision=mode, **kw))
+                row["ours_cl"] = times(partial(kernels.conv_transpose2d, xcl, wcl, b, precision=mode, **kw))
+                row["cudnn_nchw"] = times(partial(F.conv_transpose2d, x, w, b, **kw))
+                row["cudnn_cl"] = times(partial(F.conv_transpose2d, xcl, wcl, b, **kw))
+                sw = p["stride"][1]
+                if sw > 1 and p["dilation"][1] == 1:
+                    wf = fold_columns(w, sw)
+                    bf = b.repeat_interleave(sw) if b is not None else None
+                    kf = dict(kw, stride=(p["stride"][0], 1), padding=(p["padding"][0], 0),
+                              output_padding=(p["output_padding"][0], 0))
+                    y = unfold_columns(kernels.conv_transpose2d(x, wf, bf, precision=mode, **kf), sw,
+                                       p["padding"][1], out_shape(p)[3])
+                    row["folded_rel_err"] = rel_err(y, F.conv_transpose2d(x.double(), w.double(),
+                                                                          None if b is None else b.double(), **kw))
+                    row["folded_nchw"] = times(partial(kernels.conv_transpose2d, x, wf, bf, precision=mode, **kf))
+                    row["folded_cl"] = times(partial(kernels.conv_transpose2d, xcl,
+                                                     wf.contiguous(memory_format=torch.channels_last), bf,
+                                                     precision=mode, **kf))
+            rows.append(row)
+            print("nchw", json.dumps(row), flush=True)
+            del x, w, b, xcl, wcl
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding",
-                                      "shuffle", "fold"))
+                                      "shuffle", "fold", "nchw"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -469,6 +547,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         chosen = [p for p in shuffle_problems() if not a.only or p["name"] in a.only]
     elif a.probe == "fold":
         chosen = [p for p in fold_problems() if not a.only or p["name"] in a.only]
+    elif a.probe == "nchw" and not a.only:
+        chosen = [p for p in every if p["name"] in NCHW_LAYERS]
     elif a.only:
         chosen = [p for p in every if p["name"] in a.only]
     elif a.probe == "kernels":  # small layers whose library call took much longer than the served call
@@ -480,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold, "nchw": nchw}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:
