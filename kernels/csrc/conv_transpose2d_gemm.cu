@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // TF32 with an x not rounded on its way in: each thread loads its A fragments from the landed stage, rounds them
   // to TF32 (nearest, as the weights were when packed; wgmma would truncate) and multiplies from registers. A stage's
   // bytes are read once either way, and no pass rounds them in shared memory first.
-  [[maybe_unused]] const bool reg_a = kRegA && !tl.a_rounded;
+  const bool reg_a = kRegA && !tl.a_rounded;
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   // 16-bit channels-last output in whole multiples of 4 channels, 8-byte aligned: quads of lanes store four channels
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
       }
     }
-    for (int k = d.k_begin; k < d.k_end && !(kRegA && reg_a); ++k, ++it) {
+    for (int k = d.k_begin; k < d.k_end && !reg_a; ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
       wg::mbar_wait(&landed[s], (it / kStages) & 1);
       const uint32_t a_addr = base + s * kStage + row0 * kGemmRowBytes;
