@@ -198,13 +198,14 @@ class Worker:
         old_jobs.put(None)  # the old thread, should it ever come back, stops at its next batch
         error = InternalError(f"worker {self.name} {reason} while holding this batch and was restarted; retry")
         failed = [f for f in held if f is not writing]  # settling one takes it out of held
-        for future in failed:
-            _settle(future, error=error)
+        # Counted and logged before the batches are answered: whoever sees a batch fail sees the restart too.
         if self.metrics is not None:
             self.metrics.worker_restarts.labels(self.name, reason).inc()
             self.metrics.worker_busy.labels(self.name).set(0)
         log.error("worker %s: thread %s; %d batch(es) it held failed%s; started a new thread", self.name, reason,
                   len(failed), "" if writing is None else " (the one the GPU writes is answered when it ends)")
+        for future in failed:
+            _settle(future, error=error)
         return True
 
     # --- the thread -------------------------------------------------------------------------------------------
