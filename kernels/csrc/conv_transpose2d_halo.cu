@@ -45,9 +45,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
@@ -471,47 +468,6 @@ HaloPlan halo_plan(const ConvTranspose2dParams& p, int config) {
 
 namespace {
 
-void cluster_config(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&attr)[1], dim3 grid, int threads, size_t smem,
-                    int split, cudaStream_t stream) {
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = split;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-}
-
-// Whether `kernel` can run clusters of `split` blocks with `smem` bytes each on the current device: its code was
-// built for sm_90 or newer (cluster barriers and distributed shared memory) and at least one such cluster fits.
-// Asked of the driver once per (kernel, device, shared memory, split).
-template <typename Kernel>
-bool clusters_fit(Kernel kernel, int threads, size_t smem, int split) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, size_t, int>, bool> cache;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  const auto key = std::make_tuple(dev, smem, split);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  bool fit = false;
-  cudaFuncAttributes fa{};
-  if (cudaFuncGetAttributes(&fa, kernel) == cudaSuccess && fa.binaryVersion >= 90) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    cluster_config(cfg, attr, dim3(split), threads, smem, split, nullptr);
-    int clusters = 0;
-    fit = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
-  }
-  cudaGetLastError();  // a refused query leaves no sticky error for the launch
-  cache.emplace(key, fit);
-  return fit;
-}
-
 template <typename T, tc::MmaKind K, int TH, int TW, int BN, int WM, int WN>
 cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl, const uint32_t* wt, int64_t ciw_pad,
                          int64_t co_pad, cudaStream_t stream) {
@@ -522,7 +478,7 @@ cudaError_t launch_halo_shape(const ConvTranspose2dParams& p, const HaloPlan& pl
   const int64_t items = p.N * pl.geo.tiles_h * pl.geo.tiles_w * (co_pad / BN) * p.stride_h * p.stride_w * p.groups;
   HaloGeom geo = pl.geo;
   geo.split = halo_split(p, items);
-  if (geo.split > 1 && !clusters_fit(kernel, WM * WN * 32, pl.smem, geo.split)) geo.split = 1;
+  if (geo.split > 1 && max_active_clusters(kernel, WM * WN * 32, pl.smem, geo.split) == 0) geo.split = 1;
   const int64_t max_x = 0x7fffffff / geo.split;  // grid x stays a multiple of the split
   const dim3 grid(static_cast<unsigned>((items < max_x ? items : max_x) * geo.split));
   if (geo.split == 1) {
