@@ -158,12 +158,12 @@ bool sparse_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_sparse(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Gemm path (conv_transpose2d_gemm.cu, conv_transpose2d_gemm_sync.cu): channel-major implicit GEMM for
-// TF32/BF16/FP16 and exact fp32 (3xTF32, wgmma configurations 0, 2, 5 and 8 only), reading a channels-last x, writing
-// y in either layout. Configurations 0-2 and 5-8 run wgmma (sm_90 devices, kernels built with sm_90a code), 3-4
-// mma.sync (sm_80 and newer). Eligible on sm_80 and newer (exact fp32: where wgmma runs) when a group's input
+// TF32/BF16/FP16 and exact fp32 (3xTF32, wgmma configurations 0, 2, 5, 8 and 9 only), reading a channels-last x,
+// writing y in either layout. Configurations 0-2 and 5-12 run wgmma (sm_90 devices, kernels built with sm_90a code;
+// 9-12 in pairs of blocks that share their weights' stages), 3-4 mma.sync (sm_80 and newer). Eligible on sm_80 and newer (exact fp32: where wgmma runs) when a group's input
 // channels fill whole 16-byte vectors (with one group, x_pitch may pad them) and strides are at most
 // kGemmMaxStride.
-constexpr int kNumGemmConfigs = 9;
+constexpr int kNumGemmConfigs = 13;
 constexpr int kGemmMaxStride = 16;
 bool gemm_eligible(const ConvTranspose2dParams& p);
 // Whether the gemm path is the default choice where it is eligible and preferred: where its wgmma configurations

@@ -17,11 +17,16 @@
 // is 128 bytes of K (32 fp32 or 64 16-bit channels of one tap) for the 128 A rows and the BN B rows, in wgmma's
 // 128-byte swizzle, brought by two bulk tensor copies (TMA) that one loader thread issues: the input box of the
 // stage's tap at its shifted origin (zero-filled past every border, which does the padding, the halo and the
-// channel tail) and a box of packed weights. A ring of kStages buffers with full / empty mbarriers lets the loader
-// run up to kStages stages ahead, across tile boundaries. TF32 A must be rounded to nearest (wgmma would truncate),
+// channel tail) and a box of packed weights; for 16-bit groups of at most 32 input channels (blocks alone) a stage is
+// two taps of 64 bytes each in 64-byte swizzle (two boxes of each), not one tap padded with zeros. A ring of kStages buffers
+// with full / empty mbarriers lets the loader run up to kStages stages ahead, across tile boundaries. TF32 A must be rounded to nearest (wgmma would truncate),
 // unless x came rounded (an NCHW x is rounded by the layout change it needs anyway): the multipliers load their A
 // fragments from the landed stage, round them in registers and multiply from registers; at BN = 256 three loader
 // warps round each landed A box in place before the multipliers may read it (a third barrier, ready).
+//
+// Pairs (configurations 9-12): blocks run in thread-block clusters of two, on tiles of neighbouring M boxes with the
+// same output channels; each block's loader brings half of every B stage, multicast into both blocks' buffers, and a
+// buffer goes back to the loaders once the multipliers of both blocks are done with it.
 //
 // Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K into an fp32 workspace,
 // summed by a second kernel that adds the bias and writes the output; otherwise the epilogue adds the bias and
@@ -79,7 +84,11 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
 // run A_lo x B_hi + A_hi x B_lo + A_hi x B_hi for each stage into zeroed partial sums that they add to their
 // accumulators in fp32: the tensor cores truncate as they accumulate, and a sum over one stage keeps that error from
 // growing with K (bench/NOTES.md v7, v30).
-template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB>
+// kPaired: a block of a pair (a cluster of two, gemm_work); kTwo: two taps a stage. Both are template parameters so
+// that the kernels without them compile as they did before them: as runtime flags, ptxas placed more wgmma waits in
+// the multipliers' loop (16 against 6 in the TF32 kernels' code) and TF32 rows ran 10-17% slower (bench/NOTES.md
+// v34).
+template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB, bool kPaired, bool kTwo>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
                                  const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
@@ -97,6 +106,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // few registers for fragments in flight (ptxas serializes the wgmma), and the loader warps round in shared memory.
   constexpr bool kRegA = kTF32 && !kExact && BN <= 128;
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
+  // kTwo (16-bit groups of at most 32 input channels): a stage holds two taps, each 64 bytes of K a row in 64-byte
+  // swizzle (A: the first tap's BM rows, then the second's; B likewise), and a phase's last stage the one tap left
+  // when its taps are odd.
+  static_assert(!kTwo || (!kTF32 && !kTransB && !kPaired), "two taps a stage: 16-bit K-major weights, blocks alone");
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
   constexpr int kProdRegs = kWsLoaderRegs;
@@ -114,15 +127,22 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       wg::mbar_init(&full[s], 1);     // the issuing thread's expect_tx
       wg::mbar_init(&ready[s], 96);   // every rounding thread
-      wg::mbar_init(&empty[s], kPing ? 128 : 256);  // every multiplier thread reading the stage, once done
+      // Every multiplier thread reading the stage, once done; in a pair, one arrival a warp of both blocks.
+      wg::mbar_init(&empty[s], kPaired ? 2 * (kPing ? 4 : 8) : (kPing ? 128 : 256));
     }
     wg::mbar_init(&turns[0], 128);
     wg::mbar_init(&turns[1], 128);
 #if DECONV_WGMMA
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine and the pair
 #endif
   }
-  __syncthreads();
+  // A pair: neither block's copies nor arrivals reach the other's barriers before they are initialized.
+  if constexpr (kPaired) wg::cluster_sync_all();
+  else __syncthreads();
+  const int rank = kPaired ? static_cast<int>(wg::cluster_rank()) : 0;
+  const int first = kPaired ? static_cast<int>(blockIdx.x >> 1) : static_cast<int>(blockIdx.x);
+  const int step = kPaired ? static_cast<int>(gridDim.x >> 1) : static_cast<int>(gridDim.x);
+  const int items = kPaired ? tl.pairs : tl.total;
 
   const int cpt = g.ci_pad / kCH;  // stages a tap
   const int wgi = threadIdx.x >> 7;
@@ -137,25 +157,68 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (warp == 0) {
       if (threadIdx.x != 0) return;
       // The issuing thread.
-      for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
+      for (int w = first; w < items; w += step) {
         GemmTile d;
-        if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
+        bool own;
+        if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
+        if constexpr (kTwo) {
+          const int taps = d.ah.taps * d.aw.taps;
+          for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
+            const int s = static_cast<int>(it % kStages);
+            const int nt = min(2, taps - 2 * k);  // taps this stage
+            wg::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+            wg::mbar_arrive_expect_tx(&full[s], nt * (a_bytes / 2 + BN * kGemmRowBytes / 2));
+            const uint32_t st = base + s * kStage;
+            for (int h = 0; h < nt; ++h) {
+              const int th = (2 * k + h) / d.aw.taps, tw = 2 * k + h - th * d.aw.taps;
+              tma_load_5d(st + h * BM * (kGemmRowBytes / 2), &map_x, 0, d.grp, d.qw0 + d.aw.base - tw * d.aw.dstep,
+                          d.qh0 + d.ah.base - th * d.ah.dstep, d.n0, &full[s]);
+              const int tap = (d.ah.a0 + th * d.ah.step) * g.kw + d.aw.a0 + tw * d.aw.step;
+              tma_load_3d(st + kAStage + h * BN * (kGemmRowBytes / 2), &map_w, 0, d.c0, d.grp * g.kh * g.kw + tap,
+                          &full[s]);
+            }
+          }
+          continue;
+        }
         const int tap0 = d.k_begin / cpt;
         int cc = d.k_begin - tap0 * cpt;
         // N-major B: only the chunks that hold output channels are brought (a box wholly past C_out / groups
         // costs the copy engine as much as a full one); the columns of the others are never stored.
         const int b_chunks = min(BN / 64, (g.cout_g - d.c0 + 63) / 64);
+        // In a pair the other block's half of B lands here too (before this block's arrival, possibly: the count of
+        // bytes still to come may go below zero for a while), and a block whose box lies past the phase loads no A.
+        const uint32_t bytes = kPaired ? (own ? a_bytes : 0) + (kTransB ? b_chunks * kBChunk : kParts * BN * kGemmRowBytes)
+                                       : (kTransB ? a_bytes + b_chunks * kBChunk : stage_bytes);
         int th = tap0 / d.aw.taps;
         int tw = tap0 - th * d.aw.taps;
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-          wg::mbar_arrive_expect_tx(&full[s], kTransB ? a_bytes + b_chunks * kBChunk : stage_bytes);
+          wg::mbar_arrive_expect_tx(&full[s], bytes);
           const uint32_t st = base + s * kStage;
-          tma_load_5d(st, &map_x, cc * kCH, d.grp, d.qw0 + d.aw.base - tw * d.aw.dstep,
-                      d.qh0 + d.ah.base - th * d.ah.dstep, d.n0, &full[s]);
+          if (!kPaired || own)
+            tma_load_5d(st, &map_x, cc * kCH, d.grp, d.qw0 + d.aw.base - tw * d.aw.dstep,
+                        d.qh0 + d.ah.base - th * d.ah.dstep, d.n0, &full[s]);
           const int tap = (d.ah.a0 + th * d.ah.step) * g.kw + d.aw.a0 + tw * d.aw.step;
-          if constexpr (kTransB) {
+          if constexpr (kPaired) {
+            // This block's half of the stage's B, into both blocks: N-major, the upper or lower half of each
+            // chunk's input channels; K-major, the first or second BN / 2 output channels (and residuals).
+            if constexpr (kTransB) {
+#pragma unroll
+              for (int j = 0; j < BN / 64; ++j)
+                if (j < b_chunks)
+                  tma_load_3d_multicast(st + kAStage + j * kBChunk + rank * (kBChunk / 2), &map_w, d.c0 + 64 * j, tap,
+                                        d.grp * g.cin_g + cc * kCH + rank * (kCH / 2), &full[s], 3);
+            } else {
+              const uint32_t half = rank * (BN / 2) * kGemmRowBytes;
+              tma_load_3d_multicast(st + kAStage + half, &map_w, cc * kCH, d.c0 + rank * (BN / 2),
+                                    d.grp * g.kh * g.kw + tap, &full[s], 3);
+              if constexpr (kExact)
+                tma_load_3d_multicast(st + kAStage + BN * kGemmRowBytes + half, &map_w, cc * kCH,
+                                      d.c0 + rank * (BN / 2),
+                                      (static_cast<int>(tl.groups.d) + d.grp) * g.kh * g.kw + tap, &full[s], 3);
+            }
+          } else if constexpr (kTransB) {
 #pragma unroll
             for (int j = 0; j < BN / 64; ++j)
               if (j < b_chunks)
@@ -176,6 +239,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
           }
         }
       }
+      // A pair: the other block's multipliers arrive on this block's barriers until they are done with the last
+      // stages; this block (its shared memory) stays until then.
+      if constexpr (kPaired)
+        for (int j = 0; j < kStages; ++j, ++it) wg::mbar_wait(&empty[it % kStages], ((it / kStages) & 1) ^ 1);
       return;
     }
     if constexpr (kTF32 && !kRegA) {
@@ -185,9 +252,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       // round A in their registers, kRegA.)
       if (!kExact && tl.a_rounded) return;
       const int rt = threadIdx.x - 32;
-      for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
+      for (int w = first; w < items; w += step) {
         GemmTile d;
-        if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
+        bool own;
+        if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
@@ -222,14 +290,27 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const bool quad_stores = sizeof(T) == 2 && g.partial == nullptr && pair_stores && g.cout_g % 4 == 0 &&
                            g.ys_w % 4 == 0 && g.ys_h % 4 == 0 && g.ys_n % 4 == 0 &&
                            (reinterpret_cast<uintptr_t>(g.y) & 7) == 0;
+  // A stage's buffer goes back to the loader: every thread arrives, or in a pair one lane a warp on this block's
+  // barrier and one on the other block's (whose loader multicasts into this buffer too).
+  // (The warp is converged after wgmma's wait, an aligned instruction.)
+  const uint32_t peer_empty = kPaired ? wg::cluster_peer_addr(empty, rank ^ 1) : 0;
+  const auto release = [&](int s) {
+    if constexpr (kPaired) {
+      wg::mbar_arrive_if(&empty[s], lane == 0);
+      wg::mbar_arrive_cluster_if(peer_empty + 8 * s, lane == 1);
+    } else {
+      wg::mbar_arrive(&empty[s]);
+    }
+  };
   // kPing: the block's tiles alternate between the warpgroups, and each starts a tile's products only once the other
   // has issued those of the tile before (CUTLASS's ping-pong order): its epilogue then runs under the other's
   // products, and it never waits on a stage more than one pass of the ring ahead of the loader (a barrier's parity
   // tells only one pass from the next).
   int turn = 0, mine = 0;  // the block's tiles so far, this warpgroup's
-  for (int t = blockIdx.x; t < tl.total; t += gridDim.x) {
+  for (int w = first; w < items; w += step) {
     GemmTile d;
-    if (!gemm_decode(t, tl, g.n, BN, cpt, d)) continue;
+    bool own;
+    if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
     if constexpr (kPing) {
       if ((turn++ & 1) != mw) {
         it += d.k_end - d.k_begin;  // the other warpgroup's stages
@@ -278,7 +359,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             wg::wait<kRing - 1>();  // the step kRing - 1 back is done: its slot is the next one written
             wg::pin<kMW * 4>(&af[(kk + 1) % kRing][0][0]);
             if (kk == kRing - 2 && prev >= 0) {  // the last step of the stage before is done
-              wg::mbar_arrive(&empty[prev]);
+              release(prev);
               prev = -1;
             }
           }
@@ -289,8 +370,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     for (int k = d.k_begin; k < d.k_end && !reg_a; ++k, ++it) {
       const int s = static_cast<int>(it % kStages);
       wg::mbar_wait(&landed[s], (it / kStages) & 1);
-      const uint32_t a_addr = base + s * kStage + row0 * kGemmRowBytes;
+      const uint32_t a_addr = base + s * kStage + row0 * (kTwo ? kGemmRowBytes / 2 : kGemmRowBytes);
       const uint32_t b_addr = base + s * kStage + kAStage;
+      // Two taps a stage: k-steps 0-1 are the first tap's, 2-3 the second's (none past the phase's last tap).
+      [[maybe_unused]] const bool second = kTwo && 2 * k + 1 < d.ah.taps * d.aw.taps;
       if constexpr (kExact) {
 #pragma unroll
         for (int b = 0; b < kMW; ++b)
@@ -312,6 +395,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             wgmma_ss<BN, KM, false>(part[b], a_hi, b_hi);
           } else if constexpr (kTransB) {  // k16 steps are 16 rows of 128 bytes down each B chunk
             wgmma_ss<BN, KM, true>(acc[b], sw128_desc(ab), sw128_desc_nmajor(b_addr + 2048 * kk));
+          } else if constexpr (kTwo) {
+            constexpr int kHalf = kGemmRowBytes / 2;
+            if (kk < kKSteps / 2 || second)
+              wgmma_ss<BN, KM, false>(acc[b],
+                                      sw64_desc(a_addr + (kk >> 1) * BM * kHalf + b * 64 * kHalf + 32 * (kk & 1)),
+                                      sw64_desc(b_addr + (kk >> 1) * BN * kHalf + 32 * (kk & 1)));
           } else {
             wgmma_ss<BN, KM, false>(acc[b], sw128_desc(ab), sw128_desc(b_addr + 32 * kk));
           }
@@ -320,7 +409,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       wg::commit();
       if constexpr (kExact) {  // the stage's sums, once done (the buffer goes back to the loader), into the accumulators
         wg::wait<0>();
-        wg::mbar_arrive(&empty[s]);
+        release(s);
 #pragma unroll
         for (int b = 0; b < kMW; ++b) {
           wg::pin<BN / 2>(part[b]);
@@ -330,7 +419,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         continue;
       }
       wg::wait<1>();  // the previous stage's wgmma are done: its buffer goes back to the loader
-      if (prev >= 0) wg::mbar_arrive(&empty[prev]);
+      if (prev >= 0) release(prev);
       prev = s;
     }
     if constexpr (kPing) {
@@ -338,9 +427,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       ++mine;
     }
     wg::wait<0>();
-    if (prev >= 0) wg::mbar_arrive(&empty[prev]);
+    if (prev >= 0) release(prev);
 #pragma unroll
     for (int b = 0; b < kMW; ++b) wg::pin<BN / 2>(acc[b]);
+    if constexpr (kPaired)
+      if (!own) continue;  // a pair's block whose box lies past the phase or the batch
 
     // Epilogue. Accumulator 4j + e of block b: row b * 64 + (warp's 16) + lane / 4 (+ 8 for e >= 2), column
     // 8j + 2 (lane % 4) (+ 1 for odd e).
@@ -531,10 +622,16 @@ int64_t gemm_ci_pad(const ConvTranspose2dParams& p) {
 
 int64_t gemm_elem_bytes(const ConvTranspose2dParams& p) { return p.dtype == DType::kFloat32 ? 4 : 2; }
 
-// K stages of the phase with the most taps: taps x stages of input channels a tap.
+// 16-bit groups of at most 32 input channels: the wgmma kernel's stages hold two taps of 64 bytes (GemmTiles).
+bool gemm_two_taps(const ConvTranspose2dParams& p) {
+  return p.dtype != DType::kFloat32 && p.C_in / p.groups * gemm_elem_bytes(p) <= kGemmRowBytes / 2;
+}
+
+// K stages of the phase with the most taps: taps x stages of input channels a tap (the wgmma kernel's, two taps a
+// stage where they fit).
 int64_t gemm_kiters(const ConvTranspose2dParams& p) {
-  return max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW) *
-         (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
+  const int64_t taps = max_phase_taps(p.stride_h, p.dil_h, p.kH) * max_phase_taps(p.stride_w, p.dil_w, p.kW);
+  return gemm_two_taps(p) ? (taps + 1) / 2 : taps * (gemm_ci_pad(p) * gemm_elem_bytes(p) / kGemmRowBytes);
 }
 
 // Elements from one position of x to the next.
@@ -742,16 +839,19 @@ namespace {
 // Tensor maps of x ([N][H_in][W_in][groups][cin_g], boxes of one stage's channels x the M box) and of the packed
 // weights ([groups * kH * kW][cout_g][ci_pad], boxes of one stage's channels x BN rows) or, read as they are, the
 // channels-last weights ([C_in][kH * kW][cout_g], boxes of 64 output channels x one tap x one stage's channels), in
-// 128-byte swizzle, zero-filled outside the tensors.
-bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox& box, int bn, bool trans_b,
-               CUtensorMap* mx, CUtensorMap* mw) {
+// 128-byte swizzle, zero-filled outside the tensors. `b_parts` 2: the weights' boxes are halves (a pair's block
+// brings half of each B stage: half the output channels, or N-major half the input channels). `two_taps`: boxes of
+// 64 bytes of channels (a tap's), in 64-byte swizzle.
+bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox& box, int bn, int b_parts,
+               bool trans_b, bool two_taps, CUtensorMap* mx, CUtensorMap* mw) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return false;
   const CUtensorMapDataType dt = p.dtype == DType::kFloat32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                  : p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const cuuint64_t eb = static_cast<cuuint64_t>(gemm_elem_bytes(p));
-  const cuuint32_t ch = static_cast<cuuint32_t>(kGemmRowBytes / eb);
+  const cuuint32_t ch = static_cast<cuuint32_t>((two_taps ? kGemmRowBytes / 2 : kGemmRowBytes) / eb);
+  const CUtensorMapSwizzle swizzle = two_taps ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
   const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
   const cuuint64_t xdim[5] = {static_cast<cuuint64_t>(a.cin_g), static_cast<cuuint64_t>(p.groups),
                               static_cast<cuuint64_t>(p.W_in), static_cast<cuuint64_t>(p.H_in),
@@ -763,14 +863,14 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
   const cuuint32_t xbox[5] = {ch, 1, static_cast<cuuint32_t>(box.bw), static_cast<cuuint32_t>(box.bh),
                               static_cast<cuuint32_t>(box.bni)};
   if (encode(mx, dt, 5, const_cast<void*>(a.x), xdim, xstride, xbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
   if (trans_b) {
     const cuuint64_t khw = static_cast<cuuint64_t>(p.kH * p.kW);
     const cuuint64_t tdim[3] = {static_cast<cuuint64_t>(a.cout_g), khw, static_cast<cuuint64_t>(p.C_in)};
     const cuuint64_t tstride[2] = {a.cout_g * eb, khw * a.cout_g * eb};
-    const cuuint32_t tbox[3] = {64, 1, ch};
+    const cuuint32_t tbox[3] = {64, 1, ch / static_cast<cuuint32_t>(b_parts)};
     return encode(mw, dt, 3, const_cast<void*>(a.wp), tdim, tstride, tbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -779,13 +879,13 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
   const cuuint64_t wdim[3] = {static_cast<cuuint64_t>(a.ci_pad), static_cast<cuuint64_t>(a.cout_g),
                               static_cast<cuuint64_t>(p.groups * p.kH * p.kW * (gemm_exact(p) ? 2 : 1))};
   const cuuint64_t wstride[2] = {a.ci_pad * eb, a.cout_g * a.ci_pad * eb};
-  const cuuint32_t wbox[3] = {ch, static_cast<cuuint32_t>(bn), 1};
+  const cuuint32_t wbox[3] = {ch, static_cast<cuuint32_t>(bn / b_parts), 1};
   return encode(mw, dt, 3, const_cast<void*>(a.wp), wdim, wstride, wbox, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The launch's tables (GemmTiles) for a configuration and split.
+// The launch's tables (GemmTiles) for a configuration's grid and split.
 GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int split) {
   GemmTiles tl{};
   for (int64_t r = 0; r < p.stride_h; ++r) tl.ah[r] = make_axis_phase32(r, p.H_out, p.stride_h, p.pad_h, p.dil_h, p.kH);
@@ -801,33 +901,68 @@ GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int spl
   tl.phases = make_fast_div(static_cast<uint32_t>(p.stride_h * p.stride_w));
   tl.stride_w = make_fast_div(static_cast<uint32_t>(p.stride_w));
   tl.total = static_cast<int>(gr.tiles * split);
+  const int64_t inner = gr.tiles / gr.m_tiles * split;  // tiles a box
+  tl.inner = make_fast_div(static_cast<uint32_t>(inner));
+  tl.pairs = static_cast<int>(inner * tc::div_up(gr.m_tiles, 2));
   tl.a_rounded = p.dtype == DType::kFloat32 && p.x_tf32_rounded && !gemm_exact(p);
   return tl;
 }
 
-// The wgmma kernel of a configuration: persistent, one block an SM.
-template <typename T, tc::MmaKind K, int kShape, bool kTransB>
-cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr,
-                              const GemmTiles& tl, cudaStream_t stream) {
+// A wgmma kernel instance: persistent, one block an SM, or in pairs (kPaired) one cluster of two blocks for each of
+// `clusters` pairs of SMs.
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo>
+cudaError_t gemm_launch_instance(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
+                                 int clusters, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
   constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB>;
+  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo>;
   constexpr size_t smem = gemm_smem_bytes(s, kExact);
   static_assert(smem <= kGemmSmemLimit, "a block's shared memory");
   const cudaError_t err =
-      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB>>();
+      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo>>();
   if (err != cudaSuccess) return err;
+  const GemmTiles tl = gemm_tiles(p, gr, split);
   CUtensorMap mx, mw;
-  if (!gemm_maps(p, a, gr.box, s.bn, kTransB, &mx, &mw)) return cudaErrorInvalidValue;
-  const int sms = sm_count() > 0 ? sm_count() : 1;
-  kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
-  return cudaGetLastError();
+  if (!gemm_maps(p, a, gr.box, s.bn, kPaired ? 2 : 1, kTransB, kTwo, &mx, &mw)) return cudaErrorInvalidValue;
+  if constexpr (!kPaired) {
+    const int sms = sm_count() > 0 ? sm_count() : 1;
+    kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cluster_config(cfg, attr, dim3(2 * static_cast<unsigned>(tl.pairs < clusters ? tl.pairs : clusters)),
+                   kGemmThreads, smem, 2, stream);
+    return cudaLaunchKernelEx(&cfg, kernel, a, tl, mx, mw);
+  }
+}
+
+// The wgmma kernel of a configuration: in pairs where the configuration says so and the device holds a cluster of
+// two of its blocks (else alone: the configuration's tiles one a block); 16-bit groups of at most 32 input channels
+// with two taps a stage where blocks run alone.
+template <typename T, tc::MmaKind K, int kShape, bool kTransB>
+cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
+                              cudaStream_t stream) {
+  constexpr GemmShape s = kGemmShapes[kShape];
+  static_assert(s.cluster == 1 || s.cluster == 2, "blocks alone or in pairs");
+  constexpr bool kExact = K == tc::MmaKind::k3xTF32;
+  if constexpr (s.cluster == 2) {
+    constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
+    const int clusters = max_active_clusters(
+        conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>, kGemmThreads,
+        gemm_smem_bytes(s, kExact), 2);
+    if (clusters > 0) return gemm_launch_instance<T, K, kShape, kTransB, true, false>(p, a, gr, split, clusters, stream);
+  }
+  if constexpr (sizeof(T) == 2 && !kTransB) {
+    if (gemm_two_taps(p)) return gemm_launch_instance<T, K, kShape, false, false, true>(p, a, gr, split, 0, stream);
+  }
+  return gemm_launch_instance<T, K, kShape, kTransB, false, false>(p, a, gr, split, 0, stream);
 }
 
 // The wgmma launch of each configuration, indexed by configuration (null for the mma.sync ones and, for exact fp32,
 // the tiles that do not hold it).
-using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, const GemmTiles&,
+using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, int,
                                     cudaStream_t);
 template <typename T, tc::MmaKind K, bool kTransB, int kShape>
 constexpr WgmmaLaunch wgmma_launch() {
@@ -849,12 +984,12 @@ cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const G
   static constexpr std::array<WgmmaLaunch, kNumGemmConfigs> kWgmma =
       wgmma_launches<T, K, kTransB>(std::make_integer_sequence<int, kNumGemmConfigs>{});
   const GemmGrid gr = gemm_grid(p, config);
-  const GemmTiles tl = gemm_tiles(p, gr, split);
   cudaError_t err = cudaErrorInvalidValue;
   if (kGemmShapes[config].sync) {
-    if (!kTransB && K != tc::MmaKind::k3xTF32) err = launch_gemm_sync(p.dtype, config, a, tl, stream);
+    if (!kTransB && K != tc::MmaKind::k3xTF32)
+      err = launch_gemm_sync(p.dtype, config, a, gemm_tiles(p, gr, split), stream);
   } else if (kWgmma[config] != nullptr) {
-    err = kWgmma[config](p, a, gr, tl, stream);
+    err = kWgmma[config](p, a, gr, split, stream);
   }
   if (err != cudaSuccess || split == 1) return err;
   const int64_t total = p.N * p.H_out * p.W_out * p.C_out;

@@ -1,8 +1,9 @@
 // Shared by the gemm path's two kernels: the wgmma kernel (conv_transpose2d_gemm.cu, sm_90a) and the mma.sync kernel
 // (conv_transpose2d_gemm_sync.cu, sm_80 and newer). Both compute the same tiles in the same K order from the same
 // operand layouts: an M tile is a box of one stride phase's output positions across images, a K stage one tap's 128
-// bytes of input channels, A rows read from the channels-last input, B rows from the packed weights
-// [group][a][b][co][ci_pad] (docs/architecture.md, "Kernels").
+// bytes of input channels (the wgmma kernel's 16-bit groups of at most 32 channels: two taps' 64), A rows read from
+// the channels-last input, B rows from the packed weights [group][a][b][co][ci_pad] (docs/architecture.md,
+// "Kernels").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,21 +44,26 @@ enum class PackRows : int { kAsIs, kToTapMajor, kToCoMajor };
 
 // Tile configurations (force_config for the gemm path): BM x BN tiles in kStages buffers of (BM + BN) x 128 bytes;
 // `sync` ones run the mma.sync kernel, the others the wgmma kernel (sm_90a), whose two multiplier warpgroups share
-// each tile or, `ping`, take the tiles by turns.
+// each tile or, `ping`, take the tiles by turns. `cluster` 2: blocks run in pairs (thread-block clusters), the two
+// tiles of a pair in neighbouring M boxes with the same output channels, and each block brings half of every B
+// stage into both blocks' shared memory (one multicast copy), so that a pair reads its weights from L2 once.
 struct GemmShape {
   int bm, bn, stages;
   bool sync, ping;
+  int cluster = 1;
 };
 constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
     {128, 128, 6, false, false}, {128, 256, 4, false, false}, {128, 64, 8, false, false},  // 0-2: wgmma
     {128, 128, 3, true, false},  {128, 64, 4, true, false},                               // 3-4: mma.sync
     {256, 64, 5, false, false},  {256, 128, 4, false, false},  // 5-6: wgmma, 128 rows a warpgroup
     {128, 128, 6, false, true},  {128, 64, 8, false, true},    // 7-8: wgmma, a tile a warpgroup by turns
+    {256, 64, 5, false, false, 2}, {256, 128, 4, false, false, 2},  // 9-12: 5, 6, 7 and 1 in pairs
+    {128, 128, 6, false, true, 2}, {128, 256, 4, false, false, 2},
 };
 
 // Exact fp32 (3xTF32) on the wgmma kernel: a stage holds A and B twice (their TF32 parts and the TF32 roundings of
 // what is left), and a multiplier sums each stage into partial sums beside its accumulators, so only the wgmma tiles
-// whose accumulators take at most 64 registers a thread run it (0, 2, 5 and 8), with as many stages as fit in the
+// whose accumulators take at most 64 registers a thread run it (0, 2, 5, 8 and 9), with as many stages as fit in the
 // shared memory a block may have.
 constexpr int kGemmSmemLimit = 227 * 1024;
 constexpr bool gemm_exact_fits(const GemmShape& s) {
@@ -76,6 +82,9 @@ struct GemmTiles {
   FastDiv n_tiles, groups, splits, phases, stride_w, w_tiles, h_tiles, bw, bh;
   int bni;  // images a box
   int total;
+  // Pairs (the wgmma kernel's kPaired): tiles a box (channel tiles x groups x splits x phases), pairs of boxes' tiles.
+  int pairs;
+  FastDiv inner;
   // TF32: x's values are TF32 already (x_tf32_rounded), so the landed A stages need no rounding. Kept here, not in
   // GemmArgs: that struct stays within 128 bytes, which the compiler keeps in registers (at 136 it read the fields
   // from parameter memory inside the loops, and the channels-last TF32 rows ran up to 1.4x slower, bench/NOTES.md
@@ -102,7 +111,9 @@ struct GemmTile {
 };
 
 // Tile t of the launch (output channels fastest, then groups, splits, phases, M boxes); false when its box lies
-// wholly past the phase or the batch. cpt: K stages a tap.
+// wholly past the phase or the batch (kFill: d is filled either way). cpt: K stages a tap; kTwo: two taps a stage
+// (16-bit groups of at most 32 input channels, the wgmma kernel).
+template <bool kFill = false, bool kTwo = false>
 __device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_img, int bn, int cpt, GemmTile& d) {
   const int r0 = fdiv(t, tl.n_tiles);
   d.c0 = (t - r0 * static_cast<int>(tl.n_tiles.d)) * bn;
@@ -120,11 +131,35 @@ __device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_im
   const int nb = fdiv(m1, tl.h_tiles);
   d.qh0 = (m1 - nb * static_cast<int>(tl.h_tiles.d)) * static_cast<int>(tl.bh.d);
   d.n0 = nb * tl.bni;
-  if (d.qw0 >= d.aw.count || d.qh0 >= d.ah.count || d.n0 >= n_img) return false;
-  const int kiters = d.ah.taps * d.aw.taps * cpt;
+  const bool inside = d.qw0 < d.aw.count && d.qh0 < d.ah.count && d.n0 < n_img;
+  if (!kFill && !inside) return false;
+  const int kiters = kTwo ? (d.ah.taps * d.aw.taps + 1) >> 1 : d.ah.taps * d.aw.taps * cpt;
   d.k_begin = static_cast<int>(static_cast<int64_t>(kiters) * d.split / tl.splits.d);
   d.k_end = static_cast<int>(static_cast<int64_t>(kiters) * (d.split + 1) / tl.splits.d);
-  return true;
+  return inside;
+}
+
+// Work item w of a block, whose items are w = first, first + step, ... below tl.total alone (first: the block's
+// index, step: the grid's blocks) or tl.pairs in pairs (the cluster's index and the grid's clusters). Alone, item w
+// is tile w and is run where its box holds output (own). In a pair, item w is two tiles that differ only in their
+// M box (boxes 2 (w / inner) and the next, same channels, group, split and phase, so the same B stages), block
+// `rank` the one or the other: both run it unless both boxes lie past the phase or the batch, since each brings half
+// of the pair's B stages; a block whose own box does (own false) loads no A and stores nothing.
+template <bool kPaired, bool kTwo>
+__device__ __forceinline__ bool gemm_work(int w, const GemmTiles& tl, int n_img, int bn, int cpt, int rank,
+                                          GemmTile& d, bool& own) {
+  if constexpr (!kPaired) {
+    own = gemm_decode<false, kTwo>(w, tl, n_img, bn, cpt, d);
+    return own;
+  } else {
+    const int mp = fdiv(w, tl.inner);
+    const int i = w - mp * static_cast<int>(tl.inner.d);
+    own = gemm_decode<true, kTwo>((2 * mp + rank) * static_cast<int>(tl.inner.d) + i, tl, n_img, bn, cpt, d);
+    GemmTile other;
+    return gemm_decode<false, kTwo>((2 * mp + 1 - rank) * static_cast<int>(tl.inner.d) + i, tl, n_img, bn, cpt,
+                                    other) ||
+           own;
+  }
 }
 
 // Row r of a tile's box as (image, box row, box column), without bounds checks.

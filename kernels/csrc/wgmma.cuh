@@ -122,6 +122,48 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 #endif
 }
+// Thread-block clusters (a pair of blocks sharing their weights' stages, conv_transpose2d_gemm.cu): this block's
+// rank in its cluster, a barrier over the cluster's threads, and an arrival on the barrier at the same offset in
+// block `rank`'s shared memory.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if DECONV_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ void cluster_sync_all() {
+#if DECONV_WGMMA
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ uint32_t cluster_peer_addr(const void* p, uint32_t rank) {
+  uint32_t r = smem_addr(p);
+#if DECONV_WGMMA
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(r), "r"(rank));
+#endif
+  return r;
+}
+// Arrivals of the lanes of a warp for which `pred` holds, predicated rather than branched. The remote one has the
+// default semantics (release at CTA scope), as a local one: the buffer it frees was read by wgmma this thread has
+// waited for. With release at cluster scope, pairs ran KernelBench 57 in BF16 in 2.7 ms against 1.4
+// (bench/NOTES.md v34).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+#if DECONV_WGMMA
+  asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   smem_addr(bar)),
+               "r"(static_cast<uint32_t>(pred))
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t cluster_addr, bool pred) {
+#if DECONV_WGMMA
+  asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(
+                   cluster_addr),
+               "r"(static_cast<uint32_t>(pred))
+               : "memory");
+#endif
+}
 // Arrives on `bar` once every cp.async this thread has issued so far has landed (counts as one expected arrival).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 #if DECONV_WGMMA

@@ -34,6 +34,12 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
+// The same in 64-byte swizzle: rows of 64 bytes, 8-row groups 512 bytes apart; the tile starts 512-byte aligned.
+__device__ __forceinline__ uint64_t sw64_desc(uint32_t smem_byte_addr) {
+  return static_cast<uint64_t>((smem_byte_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(512 >> 4) << 32) | (static_cast<uint64_t>(2) << 62);
+}
+
 // Descriptor of an N-major (transposed) B tile in 128-byte swizzle, as TMA lands the channels-last weights: chunks
 // of 64 output channels (128 bytes) x the stage's K rows, each chunk K rows of 128 bytes, 8-row groups 1024 bytes
 // apart (stride byte offset, along K), chunks 8192 bytes apart (leading byte offset, along N).
@@ -137,6 +143,19 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
           "r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(wg::smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// The same 3-D copy into this block's and every other block of `mask`'s shared memory (its cluster's blocks by
+// rank), at the same offset, completing on each block's barrier at the same offset as `bar`.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                                      uint64_t* bar, uint16_t mask) {
+#if DECONV_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(wg::smem_addr(bar)), "h"(mask)
       : "memory");
 #endif
 }

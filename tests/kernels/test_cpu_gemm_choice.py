@@ -7,7 +7,7 @@ from kernels.tuning import DEFAULT, GEMM_SPLITS, ROUNDED_CHOICES, SPLIT_BELOW_MS
 
 NUM_CONFIGS = 14
 NUM_GATHER = 4
-NUM_GEMM = 9
+NUM_GEMM = 13
 
 
 def _trial(choice: KernelChoice, ms: float, ran: str) -> Trial:

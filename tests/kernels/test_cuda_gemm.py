@@ -1,12 +1,13 @@
 """GPU correctness of the gemm path against float64: its wgmma kernel (kernels/csrc/conv_transpose2d_gemm.cu,
-configurations 0-2 and 5-8; exact fp32 as 3xTF32 on 0, 2, 5 and 8) and its mma.sync kernel
-(conv_transpose2d_gemm_sync.cu, 3-4), both forced on sm_90.
+configurations 0-2 and 5-12, 9-12 in pairs of blocks; exact fp32 as 3xTF32 on 0, 2, 5, 8 and 9) and its mma.sync
+kernel (conv_transpose2d_gemm_sync.cu, 3-4), both forced on sm_90.
 
 Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py; both input layouts (the kernel
 reads channels-last, an NCHW input is converted first) and both output layouts, every tile configuration and
 split-K factor, and the parameters that change its indexing: strides with phases that have no tap, dilation,
 padding, output_padding, groups, channel counts that leave partial stages and partial tiles, inputs one position
-high or wide (tiled with a stride of their own: one tap a phase).
+high or wide (tiled with a stride of their own: one tap a phase), 16-bit groups of at most 32 input channels (two
+taps a stage).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
 
-NUM_GEMM_CONFIGS = 9
+NUM_GEMM_CONFIGS = 13
 SYNC_CONFIGS = (3, 4)
 
 
@@ -57,6 +58,11 @@ PROBLEMS = {
     "padded_rows": dict(n=2, c_in=37, c_out=40, h=5, w=6, k=3, stride=2, padding=1),
     "padded_1x1": dict(n=6, c_in=100, c_out=128, h=1, w=1, k=4),
     "many_rows": dict(n=3, c_in=16, c_out=257, h=23, w=19, k=2, stride=2, bias=False),
+    # At most 32 16-bit input channels a group: two taps a stage (and one in a phase's last stage when its taps are
+    # odd: 9 and 21 here), also with x's rows padded (20 channels, a pitch of 24).
+    "two_taps_k3": dict(n=2, c_in=32, c_out=40, h=9, w=11, k=3, padding=1),
+    "two_taps_3x7": dict(n=2, c_in=16, c_out=24, h=6, w=13, k=(3, 7), padding=(1, 3)),
+    "two_taps_padded": dict(n=2, c_in=20, c_out=32, h=5, w=6, k=4, stride=2, padding=1),
 }
 
 
@@ -324,7 +330,7 @@ def test_gemm_is_deterministic_and_split_agrees() -> None:
 
 
 # Exact fp32's configurations (gemm_exact_fits): the others run the default one of these when forced.
-EXACT_CONFIGS = (0, 2, 5, 8)
+EXACT_CONFIGS = (0, 2, 5, 8, 9)
 DEEP = dict(n=1, c_in=1024, c_out=72, h=8, w=40, k=3, padding=1)  # K = 9216: 288 stages
 
 
@@ -352,6 +358,48 @@ def test_gemm_exact_fp32_error_does_not_grow_with_k(config: int, split: int) -> 
     ref = reference(x, w, b, padding=1)  # run()'s inputs: the same seed draws them in the same order
     ratio = rel_err(y, ref) / rel_err(theirs, ref)
     assert ratio <= 3, f"gemm{config}/s{split}: rel err {err:.3e}, {ratio:.1f}x PyTorch's exact fp32"
+
+
+# The configurations that run in pairs of blocks (thread-block clusters sharing each B stage) and the configuration
+# each pairs: the same tiles, products in the same order.
+PAIRS = {9: 5, 10: 6, 11: 7, 12: 1}
+# Many M boxes, odd and even counts of them a phase (a pair's second block may have no box), every stride phase
+# with taps; and one image whose M boxes are fewer than the pairs' blocks.
+PAIR_PROBLEMS = {
+    "boxes_odd": dict(n=3, c_in=64, c_out=136, h=21, w=19, k=4, stride=2, padding=1),
+    "boxes_even": dict(n=4, c_in=128, c_out=64, h=16, w=16, k=3, stride=1, padding=1),
+    "groups": PROBLEMS["groups"],
+    "one_image": dict(n=1, c_in=64, c_out=48, h=9, w=7, k=3, stride=2, padding=1, output_padding=1),
+    "two_taps": dict(n=3, c_in=32, c_out=64, h=20, w=18, k=3, padding=1),
+}
+
+
+@needs_sm90
+@pytest.mark.parametrize("weights", ["nchw", "cl"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize("problem", list(PAIR_PROBLEMS))
+def test_gemm_pairs_give_the_bits_of_blocks_alone(problem: str, pair: int, mode: str, layout: str,
+                                                    weights: str) -> None:
+    """A pair of blocks (each bringing half of every B stage into both, multicast) computes what its configuration
+    alone computes, bit for bit, split-K too; and it is right against float64. Exact fp32 pairs only where it runs
+    (9); 16-bit channels-last weights are read N-major as they are, each block bringing half of a chunk's input
+    channels. Pairs stage one tap at a time: against blocks alone that stage two (16-bit groups of at most 32
+    input channels) split-K parts cover other taps, so only float64 judges those."""
+    if mode == "fp32" and pair not in EXACT_CONFIGS:
+        pytest.skip("exact fp32 runs on configurations 0, 2, 5, 8 and 9 only")
+    q = PAIR_PROBLEMS[problem]
+    two_taps_alone = mode in ("bf16", "fp16") and q["c_in"] // q.get("groups", 1) <= 32
+    for split in (1, 3):
+        seed = zlib.crc32(problem.encode()) + split
+        err, tol, path, y = run(q, mode, layout=layout, config=pair, split=split, seed=seed, weight_layout=weights)
+        assert path == "gemm"
+        assert err <= tol, f"{problem}/gemm{pair}/{mode}/{layout}/{weights}/s{split}: rel err {err:.3e} > {tol:.0e}"
+        if two_taps_alone:
+            continue
+        alone = run(q, mode, layout=layout, config=PAIRS[pair], split=split, seed=seed, weight_layout=weights)[3]
+        assert torch.equal(y, alone), f"{problem}/gemm{pair}/{mode}/{layout}/{weights}/s{split}: differs from alone"
 
 
 def test_every_gemm_configuration_is_forced_above() -> None:
