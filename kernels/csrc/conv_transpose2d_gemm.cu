@@ -18,11 +18,12 @@
 // 128-byte swizzle, brought by two bulk tensor copies (TMA) that one loader thread issues: the input box of the
 // stage's tap at its shifted origin (zero-filled past every border, which does the padding, the halo and the
 // channel tail) and a box of packed weights; for 16-bit groups of at most 32 input channels (blocks alone) a stage is
-// two taps of 64 bytes each in 64-byte swizzle (two boxes of each), not one tap padded with zeros. A ring of kStages buffers
-// with full / empty mbarriers lets the loader run up to kStages stages ahead, across tile boundaries. TF32 A must be rounded to nearest (wgmma would truncate),
-// unless x came rounded (an NCHW x is rounded by the layout change it needs anyway): the multipliers load their A
-// fragments from the landed stage, round them in registers and multiply from registers; at BN = 256 three loader
-// warps round each landed A box in place before the multipliers may read it (a third barrier, ready).
+// two taps of 64 bytes each in 64-byte swizzle (two boxes of each), not one tap padded with zeros. A ring of kStages
+// buffers with full / empty mbarriers lets the loader run up to kStages stages ahead, across tile boundaries. TF32 A
+// must be rounded to nearest (wgmma would truncate), unless x came rounded (an NCHW x is rounded by the layout change
+// it needs anyway): the multipliers load their A fragments from the landed stage, round them in registers and
+// multiply from registers; at BN = 256 three loader warps round each landed A box in place before the multipliers
+// may read it (a third barrier, ready).
 //
 // Pairs (configurations 9-12): blocks run in thread-block clusters of two, on tiles of neighbouring M boxes with the
 // same output channels; each block's loader brings half of every B stage, multicast into both blocks' buffers, and a
@@ -187,8 +188,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         const int b_chunks = min(BN / 64, (g.cout_g - d.c0 + 63) / 64);
         // In a pair the other block's half of B lands here too (before this block's arrival, possibly: the count of
         // bytes still to come may go below zero for a while), and a block whose box lies past the phase loads no A.
-        const uint32_t bytes = kPaired ? (own ? a_bytes : 0) + (kTransB ? b_chunks * kBChunk : kParts * BN * kGemmRowBytes)
-                                       : (kTransB ? a_bytes + b_chunks * kBChunk : stage_bytes);
+        const uint32_t bytes =
+            kPaired ? (own ? a_bytes : 0) + (kTransB ? b_chunks * kBChunk : kParts * BN * kGemmRowBytes)
+                    : (kTransB ? a_bytes + b_chunks * kBChunk : stage_bytes);
         int th = tap0 / d.aw.taps;
         int tw = tap0 - th * d.aw.taps;
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
@@ -952,7 +954,8 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
     const int clusters = max_active_clusters(
         conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>, kGemmThreads,
         gemm_smem_bytes(s, kExact), 2);
-    if (clusters > 0) return gemm_launch_instance<T, K, kShape, kTransB, true, false>(p, a, gr, split, clusters, stream);
+    if (clusters > 0)
+      return gemm_launch_instance<T, K, kShape, kTransB, true, false>(p, a, gr, split, clusters, stream);
   }
   if constexpr (sizeof(T) == 2 && !kTransB) {
     if (gemm_two_taps(p)) return gemm_launch_instance<T, K, kShape, false, false, true>(p, a, gr, split, 0, stream);
