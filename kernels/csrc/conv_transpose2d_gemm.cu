@@ -951,6 +951,10 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
   if constexpr (s.cluster == 2) {
     constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
+    // The kernel's shared memory is opted into first: the occupancy query counts clusters of blocks that size.
+    const cudaError_t err =
+        opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>>();
+    if (err != cudaSuccess) return err;
     const int clusters = max_active_clusters(
         conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>, kGemmThreads,
         gemm_smem_bytes(s, kExact), 2);
