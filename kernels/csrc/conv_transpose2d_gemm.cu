@@ -29,9 +29,12 @@
 // same output channels; each block's loader brings half of every B stage, multicast into both blocks' buffers, and a
 // buffer goes back to the loaders once the multipliers of both blocks are done with it.
 //
-// Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K into an fp32 workspace,
-// summed by a second kernel that adds the bias and writes the output; otherwise the epilogue adds the bias and
-// stores straight from the accumulators. The output is written through its strides: NCHW or NHWC.
+// Split-K (few tiles for the SMs): blocks of a tile each reduce a contiguous part of K. Where the configuration
+// allows it (gemm_cluster_k) and the device runs enough such clusters at once for at most two tiles each, the tile's
+// blocks run as one thread-block cluster and the first adds the others' sums, read from their shared memory, to its
+// accumulators (kClusterK); otherwise each writes its sums into an fp32 workspace, summed by a second kernel that
+// adds the bias and writes the output. The epilogue adds the bias and stores straight from the accumulators. The
+// output is written through its strides: NCHW or NHWC.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -60,11 +63,11 @@ namespace {
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
 
 constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
-  // Stages (exact fp32: A and B twice, gemm_exact_stages of them), their three barriers, the two turn barriers,
-  // alignment slack.
+  // Stages (exact fp32: A and B twice, gemm_exact_stages of them), their three barriers, the two turn barriers, the
+  // two barriers of split-K in a cluster, alignment slack.
   return static_cast<size_t>(exact ? gemm_exact_stages(s) : s.stages) *
              ((exact ? 2 : 1) * (s.bm + s.bn) * kGemmRowBytes + 24) +
-         16 + 1024;
+         32 + 1024;
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -89,7 +92,14 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
 // that the kernels without them compile as they did before them: as runtime flags, ptxas placed more wgmma waits in
 // the multipliers' loop (16 against 6 in the TF32 kernels' code) and TF32 rows ran 10-17% slower (bench/NOTES.md
 // v34).
-template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB, bool kPaired, bool kTwo>
+// kClusterK: split-K in a cluster of tl.splits blocks, block r the tile's split r. Once its products are done, a
+// block r > 0 writes its accumulators into its own stage buffers (the loader brings the next tile's stages only once
+// they have been read), each thread its registers as float4s at thread-major places, and arrives on the first
+// block's `red_full`; the first block's threads wait for it, add the same places of each other block (distributed
+// shared memory) to their own accumulators in the blocks' order, arrive on each other block's `red_done` and run the
+// epilogue. Each barrier completes once a tile, and a block r > 0 leaves only once its sums have been read.
+template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB, bool kPaired, bool kTwo,
+          bool kClusterK>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
                                  const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
@@ -111,6 +121,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // swizzle (A: the first tap's BM rows, then the second's; B likewise), and a phase's last stage the one tap left
   // when its taps are odd.
   static_assert(!kTwo || (!kTF32 && !kTransB && !kPaired), "two taps a stage: 16-bit K-major weights, blocks alone");
+  static_assert(!kClusterK || (!kPing && !kPaired && !kTwo && !kExact), "split-K in a cluster: gemm_cluster_k");
+  static_assert(!kClusterK || BM * BN * 4 <= kStages * kStage, "a tile's fp32 sums fit in the stage buffers");
+  constexpr bool kCluster = kPaired || kClusterK;
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
   constexpr int kProdRegs = kWsLoaderRegs;
@@ -124,6 +137,10 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   uint64_t* ready = full + kStages;                                       // TF32: the A box rounded
   uint64_t* empty = ready + kStages;                                      // the multipliers are done with it
   uint64_t* turns = empty + kStages;  // kPing: warpgroup w has issued the products of its latest tile
+  // kClusterK: the other blocks' sums of the tile are in their shared memory (the first block's), the first block has
+  // read this block's (the others').
+  uint64_t* red_full = turns + 2;
+  uint64_t* red_done = turns + 3;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       wg::mbar_init(&full[s], 1);     // the issuing thread's expect_tx
@@ -133,17 +150,26 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     wg::mbar_init(&turns[0], 128);
     wg::mbar_init(&turns[1], 128);
+    if constexpr (kClusterK) {
+      wg::mbar_init(red_full, (static_cast<int>(tl.splits.d) - 1) * 256);  // every multiplier thread of the others
+      wg::mbar_init(red_done, 256);                                        // every multiplier thread of the first
+    }
 #if DECONV_WGMMA
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine and the pair
 #endif
   }
-  // A pair: neither block's copies nor arrivals reach the other's barriers before they are initialized.
-  if constexpr (kPaired) wg::cluster_sync_all();
+  // A cluster: no block's copies nor arrivals reach another's barriers before they are initialized.
+  if constexpr (kCluster) wg::cluster_sync_all();
   else __syncthreads();
-  const int rank = kPaired ? static_cast<int>(wg::cluster_rank()) : 0;
-  const int first = kPaired ? static_cast<int>(blockIdx.x >> 1) : static_cast<int>(blockIdx.x);
-  const int step = kPaired ? static_cast<int>(gridDim.x >> 1) : static_cast<int>(gridDim.x);
-  const int items = kPaired ? tl.pairs : tl.total;
+  const int rank = kCluster ? static_cast<int>(wg::cluster_rank()) : 0;
+  int first = kPaired ? static_cast<int>(blockIdx.x >> 1) : static_cast<int>(blockIdx.x);
+  int step = kPaired ? static_cast<int>(gridDim.x >> 1) : static_cast<int>(gridDim.x);
+  int items = kPaired ? tl.pairs : tl.total;
+  if constexpr (kClusterK) {
+    first = fdiv(first, tl.splits);
+    step = fdiv(step, tl.splits);
+    items = fdiv(items, tl.splits);
+  }
 
   const int cpt = g.ci_pad / kCH;  // stages a tap
   const int wgi = threadIdx.x >> 7;
@@ -158,10 +184,20 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     if (warp == 0) {
       if (threadIdx.x != 0) return;
       // The issuing thread.
+      [[maybe_unused]] uint32_t tiles = 0;  // kClusterK: the block's tiles so far
       for (int w = first; w < items; w += step) {
         GemmTile d;
         bool own;
-        if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
+        if (!gemm_work<kPaired, kTwo, kClusterK>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
+        if constexpr (kClusterK) {
+          // The stage buffers held the sums of the tile before until the first block read them: its reads and this
+          // block's multipliers' stores come before the copies that overwrite them.
+          if (rank > 0 && tiles > 0) {
+            wg::mbar_wait<true>(red_done, (tiles - 1) & 1);
+            fence_async_smem();
+          }
+          ++tiles;
+        }
         if constexpr (kTwo) {
           const int taps = d.ah.taps * d.aw.taps;
           for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
@@ -257,7 +293,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       for (int w = first; w < items; w += step) {
         GemmTile d;
         bool own;
-        if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
+        if (!gemm_work<kPaired, kTwo, kClusterK>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
@@ -309,10 +345,11 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   // products, and it never waits on a stage more than one pass of the ring ahead of the loader (a barrier's parity
   // tells only one pass from the next).
   int turn = 0, mine = 0;  // the block's tiles so far, this warpgroup's
+  [[maybe_unused]] uint32_t sums = 0;  // kClusterK: the tiles whose sums were handed over so far
   for (int w = first; w < items; w += step) {
     GemmTile d;
     bool own;
-    if (!gemm_work<kPaired, kTwo>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
+    if (!gemm_work<kPaired, kTwo, kClusterK>(w, tl, g.n, BN, cpt, rank, d, own)) continue;
     if constexpr (kPing) {
       if ((turn++ & 1) != mw) {
         it += d.k_end - d.k_begin;  // the other warpgroup's stages
@@ -434,6 +471,49 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     for (int b = 0; b < kMW; ++b) wg::pin<BN / 2>(acc[b]);
     if constexpr (kPaired)
       if (!own) continue;  // a pair's block whose box lies past the phase or the batch
+    if constexpr (kClusterK) {
+      // This warpgroup's sums as float4s, float4 q of thread t at q * 128 + t: the same thread of every block holds
+      // the same rows and columns, and a warp's 16-byte accesses are contiguous.
+      constexpr int kQuads = kMW * BN / 8;
+      const uint32_t red = base + static_cast<uint32_t>(mw * kQuads * 128 * 16 + (threadIdx.x & 127) * 16);
+      if (rank > 0) {
+        // Both warpgroups' products are done (each waited for its own) before either overwrites a stage buffer.
+        wg::bar_sync(1, 256);
+        float4* mine_red = reinterpret_cast<float4*>(smem + (red - base));
+#pragma unroll
+        for (int b = 0; b < kMW; ++b)
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            mine_red[(b * (BN / 8) + j) * 128] =
+                make_float4(acc[b][4 * j], acc[b][4 * j + 1], acc[b][4 * j + 2], acc[b][4 * j + 3]);
+        fence_async_smem();  // before the copies that will overwrite them, once read
+        wg::mbar_arrive_cluster_release(wg::cluster_peer_addr(red_full, 0));
+        wg::mbar_wait<true>(red_done, sums++ & 1);
+        continue;
+      }
+      wg::mbar_wait<true>(red_full, sums++ & 1);
+      // Eight loads in flight before their sums: one at a time, each would wait out the remote latency.
+      static_assert(kQuads % 8 == 0, "whole batches of eight float4s");
+      for (int r = 1; r < static_cast<int>(tl.splits.d); ++r) {
+        const uint32_t peer = wg::cluster_peer_addr(smem + (red - base), r);
+#pragma unroll
+        for (int c = 0; c < kQuads; c += 8) {
+          float4 v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = wg::ld_cluster_f4(peer + (c + e) * 128 * 16);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            float* a = &acc[(c + e) / (BN / 8)][4 * ((c + e) % (BN / 8))];
+            a[0] += v[e].x;
+            a[1] += v[e].y;
+            a[2] += v[e].z;
+            a[3] += v[e].w;
+          }
+        }
+      }
+      for (int r = 1; r < static_cast<int>(tl.splits.d); ++r)
+        wg::mbar_arrive_cluster_release(wg::cluster_peer_addr(red_done, r));
+    }
 
     // Epilogue. Accumulator 4j + e of block b: row b * 64 + (warp's 16) + lane / 4 (+ 8 for e >= 2), column
     // 8j + 2 (lane % 4) (+ 1 for odd e).
@@ -906,70 +986,102 @@ GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int spl
   const int64_t inner = gr.tiles / gr.m_tiles * split;  // tiles a box
   tl.inner = make_fast_div(static_cast<uint32_t>(inner));
   tl.pairs = static_cast<int>(inner * tc::div_up(gr.m_tiles, 2));
+  tl.ng = make_fast_div(static_cast<uint32_t>(gr.n_tiles * p.groups));
   tl.a_rounded = p.dtype == DType::kFloat32 && p.x_tf32_rounded && !gemm_exact(p);
   return tl;
 }
 
-// A wgmma kernel instance: persistent, one block an SM, or in pairs (kPaired) one cluster of two blocks for each of
-// `clusters` pairs of SMs.
-template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo>
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK>
+constexpr auto gemm_kernel_of() {
+  constexpr GemmShape s = kGemmShapes[kShape];
+  constexpr int kStages = K == tc::MmaKind::k3xTF32 ? gemm_exact_stages(s) : s.stages;
+  return conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo, kClusterK>;
+}
+
+// How many clusters of `size` blocks of a wgmma kernel instance the device runs at once (0: none fits). The kernel's
+// shared memory is opted into first: the occupancy query counts clusters of blocks that size.
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kClusterK>
+int gemm_clusters(int size) {
+  constexpr auto kKernel = gemm_kernel_of<T, K, kShape, kTransB, kPaired, false, kClusterK>();
+  if (opt_in_shared_memory<kKernel>() != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return max_active_clusters(kKernel, kGemmThreads, gemm_smem_bytes(kGemmShapes[kShape], K == tc::MmaKind::k3xTF32),
+                             size);
+}
+
+// A wgmma kernel instance: persistent, one block an SM, or in clusters one cluster for each of `clusters` groups of
+// SMs: pairs (kPaired, two blocks), or a tile's `split` blocks (kClusterK).
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK>
 cudaError_t gemm_launch_instance(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
                                  int clusters, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
-  constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
-  auto kernel = conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo>;
+  constexpr auto kKernel = gemm_kernel_of<T, K, kShape, kTransB, kPaired, kTwo, kClusterK>();
   constexpr size_t smem = gemm_smem_bytes(s, kExact);
   static_assert(smem <= kGemmSmemLimit, "a block's shared memory");
-  const cudaError_t err =
-      opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo>>();
+  const cudaError_t err = opt_in_shared_memory<kKernel>();
   if (err != cudaSuccess) return err;
   const GemmTiles tl = gemm_tiles(p, gr, split);
   CUtensorMap mx, mw;
   if (!gemm_maps(p, a, gr.box, s.bn, kPaired ? 2 : 1, kTransB, kTwo, &mx, &mw)) return cudaErrorInvalidValue;
-  if constexpr (!kPaired) {
+  if constexpr (!kPaired && !kClusterK) {
     const int sms = sm_count() > 0 ? sm_count() : 1;
-    kernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
+    kKernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
     return cudaGetLastError();
   } else {
+    const int size = kPaired ? 2 : split;
+    const int items = kPaired ? tl.pairs : tl.total / split;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
-    cluster_config(cfg, attr, dim3(2 * static_cast<unsigned>(tl.pairs < clusters ? tl.pairs : clusters)),
-                   kGemmThreads, smem, 2, stream);
-    return cudaLaunchKernelEx(&cfg, kernel, a, tl, mx, mw);
+    cluster_config(cfg, attr, dim3(static_cast<unsigned>(size * (items < clusters ? items : clusters))),
+                   kGemmThreads, smem, size, stream);
+    return cudaLaunchKernelEx(&cfg, kKernel, a, tl, mx, mw);
   }
 }
 
 // The wgmma kernel of a configuration: in pairs where the configuration says so and the device holds a cluster of
 // two of its blocks (else alone: the configuration's tiles one a block); 16-bit groups of at most 32 input channels
-// with two taps a stage where blocks run alone.
+// with two taps a stage where blocks run alone; a split-K tile's blocks as one cluster where gemm_cluster_k allows it
+// and the device holds enough of those clusters at once for at most two tiles each (`*partials` false), else each
+// split into the fp32 partials (`*partials` true: the caller sums them).
 template <typename T, tc::MmaKind K, int kShape, bool kTransB>
 cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
-                              cudaStream_t stream) {
+                              bool* partials, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
   static_assert(s.cluster == 1 || s.cluster == 2, "blocks alone or in pairs");
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
+  *partials = split > 1;
   if constexpr (s.cluster == 2) {
-    constexpr int kStages = kExact ? gemm_exact_stages(s) : s.stages;
-    // The kernel's shared memory is opted into first: the occupancy query counts clusters of blocks that size.
-    const cudaError_t err =
-        opt_in_shared_memory<conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>>();
-    if (err != cudaSuccess) return err;
-    const int clusters = max_active_clusters(
-        conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, true, false>, kGemmThreads,
-        gemm_smem_bytes(s, kExact), 2);
+    const int clusters = gemm_clusters<T, K, kShape, kTransB, true, false>(2);
     if (clusters > 0)
-      return gemm_launch_instance<T, K, kShape, kTransB, true, false>(p, a, gr, split, clusters, stream);
+      return gemm_launch_instance<T, K, kShape, kTransB, true, false, false>(p, a, gr, split, clusters, stream);
+  }
+  const bool two = sizeof(T) == 2 && !kTransB && gemm_two_taps(p);
+  if constexpr (gemm_cluster_k(s) && !kExact) {
+    if (split > 1 && split <= kGemmMaxClusterK && !two) {
+      // At most two tiles a cluster: the hand-over serializes a cluster's tiles (its blocks but the first bring the
+      // next tile's stages only once their sums have been read), and with many tiles a cluster the fp32 partials are
+      // faster (pix2pix-rgb, 4096 tiles, 16 bits, split 2: 477 against 199 us; bench/NOTES.md v35).
+      const int clusters = gemm_clusters<T, K, kShape, kTransB, false, true>(split);
+      if (clusters > 0 && gr.tiles <= 2 * static_cast<int64_t>(clusters)) {
+        GemmArgs b = a;
+        b.partial = nullptr;  // the epilogue stores the output
+        *partials = false;
+        return gemm_launch_instance<T, K, kShape, kTransB, false, false, true>(p, b, gr, split, clusters, stream);
+      }
+    }
   }
   if constexpr (sizeof(T) == 2 && !kTransB) {
-    if (gemm_two_taps(p)) return gemm_launch_instance<T, K, kShape, false, false, true>(p, a, gr, split, 0, stream);
+    if (two) return gemm_launch_instance<T, K, kShape, false, false, true, false>(p, a, gr, split, 0, stream);
   }
-  return gemm_launch_instance<T, K, kShape, kTransB, false, false>(p, a, gr, split, 0, stream);
+  return gemm_launch_instance<T, K, kShape, kTransB, false, false, false>(p, a, gr, split, 0, stream);
 }
 
 // The wgmma launch of each configuration, indexed by configuration (null for the mma.sync ones and, for exact fp32,
 // the tiles that do not hold it).
-using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, int,
+using WgmmaLaunch = cudaError_t (*)(const ConvTranspose2dParams&, const GemmArgs&, const GemmGrid&, int, bool*,
                                     cudaStream_t);
 template <typename T, tc::MmaKind K, bool kTransB, int kShape>
 constexpr WgmmaLaunch wgmma_launch() {
@@ -992,13 +1104,14 @@ cudaError_t gemm_launch_kind(const ConvTranspose2dParams& p, int config, const G
       wgmma_launches<T, K, kTransB>(std::make_integer_sequence<int, kNumGemmConfigs>{});
   const GemmGrid gr = gemm_grid(p, config);
   cudaError_t err = cudaErrorInvalidValue;
+  bool partials = split > 1;  // split-K through the fp32 partials, summed here
   if (kGemmShapes[config].sync) {
     if (!kTransB && K != tc::MmaKind::k3xTF32)
       err = launch_gemm_sync(p.dtype, config, a, gemm_tiles(p, gr, split), stream);
   } else if (kWgmma[config] != nullptr) {
-    err = kWgmma[config](p, a, gr, split, stream);
+    err = kWgmma[config](p, a, gr, split, &partials, stream);
   }
-  if (err != cudaSuccess || split == 1) return err;
+  if (err != cudaSuccess || !partials) return err;
   const int64_t total = p.N * p.H_out * p.W_out * p.C_out;
   const int64_t blocks = tc::div_up(total, 256);
   conv_transpose2d_gemm_reduce<T><<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(a, split);

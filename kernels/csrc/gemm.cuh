@@ -61,6 +61,15 @@ constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
     {128, 128, 6, false, true, 2}, {128, 256, 4, false, false, 2},
 };
 
+// Split-K in a cluster (the wgmma kernel's kClusterK): the `split` blocks of a tile run as one thread-block cluster
+// (at most 8, the portable size) and the first adds the others' partial sums, read from their shared memory, to its
+// accumulators before its epilogue: no fp32 partials in global memory and no second kernel. For the configurations
+// whose two multiplier warpgroups share each tile, blocks alone (0, 1, 2, 5 and 6), in TF32 and 16 bits (not exact
+// fp32, not two taps a stage), where the clusters the device runs at once take at most two tiles each; other
+// splits go through fp32 partials.
+constexpr int kGemmMaxClusterK = 8;
+constexpr bool gemm_cluster_k(const GemmShape& s) { return !s.sync && !s.ping && s.cluster == 1; }
+
 // Exact fp32 (3xTF32) on the wgmma kernel: a stage holds A and B twice (their TF32 parts and the TF32 roundings of
 // what is left), and a multiplier sums each stage into partial sums beside its accumulators, so only the wgmma tiles
 // whose accumulators take at most 64 registers a thread run it (0, 2, 5, 8 and 9), with as many stages as fit in the
@@ -85,6 +94,8 @@ struct GemmTiles {
   // Pairs (the wgmma kernel's kPaired): tiles a box (channel tiles x groups x splits x phases), pairs of boxes' tiles.
   int pairs;
   FastDiv inner;
+  // Split-K in a cluster (kClusterK): tiles of one split a group and phase of a box (channel tiles x groups).
+  FastDiv ng;
   // TF32: x's values are TF32 already (x_tf32_rounded), so the landed A stages need no rounding. Kept here, not in
   // GemmArgs: that struct stays within 128 bytes, which the compiler keeps in registers (at 136 it read the fields
   // from parameter memory inside the loops, and the channels-last TF32 rows ran up to 1.4x slower, bench/NOTES.md
@@ -140,15 +151,23 @@ __device__ __forceinline__ bool gemm_decode(int t, const GemmTiles& tl, int n_im
 }
 
 // Work item w of a block, whose items are w = first, first + step, ... below tl.total alone (first: the block's
-// index, step: the grid's blocks) or tl.pairs in pairs (the cluster's index and the grid's clusters). Alone, item w
-// is tile w and is run where its box holds output (own). In a pair, item w is two tiles that differ only in their
-// M box (boxes 2 (w / inner) and the next, same channels, group, split and phase, so the same B stages), block
-// `rank` the one or the other: both run it unless both boxes lie past the phase or the batch, since each brings half
-// of the pair's B stages; a block whose own box does (own false) loads no A and stores nothing.
-template <bool kPaired, bool kTwo>
+// index, step: the grid's blocks), tl.pairs in pairs or tl.total / splits with split-K in a cluster (first: the
+// cluster's index, step: the grid's clusters). Alone, item w is tile w and is run where its box holds output (own).
+// In a pair, item w is two tiles that differ only in their M box (boxes 2 (w / inner) and the next, same channels,
+// group, split and phase, so the same B stages), block `rank` the one or the other: both run it unless both boxes
+// lie past the phase or the batch, since each brings half of the pair's B stages; a block whose own box does (own
+// false) loads no A and stores nothing. With split-K in a cluster (kClusterK), item w is one tile's splits, block
+// `rank` its split `rank`: all blocks of the cluster run it or none.
+template <bool kPaired, bool kTwo, bool kClusterK = false>
 __device__ __forceinline__ bool gemm_work(int w, const GemmTiles& tl, int n_img, int bn, int cpt, int rank,
                                           GemmTile& d, bool& own) {
-  if constexpr (!kPaired) {
+  if constexpr (kClusterK) {
+    const int ng = static_cast<int>(tl.ng.d);
+    const int r = fdiv(w, tl.ng);  // the item's box and phase
+    const int t = (r * static_cast<int>(tl.splits.d) + rank) * ng + (w - r * ng);
+    own = gemm_decode<false, kTwo>(t, tl, n_img, bn, cpt, d);
+    return own;
+  } else if constexpr (!kPaired) {
     own = gemm_decode<false, kTwo>(w, tl, n_img, bn, cpt, d);
     return own;
   } else {

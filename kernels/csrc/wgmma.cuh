@@ -107,18 +107,29 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 #endif
 }
-// Waits until the phase of `bar` with this parity has completed.
+// Waits until the phase of `bar` with this parity has completed; kCluster: acquiring at cluster scope what the
+// arrivals released (split-K in a cluster, below), else with the default semantics (acquire at CTA scope).
+template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if DECONV_WGMMA
   uint32_t done = 0;
   do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
+    if constexpr (kCluster)
+      asm volatile(
+          "{\n.reg .pred p;\n"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(smem_addr(bar)), "r"(parity)
+          : "memory");
+    else
+      asm volatile(
+          "{\n.reg .pred p;\n"
+          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+          "selp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done)
+          : "r"(smem_addr(bar)), "r"(parity)
+          : "memory");
   } while (!done);
 #endif
 }
@@ -163,6 +174,29 @@ __device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t cluster_addr, bo
                "r"(static_cast<uint32_t>(pred))
                : "memory");
 #endif
+}
+// Split-K in a cluster (conv_transpose2d_gemm.cu): the blocks hand their partial sums over through distributed
+// shared memory, so the hand-over orders memory at cluster scope: an arrival on a barrier in block `rank`'s shared
+// memory (`cluster_addr`, from cluster_peer_addr) that releases this thread's earlier accesses to the cluster, the
+// wait that acquires them (mbar_wait<true>), and a 16-byte load from another block's shared memory.
+__device__ __forceinline__ void mbar_arrive_cluster_release(uint32_t cluster_addr) {
+#if DECONV_WGMMA
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+#endif
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t cluster_addr) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if DECONV_WGMMA
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr)
+               : "memory");
+#endif
+  return v;
+}
+// A barrier over `threads` threads of the block, named barrier `id` (0 is __syncthreads's).
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 // Arrives on `bar` once every cp.async this thread has issued so far has landed (counts as one expected arrival).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {

@@ -1,6 +1,6 @@
 """GPU correctness of the gemm path against float64: its wgmma kernel (kernels/csrc/conv_transpose2d_gemm.cu,
-configurations 0-2 and 5-12, 9-12 in pairs of blocks; exact fp32 as 3xTF32 on 0, 2, 5, 8 and 9) and its mma.sync
-kernel (conv_transpose2d_gemm_sync.cu, 3-4), both forced on sm_90.
+configurations 0-2 and 5-12, 9-12 in pairs of blocks; exact fp32 as 3xTF32 on 0, 2, 5, 8 and 9; split-K in a
+cluster on 0-2, 5 and 6) and its mma.sync kernel (conv_transpose2d_gemm_sync.cu, 3-4), both forced on sm_90.
 
 Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py; both input layouts (the kernel
 reads channels-last, an NCHW input is converted first) and both output layouts, every tile configuration and
@@ -195,6 +195,82 @@ def test_gemm_split(problem: str, config: int, mode: str, split: int, layout: st
                             seed=zlib.crc32(problem.encode()) + split)
     assert path == "gemm"
     assert err <= tol, f"{problem}/split {split}/{mode}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+# Split-K in a cluster (gemm_cluster_k): the configurations whose blocks run alone and share each tile between their
+# two multiplier warpgroups, a tile's splits one cluster of blocks (at most 8); the rest, and more splits, go
+# through fp32 partials.
+CLUSTER_K_CONFIGS = (0, 1, 2, 5, 6)
+CLUSTER_K_PROBLEMS = {
+    # 32-96 tiles: with 2 splits a cluster may run two tiles (the hand-over's barriers through several phases), with
+    # 8 splits (16 clusters at once on an H100 or H200) the configurations of 32 tiles (1, 6) do and the others sum
+    # fp32 partials.
+    "tiles": dict(n=4, c_in=128, c_out=136, h=16, w=16, k=4, stride=2, padding=1),
+    # One M box a phase, one channel tile: 4 tiles of 16 (bf16) or 32 (TF32) stages.
+    "few_tiles": dict(n=1, c_in=256, c_out=64, h=4, w=4, k=4, stride=2, padding=1),
+    # Phases of 1, 2, 2 and 4 taps: with 5 splits some blocks have no stage of K at all.
+    "k3s2_op1": PROBLEMS["k3s2_op1"],
+    "stride3_k2": PROBLEMS["stride3_k2"],  # phases with no tap: bias only
+    "groups": PROBLEMS["groups"],
+}
+
+
+@needs_sm90
+@pytest.mark.parametrize("weights", ["nchw", "cl"])
+@pytest.mark.parametrize("split", [2, 5, 8])
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("config", CLUSTER_K_CONFIGS)
+@pytest.mark.parametrize("problem", list(CLUSTER_K_PROBLEMS))
+def test_gemm_split_in_a_cluster(problem: str, config: int, mode: str, split: int, weights: str) -> None:
+    """A tile's splits as one cluster, the first block adding the others' sums from their shared memory: right
+    against float64, with channels-last weights read as they are too."""
+    err, tol, path, _ = run(CLUSTER_K_PROBLEMS[problem], mode, layout="cl", config=config, split=split,
+                            seed=zlib.crc32(problem.encode()) + 13 * split + config, weight_layout=weights)
+    assert path == "gemm"
+    assert err <= tol, f"{problem}/gemm{config}/{mode}/{weights}/s{split}: rel err {err:.3e} > {tol:.0e}"
+
+
+def _gemm_kernels(fn) -> list[str]:
+    """The gemm kernels and split-K sums (not the weight packing) that ``fn()`` launches, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # first-call work outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()
+            if e.device_type.name == "CUDA" and ("gemm_kernel" in e.name or "gemm_reduce" in e.name)]
+
+
+@needs_sm90
+@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp32"])
+def test_gemm_split_in_a_cluster_needs_no_second_kernel(mode: str) -> None:
+    """Splits of 2 to 8 of a few tiles on a cluster configuration run one gemm kernel; 16 splits, exact fp32
+    (3xTF32) and the configurations by turns (7) or in pairs (9) sum fp32 partials in a second kernel."""
+    q = CLUSTER_K_PROBLEMS["few_tiles"]
+    dtype, precision, _ = MODES[mode]
+    x = torch.randn(q["n"], q["c_in"], q["h"], q["w"], device="cuda").to(dtype).contiguous(
+        memory_format=torch.channels_last)
+    w = torch.randn(q["c_in"], q["c_out"], q["k"], q["k"], device="cuda").to(dtype)
+    args = normalize_args(2, 1, 0, 1, 1)
+
+    def kernels_of(config: int, split: int) -> list[str]:
+        return _gemm_kernels(lambda: forward_cuda(x, w, None, args, precision or "fp32", force_path="gemm",
+                                                  force_config=config, force_split=split))
+
+    def reduced(names: list[str]) -> bool:
+        return any("gemm_reduce" in n for n in names)
+
+    for config in CLUSTER_K_CONFIGS if mode != "fp32" else ():
+        for split in (2, 8):
+            names = kernels_of(config, split)
+            assert len(names) == 1, (config, split, names)
+            assert not reduced(names), (config, split, names)
+        assert reduced(kernels_of(config, 16)), config
+    for config in ((7, 9) if mode != "fp32" else (0, 2, 5)):
+        assert reduced(kernels_of(config, 2)), config
+    assert len(kernels_of(0 if mode != "fp32" else 2, 1)) == 1
 
 
 @needs_sm90
