@@ -1044,15 +1044,14 @@ cudaError_t gemm_launch_instance(const ConvTranspose2dParams& p, const GemmArgs&
 // The wgmma kernel of a configuration: in pairs where the configuration says so and the device holds a cluster of
 // two of its blocks (else alone: the configuration's tiles one a block); 16-bit groups of at most 32 input channels
 // with two taps a stage where blocks run alone; a split-K tile's blocks as one cluster where gemm_cluster_k allows it
-// and the device holds enough of those clusters at once for at most two tiles each (`*partials` false), else each
-// split into the fp32 partials (`*partials` true: the caller sums them).
+// and the device holds enough of those clusters at once for at most two tiles each (then `*partials` is cleared),
+// else each split into the fp32 partials, which the caller sums.
 template <typename T, tc::MmaKind K, int kShape, bool kTransB>
 cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
                               bool* partials, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
   static_assert(s.cluster == 1 || s.cluster == 2, "blocks alone or in pairs");
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
-  *partials = split > 1;
   if constexpr (s.cluster == 2) {
     const int clusters = gemm_clusters<T, K, kShape, kTransB, true, false>(2);
     if (clusters > 0)

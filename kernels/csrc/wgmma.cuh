@@ -133,9 +133,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 #endif
 }
-// Thread-block clusters (a pair of blocks sharing their weights' stages, conv_transpose2d_gemm.cu): this block's
-// rank in its cluster, a barrier over the cluster's threads, and an arrival on the barrier at the same offset in
-// block `rank`'s shared memory.
+// Thread-block clusters (conv_transpose2d_gemm.cu: a pair of blocks sharing their weights' stages, or a tile's
+// split-K blocks): this block's rank in its cluster, a barrier over the cluster's threads, and the address of the same
+// offset in block `rank`'s shared memory.
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r = 0;
 #if DECONV_WGMMA

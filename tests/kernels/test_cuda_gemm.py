@@ -19,6 +19,7 @@ import torch
 
 import kernels
 from kernels.internal import forward_cuda, load_extension, normalize_args, output_size
+from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference, round_tf32
 from tests.numerics import rel_err
 
@@ -230,19 +231,6 @@ def test_gemm_split_in_a_cluster(problem: str, config: int, mode: str, split: in
     assert err <= tol, f"{problem}/gemm{config}/{mode}/{weights}/s{split}: rel err {err:.3e} > {tol:.0e}"
 
 
-def _gemm_kernels(fn) -> list[str]:
-    """The gemm kernels and split-K sums (not the weight packing) that ``fn()`` launches, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # first-call work outside the profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events()
-            if e.device_type.name == "CUDA" and ("gemm_kernel" in e.name or "gemm_reduce" in e.name)]
-
-
 @needs_sm90
 @pytest.mark.parametrize("mode", ["tf32", "bf16", "fp32"])
 def test_gemm_split_in_a_cluster_needs_no_second_kernel(mode: str) -> None:
@@ -256,8 +244,10 @@ def test_gemm_split_in_a_cluster_needs_no_second_kernel(mode: str) -> None:
     args = normalize_args(2, 1, 0, 1, 1)
 
     def kernels_of(config: int, split: int) -> list[str]:
-        return _gemm_kernels(lambda: forward_cuda(x, w, None, args, precision or "fp32", force_path="gemm",
-                                                  force_config=config, force_split=split))
+        """The gemm kernels and split-K sums (not the weight packing) a call launches."""
+        launched = kernels_launched(lambda: forward_cuda(x, w, None, args, precision or "fp32", force_path="gemm",
+                                                         force_config=config, force_split=split))
+        return [n for n in launched if "gemm_kernel" in n or "gemm_reduce" in n]
 
     def reduced(names: list[str]) -> bool:
         return any("gemm_reduce" in n for n in names)

@@ -15,6 +15,7 @@ from torch import nn
 import kernels
 from kernels.internal import load_extension
 from kernels.tuning import TUNER
+from tests.kernels.launches import kernels_launched
 from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
@@ -228,7 +229,7 @@ def test_a_compiled_inference_model_packs_its_weights_once(ext) -> None:
     x = torch.randn(8, 256, 8, 8, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
-        launched = _kernels_launched(lambda: compiled(x))
+        launched = kernels_launched(lambda: compiled(x))
     ours = [k for k in launched if "deconv::" in k]
     assert sum("conv_transpose2d_gemm_kernel" in k for k in ours) >= 2, launched
     assert not any("pack" in k for k in ours), launched
@@ -272,23 +273,12 @@ def test_export_runs_our_operator_on_the_gpu(ext) -> None:
         assert rel_err(program.module()(x), _decoder(torch.float64, False)(x.double())) < TOL[torch.float32]
 
 
-def _kernels_launched(fn) -> list[str]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.skipif(not SM90, reason="the gemm kernel runs on sm_90 (H100/H200) only")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_steady_channels_last_call_launches_only_the_gemm_kernel(ext, dtype: torch.dtype) -> None:
     x, w, b = problem(dtype, True, n=8, c_in=256, c_out=128)
     with torch.no_grad():
-        launched = _kernels_launched(lambda: kernels.conv_transpose2d(x, w, b, 2, 1))
+        launched = kernels_launched(lambda: kernels.conv_transpose2d(x, w, b, 2, 1))
     gemm = [k for k in launched if "gemm_reduce" not in k]  # a split-K reduction may follow where chosen
     assert len(gemm) == 1, launched
     assert "conv_transpose2d_gemm_kernel" in gemm[0], launched
