@@ -20,6 +20,7 @@ import torch
 
 import kernels
 from kernels.internal import forward_cuda, normalize_args, output_size
+from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
 from tests.numerics import rel_err
 
@@ -163,21 +164,16 @@ def test_fold_fallbacks() -> None:
 @pytest.mark.parametrize("x_layout", ["nchw", "cl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_steady_call_launches_only_the_fold_kernel(dtype: torch.dtype, x_layout: str) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.randn(2, 21, 34, 34, device="cuda").to(dtype)
     if x_layout == "cl":
         x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(21, 21, 16, 16, device="cuda").to(dtype)
     b = torch.randn(21, device="cuda").to(dtype)
     precision = "tf32" if dtype == torch.float32 else "fp32"
+    outputs: list[torch.Tensor] = []
     with torch.no_grad():
-        y = kernels.conv_transpose2d(x, w, b, 8, precision=precision)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            y = kernels.conv_transpose2d(x, w, b, 8, precision=precision)
-            torch.cuda.synchronize()
-    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        launched = kernels_launched(lambda: outputs.append(kernels.conv_transpose2d(x, w, b, 8, precision=precision)))
+    y = outputs[-1]  # the profiled call's
     assert len(launched) == 1, launched
     assert "conv_transpose2d_fold_kernel" in launched[0], launched
     assert y.is_contiguous(memory_format=torch.channels_last if x_layout == "cl" else torch.contiguous_format)
