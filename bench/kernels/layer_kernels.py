@@ -25,14 +25,20 @@ from bench.harness import Timer, write
 from bench.kernels.kernelbench import bundled_layers
 
 
-def kernel_times(fn: Callable[[], object], reps: int) -> dict[str, float]:
-    """Mean GPU time per call, in us, of each kernel (and copy or set) that ``fn`` runs, by name."""
+def profiled(fn: Callable[[], object], reps: int) -> profile:
+    """torch.profiler's record of ``reps`` calls of ``fn`` (GPU activity), after one call outside it."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(fn: Callable[[], object], reps: int) -> dict[str, float]:
+    """Mean GPU time per call, in us, of each kernel (and copy or set) that ``fn`` runs, by name."""
+    prof = profiled(fn, reps)
     out: dict[str, float] = {}
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None)

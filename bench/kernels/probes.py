@@ -33,6 +33,11 @@ document at the end; bench/NOTES.md says which version used which.
   family forced (the fastest that ran kept), the library call's default choice, and cuDNN in both layouts; warm and
   cold microseconds. The zoo's fcn8s-up8 and layers from real models outside the zoo (``FOLD_LAYERS``).
 
+- ``layouts``: the layout changes' bandwidth: the gemm kernel forced (configuration 0) on NCHW tensors with its
+  output staged channels-last, each kernel's GPU time in launch order (the median of five calls), so that x's change
+  to channels-last and y's back to NCHW are told apart even where one kernel does both; bytes read and written over
+  time, against a copy of as many bytes. BF16, and TF32 where x is rounded on its way. ``LAYOUT_LAYERS`` by default.
+
     python -m bench.kernels.probes staging [--only NAME ...] [--out FILE]
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -533,10 +539,65 @@ def nchw(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
+LAYOUT_LAYERS = ("kb57", "kb69", "pix2pix-u7", "pose-up3", "maskhead")
+
+
+def kernels_in_order(fn: Callable[[], object], reps: int = 5) -> list[tuple[str, float]]:
+    """Each kernel ``fn`` launches, in launch order, with the median of its GPU time (us) over ``reps`` calls."""
+    prof = layer_kernels.profiled(fn, reps)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per = len(events) // reps
+    return [(events[i].name, sorted(events[r * per + i].device_time for r in range(reps))[reps // 2])
+            for i in range(per)]
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's function name from the profiler's demangled signature (``void ns::(anonymous namespace)::f<T>(...)``
+    -> ``f``); other entries (copies, sets) up to their first parenthesis."""
+    m = re.search(r"::(\w+)[<(]", name)
+    return m.group(1) if m else name.split("(")[0].strip()
+
+
+def layout_rates(launched: Sequence[tuple[str, float]], x_bytes: int, y_bytes: int) -> dict[str, Any]:
+    """The layout changes among a staged gemm call's kernels (layout.cu's transposes: x's first, then y's): time (us)
+    and bandwidth (TB/s, each tensor read once and written once)."""
+    moves = [t for name, t in launched if kernel_name(name).startswith(("transpose_batched", "transpose_few_channels"))]
+    if len(moves) != 2:
+        raise ValueError(f"expected x's and y's layout changes, got {len(moves)} in {[n for n, _ in launched]}")
+    return {"x_us": round(moves[0], 1), "x_TBps": round(2 * x_bytes / moves[0] / 1e6, 2),
+            "y_us": round(moves[1], 1), "y_TBps": round(2 * y_bytes / moves[1] / 1e6, 2)}
+
+
+def layouts(problems: Sequence[dict]) -> list[dict]:
+    rows = []
+    for p in problems:
+        for precision, dtype in DTYPES.items():
+            x, w, b = zoo.inputs(p, dtype)
+            run = partial(forward_cuda, x, w, b, _args(p), "tf32", force_path="gemm", force_config=0, force_split=1,
+                          force_staged=True)
+            with torch.no_grad():
+                y, ran = run()
+                if ran != "gemm":
+                    continue
+                launched = kernels_in_order(run)
+                dst = torch.empty_like(y)
+                copy_us = warm_us(partial(dst.copy_, y))
+            row: dict[str, Any] = _layer_row(p, precision)
+            row.update(layout_rates(launched, x.numel() * x.element_size(), y.numel() * y.element_size()))
+            row["copy_TBps"] = round(2 * y.numel() * y.element_size() / copy_us / 1e6, 2)
+            row["kernels_us"] = [(kernel_name(name), round(t, 1)) for name, t in launched]
+            rows.append(row)
+            print(f"layouts {p['name']:<12} {precision} x {row['x_us']} us {row['x_TBps']} TB/s, y {row['y_us']} us "
+                  f"{row['y_TBps']} TB/s (copy {row['copy_TBps']} TB/s)", flush=True)
+            del x, w, b, y, dst
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding",
-                                      "shuffle", "fold", "nchw"))
+                                      "shuffle", "fold", "nchw", "layouts"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
@@ -549,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         chosen = [p for p in fold_problems() if not a.only or p["name"] in a.only]
     elif a.probe == "nchw" and not a.only:
         chosen = [p for p in every if p["name"] in NCHW_LAYERS]
+    elif a.probe == "layouts" and not a.only:
+        chosen = [p for p in every if p["name"] in LAYOUT_LAYERS]
     elif a.only:
         chosen = [p for p in every if p["name"] in a.only]
     elif a.probe == "kernels":  # small layers whose library call took much longer than the served call
@@ -560,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold, "nchw": nchw}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold, "nchw": nchw,
+            "layouts": layouts}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.kernels.probes import fold_columns, unfold_columns
+from bench.kernels.probes import fold_columns, kernel_name, layout_rates, unfold_columns
 from kernels.internal import output_size
 
 
@@ -38,3 +38,33 @@ def test_unfolding_refuses_a_view_short_of_the_output() -> None:
     yf = torch.zeros(1, 2 * 3, 4, 5)
     with pytest.raises(ValueError, match="columns end before"):
         unfold_columns(yf, 2, 0, output_size(5, 2, 2, 0, 1, 1))
+
+
+GEMM_STAGED = [  # a staged gemm call's kernels as the profiler names them, in launch order
+    ("void deconv::(anonymous namespace)::transpose_batched_vec<unsigned short, 4, false>(unsigned short const*, "
+     "unsigned short*, long, long)", 543.1),
+    ("void deconv::(anonymous namespace)::conv_transpose2d_gemm_pack<__nv_bfloat16, 0, (deconv::PackRows)1>("
+     "__nv_bfloat16 const*, __nv_bfloat16*, int, int, int, int, bool, long)", 3.5),
+    ("void deconv::(anonymous namespace)::conv_transpose2d_gemm_kernel<__nv_bfloat16, (deconv::tc::MmaKind)2, 128, "
+     "128, 6, false, false, false, false, false>(deconv::GemmArgs, deconv::GemmTiles, CUtensorMap_st, CUtensorMap_st)",
+     2328.6),
+    ("void deconv::(anonymous namespace)::transpose_batched_vec<unsigned short, 4, false>(unsigned short const*, "
+     "unsigned short*, long, long)", 877.6),
+]
+
+
+def test_kernel_names_come_out_of_the_profilers_signatures() -> None:
+    assert [kernel_name(n) for n, _ in GEMM_STAGED] == [
+        "transpose_batched_vec", "conv_transpose2d_gemm_pack", "conv_transpose2d_gemm_kernel", "transpose_batched_vec"]
+    assert kernel_name("void cudnn::engines_precompiled::scalePackedTensor_kernel<float, float>(long, float)") == \
+        "scalePackedTensor_kernel"
+    assert kernel_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
+
+
+def test_layout_rates_take_x_then_y_and_not_the_gemm_kernels() -> None:
+    gib = 2**30
+    got = layout_rates(GEMM_STAGED, gib, gib + 4 * 2**20)
+    assert got == {"x_us": 543.1, "x_TBps": round(2 * gib / 543.1 / 1e6, 2), "y_us": 877.6,
+                   "y_TBps": round(2 * (gib + 4 * 2**20) / 877.6 / 1e6, 2)}
+    with pytest.raises(ValueError, match="layout changes"):
+        layout_rates(GEMM_STAGED[1:], gib, gib)  # the pack and gemm kernels are not layout changes
