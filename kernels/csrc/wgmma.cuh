@@ -112,25 +112,23 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 template <bool kCluster = false>
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if DECONV_WGMMA
+// One try_wait with the semantics qualifier SEM ("" or ".acquire.cluster").
+#define DECONV_MBAR_TRY_WAIT(SEM)                                                        \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\n"                                                               \
+      "mbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%1], %2;\n"                   \
+      "selp.u32 %0, 1, 0, p;\n}\n"                                                       \
+      : "=r"(done)                                                                       \
+      : "r"(smem_addr(bar)), "r"(parity)                                                 \
+      : "memory")
   uint32_t done = 0;
   do {
     if constexpr (kCluster)
-      asm volatile(
-          "{\n.reg .pred p;\n"
-          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(smem_addr(bar)), "r"(parity)
-          : "memory");
+      DECONV_MBAR_TRY_WAIT(".acquire.cluster");
     else
-      asm volatile(
-          "{\n.reg .pred p;\n"
-          "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-          "selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(smem_addr(bar)), "r"(parity)
-          : "memory");
+      DECONV_MBAR_TRY_WAIT("");
   } while (!done);
+#undef DECONV_MBAR_TRY_WAIT
 #endif
 }
 // Thread-block clusters (conv_transpose2d_gemm.cu: a pair of blocks sharing their weights' stages, or a tile's
