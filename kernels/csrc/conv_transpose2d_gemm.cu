@@ -63,10 +63,10 @@ namespace {
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
 
 constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
-  // Stages (exact fp32: A and B twice, gemm_exact_stages of them), their three barriers, the two turn barriers, the
-  // two barriers of split-K in a cluster, alignment slack.
+  // Stages (exact fp32: B twice, gemm_exact_stages of them), their three barriers, the two turn barriers, the two
+  // barriers of split-K in a cluster, alignment slack.
   return static_cast<size_t>(exact ? gemm_exact_stages(s) : s.stages) *
-             ((exact ? 2 : 1) * (s.bm + s.bn) * kGemmRowBytes + 24) +
+             ((s.bm + (exact ? 2 : 1) * s.bn) * kGemmRowBytes + 24) +
          32 + 1024;
 }
 
@@ -84,10 +84,10 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
 // multipliers store the last one's output. kTransB: B is the channels-last weights as they are, brought as BN / 64
 // boxes of 64 output channels x the stage's input channels (N-major).
 // K = k3xTF32 (exact fp32): a stage also brings the weights' residual rows (the packed plane after the TF32 parts), the
-// loader warps split each landed A box into its TF32 parts (in place) and residuals (beside it), and the multipliers
-// run A_lo x B_hi + A_hi x B_lo + A_hi x B_hi for each stage into zeroed partial sums that they add to their
-// accumulators in fp32: the tensor cores truncate as they accumulate, and a sum over one stage keeps that error from
-// growing with K (bench/NOTES.md v7, v30).
+// multipliers split each A fragment they load into its TF32 part and the TF32 rounding of its residual in registers
+// (kRegA), and run A_lo x B_hi + A_hi x B_lo + A_hi x B_hi for each stage into zeroed partial sums that they add to
+// their accumulators in fp32: the tensor cores truncate as they accumulate, and a sum over one stage keeps that error
+// from growing with K (bench/NOTES.md v7, v30, v37). A is read from shared memory once a stage, as in TF32.
 // kPaired: a block of a pair (a cluster of two, gemm_work); kTwo: two taps a stage. Both are template parameters so
 // that the kernels without them compile as they did before them: as runtime flags, ptxas placed more wgmma waits in
 // the multipliers' loop (16 against 6 in the TF32 kernels' code) and TF32 rows ran 10-17% slower (bench/NOTES.md
@@ -107,15 +107,17 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   constexpr tc::MmaKind KM = kExact ? tc::MmaKind::kTF32 : K;  // the wgmma instructions' kind
   constexpr int kParts = kExact ? 2 : 1;                       // exact fp32: TF32 parts and residuals
   constexpr int kCH = kGemmRowBytes / sizeof(T);  // channels a stage
-  constexpr int kAStage = kParts * BM * kGemmRowBytes;  // A (exact: its TF32 parts, then its residuals), then B
-  constexpr int kStage = kParts * (BM + BN) * kGemmRowBytes;
+  constexpr int kAStage = BM * kGemmRowBytes;  // A, then B (exact: its TF32 parts, then its residuals)
+  constexpr int kStage = (BM + kParts * BN) * kGemmRowBytes;
   constexpr int kMW = kPing ? BM / 64 : BM / 128;  // 64-row wgmma blocks a multiplier warpgroup
   static_assert(kMW * BN / 2 * kParts <= 128, "accumulators (and partial sums): at most 128 registers a thread");
   constexpr int kKSteps = kGemmRowBytes / 32;  // wgmma k-steps a stage (k8 TF32 or k16 16-bit: 32 bytes)
   constexpr bool kTF32 = KM == tc::MmaKind::kTF32;
-  // TF32: A rounded in the multipliers' registers (unless x came rounded); at BN = 256 the accumulators leave too
-  // few registers for fragments in flight (ptxas serializes the wgmma), and the loader warps round in shared memory.
-  constexpr bool kRegA = kTF32 && !kExact && BN <= 128;
+  // TF32: A rounded (exact fp32: split) in the multipliers' registers (unless x came rounded); at BN = 256 the
+  // accumulators leave too few registers for fragments in flight (ptxas serializes the wgmma), and the loader warps
+  // round in shared memory. Every exact configuration has BN <= 128 (its accumulators and partials fit 128 registers).
+  constexpr bool kRegA = kTF32 && BN <= 128;
+  static_assert(!kExact || kRegA, "exact fp32 splits A in registers");
   static_assert(!(kTF32 && kTransB), "TF32 wgmma reads K-major operands only");
   // kTwo (16-bit groups of at most 32 input channels): a stage holds two taps, each 64 bytes of K a row in 64-byte
   // swizzle (A: the first tap's BM rows, then the second's; B likewise), and a phase's last stage the one tap left
@@ -285,10 +287,9 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
     }
     if constexpr (kTF32 && !kRegA) {
       // Warps 1-3: round each landed A box to TF32 (nearest), as the weights were when packed; wgmma would truncate.
-      // Not for an x rounded on its way in: the multipliers then wait for the copies alone. Exact fp32: split each
-      // into its TF32 parts (in place) and their residuals (the next BM rows). (Other TF32 tiles: the multipliers
-      // round A in their registers, kRegA.)
-      if (!kExact && tl.a_rounded) return;
+      // Not for an x rounded on its way in: the multipliers then wait for the copies alone. (Other TF32 tiles: the
+      // multipliers round A in their registers, kRegA.)
+      if (tl.a_rounded) return;
       const int rt = threadIdx.x - 32;
       for (int w = first; w < items; w += step) {
         GemmTile d;
@@ -297,11 +298,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
-          if constexpr (kExact)
-            tc::round_tf32_inplace<true>(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96,
-                                         smem + s * kStage + BM * kGemmRowBytes);
-          else
-            tc::round_tf32_inplace(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96);
+          tc::round_tf32_inplace(smem + s * kStage, rows * kGemmRowBytes / 4, rt, 96);
           fence_async_smem();
           wg::mbar_arrive(&ready[s]);
         }
@@ -316,11 +313,12 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   const int row0 = kPing ? 0 : mw * (BM / 2);
   const int lane = threadIdx.x & 31;
   const int wq = (threadIdx.x >> 5) & 3;
-  uint64_t* const landed = kExact || (kTF32 && !kRegA && !tl.a_rounded) ? ready : full;
+  uint64_t* const landed = kTF32 && !kRegA && !tl.a_rounded ? ready : full;
   // TF32 with an x not rounded on its way in: each thread loads its A fragments from the landed stage, rounds them
   // to TF32 (nearest, as the weights were when packed; wgmma would truncate) and multiplies from registers. A stage's
-  // bytes are read once either way, and no pass rounds them in shared memory first.
-  const bool reg_a = kRegA && !tl.a_rounded;
+  // bytes are read once either way, and no pass rounds them in shared memory first. Exact fp32 (never a rounded x):
+  // each fragment is split into its TF32 part and the TF32 rounding of its residual, both multiplied from registers.
+  const bool reg_a = kRegA && (kExact || !tl.a_rounded);
   // Channels-last output whose channel pairs (even co) start at even elements: pairs go out as one store.
   const bool pair_stores = g.ys_c == 1 && g.c_out % 2 == 0 && g.cout_g % 2 == 0;
   // 16-bit channels-last output in whole multiples of 4 channels, 8-byte aligned: quads of lanes store four channels
@@ -373,15 +371,24 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         // multiply, and a slot is written again only once the wgmma that read it are done (wait<kRing - 1> after
         // each step; narrow tiles, whose wgmma are short, keep more steps in flight). A stage goes back to the
         // loader once its last step is done.
-        constexpr int kRing = kMW * BN / 2 <= 64 ? 4 : 2;
+        // Exact fp32: a fragment's TF32 parts (af) and residuals (al), three wgmma a block a step (the small
+        // products first) into the stage's partial sums, which go into the accumulators once the stage is done.
+        constexpr int kRing = kMW * BN / 2 <= 64 && !kExact ? 4 : 2;
         static_assert(kKSteps % kRing == 0, "a slot is the same step of every stage");
         uint32_t af[kRing][kMW][4];
+        [[maybe_unused]] uint32_t al[kExact ? kRing : 1][kMW][4];
         const int lrow = row0 + wq * 16 + (lane & 15), lchunk = lane >> 4;  // this lane's ldmatrix row and chunk
         for (int k = d.k_begin; k < d.k_end; ++k, ++it) {
           const int s = static_cast<int>(it % kStages);
           wg::mbar_wait(&full[s], (it / kStages) & 1);
           const uint32_t a_st = base + s * kStage;
           const uint32_t b_addr = a_st + kAStage;
+          if constexpr (kExact) {
+#pragma unroll
+            for (int b = 0; b < kMW; ++b)
+#pragma unroll
+              for (int i = 0; i < BN / 2; ++i) part[b][i] = 0.f;
+          }
 #pragma unroll
           for (int kk = 0; kk < kKSteps; ++kk) {
             const int r = kk % kRing;
@@ -389,18 +396,44 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
             for (int b = 0; b < kMW; ++b) {
               ldmatrix_x4(af[r][b], a_st + swizzled(lrow + b * 64, 2 * kk + lchunk));
 #pragma unroll
-              for (int e = 0; e < 4; ++e) af[r][b][e] = tc::to_tf32(__uint_as_float(af[r][b][e]));
+              for (int e = 0; e < 4; ++e) {
+                const float v = __uint_as_float(af[r][b][e]);
+                af[r][b][e] = tc::to_tf32(v);
+                if constexpr (kExact) al[r][b][e] = tc::tf32_residual(v, af[r][b][e]);
+              }
             }
             wg::fence();
 #pragma unroll
-            for (int b = 0; b < kMW; ++b) wg::wgmma_rs<BN, KM>(acc[b], af[r][b], sw128_desc(b_addr + 32 * kk));
+            for (int b = 0; b < kMW; ++b) {
+              if constexpr (kExact) {
+                const uint64_t b_hi = sw128_desc(b_addr + 32 * kk);
+                const uint64_t b_lo = sw128_desc(b_addr + BN * kGemmRowBytes + 32 * kk);
+                wg::wgmma_rs<BN, KM>(part[b], al[r][b], b_hi);
+                wg::wgmma_rs<BN, KM>(part[b], af[r][b], b_lo);
+                wg::wgmma_rs<BN, KM>(part[b], af[r][b], b_hi);
+              } else {
+                wg::wgmma_rs<BN, KM>(acc[b], af[r][b], sw128_desc(b_addr + 32 * kk));
+              }
+            }
             wg::commit();
             wg::wait<kRing - 1>();  // the step kRing - 1 back is done: its slot is the next one written
             wg::pin<kMW * 4>(&af[(kk + 1) % kRing][0][0]);
-            if (kk == kRing - 2 && prev >= 0) {  // the last step of the stage before is done
+            if constexpr (kExact) wg::pin<kMW * 4>(&al[(kk + 1) % kRing][0][0]);
+            if (!kExact && kk == kRing - 2 && prev >= 0) {  // the last step of the stage before is done
               release(prev);
               prev = -1;
             }
+          }
+          if constexpr (kExact) {  // the stage's sums, once done (the buffer goes back to the loader)
+            wg::wait<0>();
+            release(s);
+#pragma unroll
+            for (int b = 0; b < kMW; ++b) {
+              wg::pin<BN / 2>(part[b]);
+#pragma unroll
+              for (int i = 0; i < BN / 2; ++i) acc[b][i] += part[b][i];
+            }
+            continue;
           }
           prev = s;
         }
@@ -413,26 +446,13 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
       const uint32_t b_addr = base + s * kStage + kAStage;
       // Two taps a stage: k-steps 0-1 are the first tap's, 2-3 the second's (none past the phase's last tap).
       [[maybe_unused]] const bool second = kTwo && 2 * k + 1 < d.ah.taps * d.aw.taps;
-      if constexpr (kExact) {
-#pragma unroll
-        for (int b = 0; b < kMW; ++b)
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) part[b][i] = 0.f;
-      }
       wg::fence();
 #pragma unroll
       for (int kk = 0; kk < kKSteps; ++kk) {
 #pragma unroll
         for (int b = 0; b < kMW; ++b) {
           const uint32_t ab = a_addr + b * 64 * kGemmRowBytes + 32 * kk;
-          if constexpr (kExact) {  // the small products first
-            const uint64_t a_hi = sw128_desc(ab), a_lo = sw128_desc(ab + BM * kGemmRowBytes);
-            const uint64_t b_hi = sw128_desc(b_addr + 32 * kk);
-            const uint64_t b_lo = sw128_desc(b_addr + BN * kGemmRowBytes + 32 * kk);
-            wgmma_ss<BN, KM, false>(part[b], a_lo, b_hi);
-            wgmma_ss<BN, KM, false>(part[b], a_hi, b_lo);
-            wgmma_ss<BN, KM, false>(part[b], a_hi, b_hi);
-          } else if constexpr (kTransB) {  // k16 steps are 16 rows of 128 bytes down each B chunk
+          if constexpr (kTransB) {  // k16 steps are 16 rows of 128 bytes down each B chunk
             wgmma_ss<BN, KM, true>(acc[b], sw128_desc(ab), sw128_desc_nmajor(b_addr + 2048 * kk));
           } else if constexpr (kTwo) {
             constexpr int kHalf = kGemmRowBytes / 2;
@@ -446,17 +466,6 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         }
       }
       wg::commit();
-      if constexpr (kExact) {  // the stage's sums, once done (the buffer goes back to the loader), into the accumulators
-        wg::wait<0>();
-        release(s);
-#pragma unroll
-        for (int b = 0; b < kMW; ++b) {
-          wg::pin<BN / 2>(part[b]);
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) acc[b][i] += part[b][i];
-        }
-        continue;
-      }
       wg::wait<1>();  // the previous stage's wgmma are done: its buffer goes back to the loader
       if (prev >= 0) release(prev);
       prev = s;

@@ -70,16 +70,16 @@ constexpr GemmShape kGemmShapes[kNumGemmConfigs] = {
 constexpr int kGemmMaxClusterK = 8;
 constexpr bool gemm_cluster_k(const GemmShape& s) { return !s.sync && !s.ping && s.cluster == 1; }
 
-// Exact fp32 (3xTF32) on the wgmma kernel: a stage holds A and B twice (their TF32 parts and the TF32 roundings of
-// what is left), and a multiplier sums each stage into partial sums beside its accumulators, so only the wgmma tiles
-// whose accumulators take at most 64 registers a thread run it (0, 2, 5, 8 and 9), with as many stages as fit in the
-// shared memory a block may have.
+// Exact fp32 (3xTF32) on the wgmma kernel: a stage holds B twice (its TF32 parts and the TF32 roundings of what is
+// left; the multipliers split A in their registers), and a multiplier sums each stage into partial sums beside its
+// accumulators, so only the wgmma tiles whose accumulators take at most 64 registers a thread run it (0, 2, 5, 8 and
+// 9), with as many stages as fit in the shared memory a block may have.
 constexpr int kGemmSmemLimit = 227 * 1024;
 constexpr bool gemm_exact_fits(const GemmShape& s) {
   return !s.sync && (s.ping ? s.bm / 64 : s.bm / 128) * s.bn / 2 <= 64;
 }
 constexpr int gemm_exact_stages(const GemmShape& s) {
-  const int fit = (kGemmSmemLimit - 1040) / (2 * (s.bm + s.bn) * kGemmRowBytes + 24);
+  const int fit = (kGemmSmemLimit - 1040) / ((s.bm + 2 * s.bn) * kGemmRowBytes + 24);
   return fit < s.stages ? fit : s.stages;
 }
 
