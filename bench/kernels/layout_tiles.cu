@@ -6,7 +6,8 @@
 // before each, best and mean of 20 (bench/NOTES.md v29).
 //
 //     nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/layout_tiles bench/kernels/layout_tiles.cu
-//     /tmp/layout_tiles
+//     /tmp/layout_tiles          # the tile and vector sweep of v29
+//     /tmp/layout_tiles planes   # 64 or 128 positions a tile back to NCHW, by plane and tensor size (v37)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -139,7 +140,32 @@ void measure(const char* name, int64_t images, int64_t rows, int64_t cols) {
   CHECK(cudaFree(flush));
 }
 
-int main() {
+// Back to NCHW (source rows = an image's positions, columns = its channels) with 64 or 128 positions a tile, over
+// channel planes from 1.5 KB to 2 MB: whether the wide tiles' gain follows the plane's size or the tensor's.
+template <typename T>
+void planes(int64_t hw, int64_t c, int64_t images) {
+  const char* name = sizeof(T) == 2 ? "16-bit, 8-byte vectors" : "32-bit, 16-byte vectors";
+  measure<T, 16 / sizeof(T) / (sizeof(T) == 2 ? 2 : 1), 64, 64>(name, images, hw, c);
+  measure<T, 16 / sizeof(T) / (sizeof(T) == 2 ? 2 : 1), 128, 64>(name, images, hw, c);
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "planes") == 0) {
+    // About 512 MiB of 16-bit values, 64 channels, planes of 1.5 KB to 2 MB.
+    for (const int64_t hw : {784, 3072, 8192, 16384, 33800, 65536, 262144, 1052676})
+      planes<uint16_t>(hw, 64, (int64_t{256} << 20) / (hw * 64) > 0 ? (int64_t{256} << 20) / (hw * 64) : 1);
+    // One plane size (KernelBench 69's output, 67 KB), 66 to 528 MiB.
+    for (const int64_t images : {8, 16, 32, 64}) planes<uint16_t>(33800, 128, images);
+    // The layers' own outputs: Mask R-CNN's head, pose-up3, KernelBench 57 and 69, in 16 and 32 bits.
+    planes<uint16_t>(784, 256, 512);
+    planes<uint16_t>(3072, 256, 32);
+    planes<uint16_t>(1052676, 64, 8);
+    planes<uint32_t>(784, 256, 512);
+    planes<uint32_t>(33800, 128, 64);
+    planes<uint32_t>(1052676, 64, 8);
+    for (const int64_t hw : {3072, 16384, 65536, 262144}) planes<uint32_t>(hw, 64, (int64_t{128} << 20) / (hw * 64));
+    return 0;
+  }
   for (const int64_t rows : {int64_t{784}, int64_t{768}}) {
     measure<uint16_t, 8, 64, 64>("16-bit, 16-byte vectors", 512, rows, 256);
     measure<uint16_t, 8, 128, 32>("16-bit, 16-byte vectors", 512, rows, 256);

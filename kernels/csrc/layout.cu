@@ -4,8 +4,9 @@
 // and cols = H * W for NCHW -> NHWC, and the other way round. Tiles of 64 rows x kCols columns go through shared
 // memory so that reads (along a row) and writes (along a column) are both runs along memory; the element is moved as
 // raw bits (2, 4 or 8 bytes). Where both sides allow it (rows and columns multiples of a vector, both tensors aligned
-// to it: most layers), transpose_batched_vec moves 64 x 64 tiles as 16-byte (fp32), 8- or 4-byte vectors: more
-// bytes in flight a thread and fewer memory instructions than the element-wise tiles (bench/NOTES.md v28, v29).
+// to it: most layers), transpose_batched_vec moves 64 x 64 tiles (back to NCHW, mostly 128 positions x 64 channels:
+// wide_tiles) as 16-byte (fp32), 8- or 4-byte vectors: more bytes in flight a thread and fewer memory instructions
+// than the element-wise tiles (bench/NOTES.md v28, v29, v37).
 // kCols is 8 or 16 for images of that few positions (a DCGAN's 4 x 4), where 32-column tiles would leave most
 // threads idle. Tensors of at most 8 channels (an RGB or one-channel output, its input) skip the tiles, which would
 // be at most 8 of 64 rows full: a thread moves the channels of one position. kRound (fp32 bits) rounds each value to
@@ -98,35 +99,48 @@ struct VecOf<16> {
   using type = uint4;
 };
 
-constexpr int kVecTile = 64;  // rows and columns of transpose_batched_vec's tile
+constexpr int kVecTile = 64;  // columns of transpose_batched_vec's tile, and its rows but for kWideRows
 
-// transpose_batched with kVec elements a memory access on both sides. The caller guarantees rows % kVec == 0,
-// cols % kVec == 0 and src, dst aligned to kVec * sizeof(T), so every vector lies whole inside or outside a tile.
-// A thread loads kVec consecutive elements of a source row, and stores kVec consecutive elements of a destination
-// row gathered from a column of the tile.
-template <typename T, int kVec, bool kRound>
+// Source rows a tile for a change back to NCHW (rows = positions): each destination plane gets runs of 128 positions,
+// not 64. Measured on an H200 over planes of 784 to 1052676 positions (bench/kernels/layout_tiles.cu planes,
+// bench/NOTES.md v37): fp32 values took 0.83-0.93x the time of 64-row tiles on every plane; 16-bit values took
+// 0.79-0.97x where a plane's bytes are not a multiple of a 32-byte sector (so that a run's first and last sectors
+// are shared with the neighbouring tiles' runs), and 1.11-1.24x where they are.
+constexpr int kWideRows = 128;
+template <typename T>
+bool wide_tiles(int64_t hw, bool to_channels_last) {
+  return !to_channels_last && (sizeof(T) == 4 || hw * static_cast<int64_t>(sizeof(T)) % 32 != 0);
+}
+
+// transpose_batched with kVec elements a memory access on both sides, on tiles of kRows source rows x 64 source
+// columns. The caller guarantees rows % kVec == 0, cols % kVec == 0 and src, dst aligned to kVec * sizeof(T), so
+// every vector lies whole inside or outside a tile. A thread loads kVec consecutive elements of a source row, and
+// stores kVec consecutive elements of a destination row gathered from a column of the tile.
+template <typename T, int kVec, bool kRound, int kRows>
 __global__ void __launch_bounds__(kThreads)
     transpose_batched_vec(const T* __restrict__ src, T* __restrict__ dst, int64_t rows, int64_t cols) {
   using V = typename VecOf<kVec * static_cast<int>(sizeof(T))>::type;
-  constexpr int kLine = kVecTile / kVec;  // vectors along a tile's row (loads) or column (stores)
-  constexpr int kPerThread = kVecTile * kLine / kThreads;
-  static_assert(kPerThread >= 1 && kVecTile * kLine % kThreads == 0, "whole vectors per thread");
+  constexpr int kLoadLine = kVecTile / kVec;  // vectors along a tile's row (loads)
+  constexpr int kStoreLine = kRows / kVec;    // vectors along a tile's column (stores)
+  constexpr int kLoads = kRows * kLoadLine / kThreads, kStores = kVecTile * kStoreLine / kThreads;
+  static_assert(kLoads >= 1 && kRows * kLoadLine % kThreads == 0, "whole vectors per thread");
+  static_assert(kStores >= 1 && kVecTile * kStoreLine % kThreads == 0, "whole vectors per thread");
   // Rows padded by one 32-bit word: a warp's stores into a row, and its column reads, spread over the banks.
   constexpr int kPitch = kVecTile + (sizeof(T) == 2 ? 2 : 1);
-  __shared__ T tile[kVecTile][kPitch];
-  const Tile<T, kVecTile, kVecTile> at(src, dst, rows, cols);
+  __shared__ T tile[kRows][kPitch];
+  const Tile<T, kRows, kVecTile> at(src, dst, rows, cols);
   const T* s = at.src;
   T* d = at.dst;
   const int nr = at.rows, nc = at.cols;
-  V v[kPerThread];
+  V v[kLoads];
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the source
-    const int idx = threadIdx.x + k * kThreads, i = idx / kLine, j = idx % kLine * kVec;
+  for (int k = 0; k < kLoads; ++k) {  // consecutive threads along a row of the source
+    const int idx = threadIdx.x + k * kThreads, i = idx / kLoadLine, j = idx % kLoadLine * kVec;
     if (i < nr && j < nc) v[k] = *reinterpret_cast<const V*>(s + i * cols + j);
   }
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const int idx = threadIdx.x + k * kThreads, i = idx / kLine, j = idx % kLine * kVec;
+  for (int k = 0; k < kLoads; ++k) {
+    const int idx = threadIdx.x + k * kThreads, i = idx / kLoadLine, j = idx % kLoadLine * kVec;
     if (i < nr && j < nc) {
       T e[kVec];
       memcpy(e, &v[k], sizeof(V));
@@ -136,8 +150,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {  // consecutive threads along a row of the destination
-    const int idx = threadIdx.x + k * kThreads, j = idx / kLine, i = idx % kLine * kVec;
+  for (int k = 0; k < kStores; ++k) {  // consecutive threads along a row of the destination
+    const int idx = threadIdx.x + k * kThreads, j = idx / kStoreLine, i = idx % kStoreLine * kVec;
     if (i < nr && j < nc) {
       T e[kVec];
 #pragma unroll
@@ -212,10 +226,13 @@ cudaError_t launch_transpose_cols(const void* src, void* dst, int64_t images, in
 }
 
 template <typename T, int kVec, bool kRound>
-cudaError_t launch_transpose_vec(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols,
+cudaError_t launch_transpose_vec(const void* src, void* dst, int64_t images, int64_t rows, int64_t cols, bool wide,
                                  cudaStream_t stream) {
-  return launch_tiles<T, kVecTile, kVecTile>(transpose_batched_vec<T, kVec, kRound>, src, dst, images, rows, cols,
-                                             stream);
+  if (wide)
+    return launch_tiles<T, kWideRows, kVecTile>(transpose_batched_vec<T, kVec, kRound, kWideRows>, src, dst, images,
+                                                rows, cols, stream);
+  return launch_tiles<T, kVecTile, kVecTile>(transpose_batched_vec<T, kVec, kRound, kVecTile>, src, dst, images, rows,
+                                             cols, stream);
 }
 
 // The widest vector (16 bytes for fp32, 8 for 16-bit values, then 8 and 4 bytes, at least two elements) that
@@ -242,12 +259,15 @@ cudaError_t launch_transpose(const void* src, void* dst, int64_t images, int64_t
   }
   if (c <= kFewChannels) return launch_few_channels<T, kRound>(src, dst, images, c, hw, to_channels_last, stream);
   const int64_t rows = to_channels_last ? c : hw, cols = to_channels_last ? hw : c;
+  const bool wide = wide_tiles<T>(hw, to_channels_last);
   switch (vector_elements<T>(src, dst, rows, cols)) {
     case 4:
-      if constexpr (sizeof(T) <= 4) return launch_transpose_vec<T, 4, kRound>(src, dst, images, rows, cols, stream);
+      if constexpr (sizeof(T) <= 4)
+        return launch_transpose_vec<T, 4, kRound>(src, dst, images, rows, cols, wide, stream);
       break;
     case 2:
-      if constexpr (sizeof(T) <= 4) return launch_transpose_vec<T, 2, kRound>(src, dst, images, rows, cols, stream);
+      if constexpr (sizeof(T) <= 4)
+        return launch_transpose_vec<T, 2, kRound>(src, dst, images, rows, cols, wide, stream);
       break;
   }
   if (cols <= 8) return launch_transpose_cols<T, 8, kRound>(src, dst, images, rows, cols, stream);

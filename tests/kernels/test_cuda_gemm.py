@@ -286,6 +286,9 @@ VECTOR_LAYOUT_PROBLEMS = {
     "vec8": dict(n=3, c_in=72, c_out=80, h=8, w=12, k=2, stride=2),  # x 72 x 96, y 384 x 80
     "vec4": dict(n=2, c_in=68, c_out=76, h=9, w=4, k=2, stride=2),  # x 68 x 36, y 144 x 76
     "vec2": dict(n=2, c_in=66, c_out=70, h=9, w=6, k=3, stride=2, padding=1, output_padding=1),  # x 66 x 54, y 216 x 70
+    # Channel planes of 33 KB in 16 bits: y goes back to NCHW in tiles of 128 positions, the last one 4 positions.
+    "vec4_wide": dict(n=1, c_in=64, c_out=80, h=65, w=65, k=2, stride=2),  # y 16900 x 80
+    "vec2_wide": dict(n=1, c_in=32, c_out=70, h=65, w=65, k=2, stride=2),  # y 16900 x 70
 }
 
 
