@@ -62,12 +62,12 @@ namespace {
 
 constexpr int kGemmThreads = 384;  // a loader warpgroup and two multiplier warpgroups
 
-constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
+constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact, bool tma_y = false) {
   // Stages (exact fp32: B twice, gemm_exact_stages of them), their three barriers, the two turn barriers, the two
-  // barriers of split-K in a cluster, alignment slack.
-  return static_cast<size_t>(exact ? gemm_exact_stages(s) : s.stages) *
+  // barriers of split-K in a cluster, alignment slack; with bulk-stored NCHW output, the two warpgroups' chunks.
+  return static_cast<size_t>(exact ? gemm_exact_stages(s, tma_y) : s.stages) *
              ((s.bm + (exact ? 2 : 1) * s.bn) * kGemmRowBytes + 24) +
-         32 + 1024;
+         32 + 1024 + (tma_y ? kGemmYOffset + 2 * kGemmYChunk : 0);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -98,11 +98,17 @@ constexpr size_t gemm_smem_bytes(const GemmShape& s, bool exact) {
 // block's `red_full`; the first block's threads wait for it, add the same places of each other block (distributed
 // shared memory) to their own accumulators in the blocks' order, arrive on each other block's `red_done` and run the
 // epilogue. Each barrier completes once a tile, and a block r > 0 leaves only once its sums have been read.
+// kTmaY (exact fp32, an NCHW output whose boxes split into whole chunks of 64 rows: gemm_tma_y): the epilogue writes
+// each 64-row block's values, 64 output channels at a time, into its warpgroup's chunk of shared memory in the layout
+// of a box of map_y (the output as [N][C_out][H_out][W_out]), and one thread stores the box by a bulk tensor copy,
+// which runs on while the warpgroup multiplies the next tile. The scattered NCHW stores of 4-16 positions a channel
+// cost the epilogue 344 us more than channels-last ones on KernelBench 69 (bench/NOTES.md v37).
 template <typename T, tc::MmaKind K, int BM, int BN, int kStages, bool kPing, bool kTransB, bool kPaired, bool kTwo,
-          bool kClusterK>
+          bool kClusterK, bool kTmaY>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     conv_transpose2d_gemm_kernel(const GemmArgs g, const __grid_constant__ GemmTiles tl,
-                                 const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w) {
+                                 const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                                 const __grid_constant__ CUtensorMap map_y) {
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
   constexpr tc::MmaKind KM = kExact ? tc::MmaKind::kTF32 : K;  // the wgmma instructions' kind
   constexpr int kParts = kExact ? 2 : 1;                       // exact fp32: TF32 parts and residuals
@@ -125,6 +131,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   static_assert(!kTwo || (!kTF32 && !kTransB && !kPaired), "two taps a stage: 16-bit K-major weights, blocks alone");
   static_assert(!kClusterK || (!kPing && !kPaired && !kTwo && !kExact), "split-K in a cluster: gemm_cluster_k");
   static_assert(!kClusterK || BM * BN * 4 <= kStages * kStage, "a tile's fp32 sums fit in the stage buffers");
+  static_assert(!kTmaY || (kExact && !kPaired && !kClusterK && BN % 64 == 0), "bulk-stored NCHW output: gemm_tma_y");
   constexpr bool kCluster = kPaired || kClusterK;
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
@@ -524,31 +531,76 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
         wg::mbar_arrive_cluster_release(wg::cluster_peer_addr(red_done, r));
     }
 
-    // Epilogue. Accumulator 4j + e of block b: row b * 64 + (warp's 16) + lane / 4 (+ 8 for e >= 2), column
-    // 8j + 2 (lane % 4) (+ 1 for odd e).
+    if constexpr (kTmaY) {
+      // A chunk is [image][channel][position] of the box: wh positions an image (the box's bw x bh, at most 64), 64
+      // channels, 64 / wh images; row r of the block is position r % wh of image r / wh.
+      const uint32_t chunk_off = kStages * kStage + kGemmYOffset + mw * kGemmYChunk;
+      float* const chunk = reinterpret_cast<float*>(smem + chunk_off);
+      const int wh = min(static_cast<int>(tl.bw.d * tl.bh.d), 64);
+      const int wh_shift = __ffs(wh) - 1;
+      const float* __restrict__ bias = static_cast<const float*>(g.bias);
+      const bool leader = (threadIdx.x & 127) == 0;
 #pragma unroll
-    for (int b = 0; b < kMW; ++b)
+      for (int b = 0; b < kMW; ++b)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        int n = 0, ho = 0, wo = 0;
-        const bool ok = gemm_row(g, tl, d, row0 + b * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo);
-        if constexpr (sizeof(T) == 2) {
-          if (quad_stores) {  // the whole warp, rows past the tile included (shuffles)
+        for (int h = 0; h < BN / 64; ++h) {
+          if (leader) bulk_wait<true>();  // the chunk's previous box has been read
+          wg::bar_sync(2 + mw, 128);
 #pragma unroll
-            for (int j = 0; j < BN / 8; j += 2)
-              gemm_store_quad<T>(g, d, ok, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
-                                 acc[b][4 * j + 2 * half + 1], acc[b][4 * j + 4 + 2 * half],
-                                 acc[b][4 * j + 5 + 2 * half]);
-            continue;
+          for (int half = 0; half < 2; ++half) {
+            const int r = wq * 16 + (lane >> 2) + 8 * half;
+            float* const at = chunk + (r >> wh_shift) * 64 * wh + (r & (wh - 1));
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = 8 * j + 2 * (lane & 3) + e;
+                const int co = d.c0 + 64 * h + col;
+                float v = acc[b][4 * (8 * h + j) + 2 * half + e];
+                if (bias != nullptr && co < g.cout_g) v += bias[co];
+                at[col * wh] = v;
+              }
+          }
+          fence_async_smem();  // the chunk's values, visible to the copy engine
+          wg::bar_sync(2 + mw, 128);
+          if (leader) {
+            int nb, qh, qw;
+            gemm_box_pos(tl, row0 + b * 64, nb, qh, qw);
+            tma_store_4d(&map_y, base + chunk_off, d.aw.o0 + d.qw0 + qw, d.ah.o0 + d.qh0 + qh, d.c0 + 64 * h,
+                         d.n0 + nb);
+            bulk_commit();
           }
         }
-        if (!ok) continue;
+    } else {
+      // Epilogue. Accumulator 4j + e of block b: row b * 64 + (warp's 16) + lane / 4 (+ 8 for e >= 2), column
+      // 8j + 2 (lane % 4) (+ 1 for odd e).
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-          gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
-                             acc[b][4 * j + 2 * half + 1], pair_stores);
-      }
+      for (int b = 0; b < kMW; ++b)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          int n = 0, ho = 0, wo = 0;
+          const bool ok = gemm_row(g, tl, d, row0 + b * 64 + wq * 16 + (lane >> 2) + 8 * half, n, ho, wo);
+          if constexpr (sizeof(T) == 2) {
+            if (quad_stores) {  // the whole warp, rows past the tile included (shuffles)
+#pragma unroll
+              for (int j = 0; j < BN / 8; j += 2)
+                gemm_store_quad<T>(g, d, ok, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
+                                   acc[b][4 * j + 2 * half + 1], acc[b][4 * j + 4 + 2 * half],
+                                   acc[b][4 * j + 5 + 2 * half]);
+              continue;
+            }
+          }
+          if (!ok) continue;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j)
+            gemm_store_cols<T>(g, d, n, ho, wo, d.c0 + 8 * j + 2 * (lane & 3), acc[b][4 * j + 2 * half],
+                               acc[b][4 * j + 2 * half + 1], pair_stores);
+        }
+    }
   }
+  // The last boxes written before the block's shared memory goes.
+  if constexpr (kTmaY)
+    if ((threadIdx.x & 127) == 0) bulk_wait<false>();
 }
 
 // Split-K reduction: y = bias + the sum of the splits' partials, element by element (NHWC order).
@@ -976,6 +1028,50 @@ bool gemm_maps(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmBox&
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The box of a 64-row chunk of a tile (the wgmma kernel's kTmaY) in the output's [N][C_out][H_out][W_out]: positions
+// of the M box (bw x bh x bni, w fastest) 64 at a time, and 64 output channels.
+struct GemmYBox {
+  int w, h, n;
+};
+GemmYBox gemm_y_box(const GemmBox& box) {
+  const int w = box.bw < 64 ? box.bw : 64;
+  const int h = box.bw * box.bh <= 64 ? box.bh : 64 / w;
+  return {w, h, 64 / (w * h)};
+}
+
+// Whether the exact kernel of a configuration stores an NCHW output by bulk tensor stores (kTmaY): exact fp32
+// stored straight into a dense NCHW y at a 16-byte aligned address, one group, stride 1 (a tile's positions are
+// neighbours in y), no split, blocks alone, rows of whole 16-byte vectors (the tensor map's strides), and an M box
+// that fills its BM rows and splits into chunks of 64 rows that are boxes themselves: bw a multiple of 4 that
+// divides 64 (then bw x bh divides 64 or is a multiple of it) or a multiple of 64.
+bool gemm_tma_y(const ConvTranspose2dParams& p, const GemmShape& s, const GemmBox& box, int split) {
+  if (!gemm_exact(p) || p.y_channels_last || split != 1 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 ||
+      s.cluster != 1 || s.sync || !gemm_exact_fits(s) || s.bn % 64 != 0)
+    return false;
+  if (reinterpret_cast<uintptr_t>(p.y) % 16 != 0 || p.W_out % 4 != 0) return false;
+  const int64_t bw = box.bw, bwh = static_cast<int64_t>(box.bw) * box.bh;
+  if (bwh * box.bni != s.bm || bw % 4 != 0) return false;
+  if (bw >= 64) return bw % 64 == 0;
+  return 64 % bw == 0 && (bwh <= 64 ? 64 % bwh == 0 : bwh % 64 == 0);
+}
+
+// The tensor map of an NCHW fp32 y for kTmaY's stores: boxes of one chunk (gemm_y_box).
+bool gemm_y_map(const ConvTranspose2dParams& p, const GemmBox& box, CUtensorMap* my) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const GemmYBox yb = gemm_y_box(box);
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  const cuuint64_t dim[4] = {static_cast<cuuint64_t>(p.W_out), static_cast<cuuint64_t>(p.H_out),
+                             static_cast<cuuint64_t>(p.C_out), static_cast<cuuint64_t>(p.N)};
+  const cuuint64_t stride[3] = {static_cast<cuuint64_t>(p.W_out) * 4, static_cast<cuuint64_t>(p.H_out * p.W_out) * 4,
+                                static_cast<cuuint64_t>(p.C_out * p.H_out * p.W_out) * 4};
+  const cuuint32_t boxdim[4] = {static_cast<cuuint32_t>(yb.w), static_cast<cuuint32_t>(yb.h), 64,
+                                static_cast<cuuint32_t>(yb.n)};
+  return encode(my, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.y, dim, stride, boxdim, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // The launch's tables (GemmTiles) for a configuration's grid and split.
 GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int split) {
   GemmTiles tl{};
@@ -1000,11 +1096,12 @@ GemmTiles gemm_tiles(const ConvTranspose2dParams& p, const GemmGrid& gr, int spl
   return tl;
 }
 
-template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK>
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK,
+          bool kTmaY = false>
 constexpr auto gemm_kernel_of() {
   constexpr GemmShape s = kGemmShapes[kShape];
-  constexpr int kStages = K == tc::MmaKind::k3xTF32 ? gemm_exact_stages(s) : s.stages;
-  return conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo, kClusterK>;
+  constexpr int kStages = K == tc::MmaKind::k3xTF32 ? gemm_exact_stages(s, kTmaY) : s.stages;
+  return conv_transpose2d_gemm_kernel<T, K, s.bm, s.bn, kStages, s.ping, kTransB, kPaired, kTwo, kClusterK, kTmaY>;
 }
 
 // How many clusters of `size` blocks of a wgmma kernel instance the device runs at once (0: none fits). The kernel's
@@ -1022,22 +1119,24 @@ int gemm_clusters(int size) {
 
 // A wgmma kernel instance: persistent, one block an SM, or in clusters one cluster for each of `clusters` groups of
 // SMs: pairs (kPaired, two blocks), or a tile's `split` blocks (kClusterK).
-template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK>
+template <typename T, tc::MmaKind K, int kShape, bool kTransB, bool kPaired, bool kTwo, bool kClusterK,
+          bool kTmaY = false>
 cudaError_t gemm_launch_instance(const ConvTranspose2dParams& p, const GemmArgs& a, const GemmGrid& gr, int split,
                                  int clusters, cudaStream_t stream) {
   constexpr GemmShape s = kGemmShapes[kShape];
   constexpr bool kExact = K == tc::MmaKind::k3xTF32;
-  constexpr auto kKernel = gemm_kernel_of<T, K, kShape, kTransB, kPaired, kTwo, kClusterK>();
-  constexpr size_t smem = gemm_smem_bytes(s, kExact);
+  constexpr auto kKernel = gemm_kernel_of<T, K, kShape, kTransB, kPaired, kTwo, kClusterK, kTmaY>();
+  constexpr size_t smem = gemm_smem_bytes(s, kExact, kTmaY);
   static_assert(smem <= kGemmSmemLimit, "a block's shared memory");
   const cudaError_t err = opt_in_shared_memory<kKernel>();
   if (err != cudaSuccess) return err;
   const GemmTiles tl = gemm_tiles(p, gr, split);
-  CUtensorMap mx, mw;
+  CUtensorMap mx, mw, my{};
   if (!gemm_maps(p, a, gr.box, s.bn, kPaired ? 2 : 1, kTransB, kTwo, &mx, &mw)) return cudaErrorInvalidValue;
+  if (kTmaY && !gemm_y_map(p, gr.box, &my)) return cudaErrorInvalidValue;
   if constexpr (!kPaired && !kClusterK) {
     const int sms = sm_count() > 0 ? sm_count() : 1;
-    kKernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw);
+    kKernel<<<tl.total < sms ? tl.total : sms, kGemmThreads, smem, stream>>>(a, tl, mx, mw, my);
     return cudaGetLastError();
   } else {
     const int size = kPaired ? 2 : split;
@@ -1046,7 +1145,7 @@ cudaError_t gemm_launch_instance(const ConvTranspose2dParams& p, const GemmArgs&
     cudaLaunchAttribute attr[1];
     cluster_config(cfg, attr, dim3(static_cast<unsigned>(size * (items < clusters ? items : clusters))),
                    kGemmThreads, smem, size, stream);
-    return cudaLaunchKernelEx(&cfg, kKernel, a, tl, mx, mw);
+    return cudaLaunchKernelEx(&cfg, kKernel, a, tl, mx, mw, my);
   }
 }
 
@@ -1065,6 +1164,10 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
     const int clusters = gemm_clusters<T, K, kShape, kTransB, true, false>(2);
     if (clusters > 0)
       return gemm_launch_instance<T, K, kShape, kTransB, true, false, false>(p, a, gr, split, clusters, stream);
+  }
+  if constexpr (kExact && gemm_exact_fits(s) && !s.sync && s.cluster == 1 && s.bn % 64 == 0) {
+    if (gemm_tma_y(p, s, gr.box, split))
+      return gemm_launch_instance<T, K, kShape, kTransB, false, false, false, true>(p, a, gr, split, 0, stream);
   }
   const bool two = sizeof(T) == 2 && !kTransB && gemm_two_taps(p);
   if constexpr (gemm_cluster_k(s) && !kExact) {

@@ -74,12 +74,17 @@ constexpr bool gemm_cluster_k(const GemmShape& s) { return !s.sync && !s.ping &&
 // left; the multipliers split A in their registers), and a multiplier sums each stage into partial sums beside its
 // accumulators, so only the wgmma tiles whose accumulators take at most 64 registers a thread run it (0, 2, 5, 8 and
 // 9), with as many stages as fit in the shared memory a block may have.
+// An exact kernel that stores an NCHW output by bulk tensor stores (the wgmma kernel's kTmaY) also holds a chunk of
+// 64 rows x 64 output channels in fp32 for each multiplier warpgroup, after the stages' barriers.
 constexpr int kGemmSmemLimit = 227 * 1024;
+constexpr int kGemmYChunk = 64 * 64 * 4;
+constexpr int kGemmYOffset = 256;  // from the end of the stages: past their barriers, 128-byte aligned
 constexpr bool gemm_exact_fits(const GemmShape& s) {
   return !s.sync && (s.ping ? s.bm / 64 : s.bm / 128) * s.bn / 2 <= 64;
 }
-constexpr int gemm_exact_stages(const GemmShape& s) {
-  const int fit = (kGemmSmemLimit - 1040) / ((s.bm + 2 * s.bn) * kGemmRowBytes + 24);
+constexpr int gemm_exact_stages(const GemmShape& s, bool tma_y = false) {
+  const int fit = (kGemmSmemLimit - 1040 - (tma_y ? kGemmYOffset + 2 * kGemmYChunk : 0)) /
+                  ((s.bm + 2 * s.bn) * kGemmRowBytes + 24);
   return fit < s.stages ? fit : s.stages;
 }
 

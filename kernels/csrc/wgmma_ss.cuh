@@ -160,6 +160,33 @@ __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtens
 #endif
 }
 
+// A bulk tensor copy out of shared memory: the 4-D box at (c0, c1, c2, c3) of `map`'s tensor from `src`, laid out as
+// the box (first dimension fastest); elements past the tensor's bounds are not written. It joins this thread's
+// current bulk group (bulk_commit), which bulk_wait<true> waits for until the copy has read `src`, bulk_wait<false>
+// until it has written the global memory too.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+#if DECONV_WGMMA
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if DECONV_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+template <bool kReadOnly>
+__device__ __forceinline__ void bulk_wait() {
+#if DECONV_WGMMA
+  if constexpr (kReadOnly)
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  else
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no link against the driver library).
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,

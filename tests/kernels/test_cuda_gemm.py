@@ -12,6 +12,7 @@ taps a stage).
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import pytest
@@ -277,6 +278,58 @@ def test_gemm_nchw_output_staged_or_straight(problem: str, mode: str, layout: st
         assert path == "gemm"
         assert y.is_contiguous()
         assert err <= tol, f"{problem}/{mode}/{layout}/staged={staged}/split {split}: rel err {err:.3e} > {tol:.0e}"
+
+
+# Exact fp32 at stride 1 with an NCHW output stored straight: the exact kernel stores it by bulk tensor copies of
+# 64-row chunks (kTmaY) where the M box allows (W_out % 4 == 0, one group, no split). 11 x 44 outputs take boxes of
+# 16 x 4 x 2 (or x 4) positions, partial on both axes; 33 images of 2 x 4 boxes of 4 x 2 x 16 (or 32), KernelBench
+# 69's kind, partial in images; 72 and 40 output channels leave partial chunks of channels.
+TMA_Y_PROBLEMS = {
+    "s1_edges": dict(n=4, c_in=40, c_out=72, h=9, w=42, k=3),
+    "s1_images": dict(n=33, c_in=24, c_out=40, h=2, w=3, k=(1, 2)),
+}
+
+
+def _bulk_stored(name: str) -> bool:
+    """Whether a gemm kernel's profiled name is an instance whose last template argument (kTmaY) is true."""
+    m = re.search(r"conv_transpose2d_gemm_kernel<(.*?)>\(", name)
+    return m is not None and m.group(1).split(",")[-1].strip() == "true"
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["nchw", "nchw_new"])
+@pytest.mark.parametrize("config", [0, 2, 5, 8])
+@pytest.mark.parametrize("problem", list(TMA_Y_PROBLEMS))
+def test_gemm_exact_nchw_output_by_bulk_stores(problem: str, config: int, layout: str) -> None:
+    err, tol, path, y = run(TMA_Y_PROBLEMS[problem], "fp32", layout=layout, config=config, split=1, staged=False,
+                            seed=zlib.crc32(problem.encode()) + config)
+    assert path == "gemm"
+    assert y.is_contiguous()
+    assert err <= tol, f"{problem}/gemm{config}/{layout}: rel err {err:.3e} > {tol:.0e}"
+
+
+@needs_sm90
+@pytest.mark.parametrize("problem", list(TMA_Y_PROBLEMS))
+def test_gemm_exact_nchw_output_takes_bulk_stores(problem: str) -> None:
+    """The bulk-stored epilogue runs where gemm_tma_y allows it, and not for a channels-last output, a staged one or
+    a split."""
+    p = dict(TMA_Y_PROBLEMS[problem])
+    n, c_in, c_out, h, w, k = p["n"], p["c_in"], p["c_out"], p["h"], p["w"], p["k"]
+    kh, kw = (k, k) if isinstance(k, int) else k
+    x = torch.randn(n, c_in, h, w, device="cuda")
+    wt = torch.randn(c_in, c_out, kh, kw, device="cuda")
+    args = normalize_args(1, 0, 0, 1, 1)
+
+    def gemm_names(xx: torch.Tensor, **force: object) -> list[str]:
+        names = kernels_launched(lambda: forward_cuda(xx, wt, None, args, "fp32", force_path="gemm", force_config=0,
+                                                      **force))
+        return [name for name in names if "conv_transpose2d_gemm_kernel" in name]
+
+    assert any(_bulk_stored(name) for name in gemm_names(x, force_split=1, force_staged=False))
+    assert not any(_bulk_stored(name) for name in gemm_names(x, force_split=1, force_staged=True))
+    assert not any(_bulk_stored(name) for name in gemm_names(x, force_split=2, force_staged=False))
+    xcl = x.contiguous(memory_format=torch.channels_last)
+    assert not any(_bulk_stored(name) for name in gemm_names(xcl, force_split=1))
 
 
 # Layout changes by vectors (kernels/csrc/layout.cu's transpose_batched_vec): x's channels and positions, and y's,
