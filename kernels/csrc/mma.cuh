@@ -29,34 +29,21 @@ __device__ __forceinline__ uint4 to_tf32(uint4 v) {
 // about 2^-22 of v.
 __device__ __forceinline__ uint32_t tf32_residual(float v, uint32_t h) { return to_tf32(v - __uint_as_float(h)); }
 
-__device__ __forceinline__ uint4 tf32_residual(uint4 v, uint4 h) {
-  return {tf32_residual(__uint_as_float(v.x), h.x), tf32_residual(__uint_as_float(v.y), h.y),
-          tf32_residual(__uint_as_float(v.z), h.z), tf32_residual(__uint_as_float(v.w), h.w)};
-}
-
 // Rounds `words` fp32 words at `p` (16-byte aligned, a multiple of 4) to TF32 in place, threads [0, nthreads) of
 // the caller taking every nthreads-th 16-byte vector from `tid`: four vectors loaded before any is stored, so that
 // four loads are in flight (the compiler cannot tell that v4[i] and v4[i + nthreads] differ, and would keep one).
-// kSplit (3xTF32): the residuals (tf32_residual) are written at `lo`, as the values are at `p`.
-template <bool kSplit = false>
-__device__ __forceinline__ void round_tf32_inplace(void* p, int words, int tid, int nthreads, void* lo = nullptr) {
+__device__ __forceinline__ void round_tf32_inplace(void* p, int words, int tid, int nthreads) {
   uint4* v4 = reinterpret_cast<uint4*>(p);
-  uint4* l4 = reinterpret_cast<uint4*>(lo);
   const int vecs = words / 4;
-  const auto put = [&](int at, uint4 v) {
-    const uint4 h = to_tf32(v);
-    v4[at] = h;
-    if constexpr (kSplit) l4[at] = tf32_residual(v, h);
-  };
   int i = tid;
   for (; i + 3 * nthreads < vecs; i += 4 * nthreads) {
     uint4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) v[u] = v4[i + u * nthreads];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) put(i + u * nthreads, v[u]);
+    for (int u = 0; u < 4; ++u) v4[i + u * nthreads] = to_tf32(v[u]);
   }
-  for (; i < vecs; i += nthreads) put(i, v4[i]);
+  for (; i < vecs; i += nthreads) v4[i] = to_tf32(v4[i]);
 }
 
 template <MmaKind K>
