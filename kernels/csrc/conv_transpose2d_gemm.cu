@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(kGemmThreads, 1)
   static_assert(!kClusterK || (!kPing && !kPaired && !kTwo && !kExact), "split-K in a cluster: gemm_cluster_k");
   static_assert(!kClusterK || BM * BN * 4 <= kStages * kStage, "a tile's fp32 sums fit in the stage buffers");
   static_assert(!kTmaY || (kExact && !kPaired && !kClusterK && BN % 64 == 0), "bulk-stored NCHW output: gemm_tma_y");
+  static_assert(!kTmaY || (3 * kStages + 4) * 8 <= kGemmYOffset, "the stages' barriers end before the chunks");
   constexpr bool kCluster = kPaired || kClusterK;
   constexpr int kBChunk = 64 * kGemmRowBytes;  // an N-major B box: 64 input channels x 64 output channels
   static_assert(kGemmThreads == kWsThreads, "the register budgets of wgmma_ss.cuh");
@@ -1040,18 +1041,23 @@ GemmYBox gemm_y_box(const GemmBox& box) {
   return {w, h, 64 / (w * h)};
 }
 
-// Whether the exact kernel of a configuration stores an NCHW output by bulk tensor stores (kTmaY): exact fp32
-// stored straight into a dense NCHW y at a 16-byte aligned address, one group, stride 1 (a tile's positions are
-// neighbours in y), no split, blocks alone, rows of whole 16-byte vectors (the tensor map's strides), and an M box
-// that fills its BM rows and splits into chunks of 64 rows that are boxes themselves: bw a multiple of 4 that
-// divides 64 (then bw x bh divides 64 or is a multiple of it) or a multiple of 64.
-bool gemm_tma_y(const ConvTranspose2dParams& p, const GemmShape& s, const GemmBox& box, int split) {
-  if (!gemm_exact(p) || p.y_channels_last || split != 1 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1 ||
-      s.cluster != 1 || s.sync || !gemm_exact_fits(s) || s.bn % 64 != 0)
+// The configurations whose exact kernel has a bulk-stored NCHW epilogue (kTmaY): wgmma blocks alone, whole chunks
+// of 64 output channels.
+constexpr bool gemm_tma_y_shape(const GemmShape& s) {
+  return !s.sync && s.cluster == 1 && gemm_exact_fits(s) && s.bn % 64 == 0;
+}
+
+// Whether such a configuration (BM rows a tile) stores this problem's output by bulk tensor stores: exact fp32 stored
+// straight into a dense NCHW y at a 16-byte aligned address, one group, stride 1 (a tile's positions are neighbours
+// in y), no split, rows of whole 16-byte vectors (the tensor map's strides), and an M box that fills its BM rows and
+// splits into chunks of 64 rows that are boxes themselves: bw a multiple of 4 that divides 64 (then bw x bh divides
+// 64 or is a multiple of it) or a multiple of 64.
+bool gemm_tma_y(const ConvTranspose2dParams& p, int bm, const GemmBox& box, int split) {
+  if (!gemm_exact(p) || p.y_channels_last || split != 1 || p.groups != 1 || p.stride_h != 1 || p.stride_w != 1)
     return false;
   if (reinterpret_cast<uintptr_t>(p.y) % 16 != 0 || p.W_out % 4 != 0) return false;
   const int64_t bw = box.bw, bwh = static_cast<int64_t>(box.bw) * box.bh;
-  if (bwh * box.bni != s.bm || bw % 4 != 0) return false;
+  if (bwh * box.bni != bm || bw % 4 != 0) return false;
   if (bw >= 64) return bw % 64 == 0;
   return 64 % bw == 0 && (bwh <= 64 ? 64 % bwh == 0 : bwh % 64 == 0);
 }
@@ -1166,8 +1172,8 @@ cudaError_t gemm_launch_wgmma(const ConvTranspose2dParams& p, const GemmArgs& a,
     if (clusters > 0)
       return gemm_launch_instance<T, K, kShape, kTransB, true, false, false>(p, a, gr, split, clusters, stream);
   }
-  if constexpr (kExact && gemm_exact_fits(s) && !s.sync && s.cluster == 1 && s.bn % 64 == 0) {
-    if (gemm_tma_y(p, s, gr.box, split))
+  if constexpr (kExact && gemm_tma_y_shape(s)) {
+    if (gemm_tma_y(p, s.bm, gr.box, split))
       return gemm_launch_instance<T, K, kShape, kTransB, false, false, false, true>(p, a, gr, split, 0, stream);
   }
   const bool two = sizeof(T) == 2 && !kTransB && gemm_two_taps(p);
