@@ -12,14 +12,15 @@ requests per second however fast the GPU is. Here the work is split:
 
 This process binds the port, starts the engine, waits for its socket, starts the HTTP processes, then accepts every
 connection itself and passes it to the HTTP processes in turn (``ConnectionDispatcher``), and watches: on SIGTERM or
-SIGINT it stops listening first (the connections waiting in the backlog are accepted and handed out, then the port
-closes, so that later clients are refused and can retry elsewhere), then passes the signal on as SIGTERM to every
-process (each drains: every accepted connection is answered, 503 with ``Connection: close`` once the drain began;
-nothing accepted is lost or closed unanswered), and if any process exits on
-its own the others are stopped and the supervisor exits non-zero, so that whatever restarts the server (Docker's
-restart policy, Kubernetes) sees the failure. Children run in their own session, so a Ctrl-C in a terminal reaches
-only the supervisor, and they stop by themselves if the supervisor dies (their stdin, a pipe from it, reaches end of
-file). Metrics from all processes are merged through prometheus-client's multiprocess mode (``service.metrics``).
+SIGINT it stops listening first (the port takes no new connection, the connections waiting in the backlog are
+accepted and handed out, then the port closes, so that later clients are refused and can retry elsewhere:
+``service.http.listening``), then passes the signal on as SIGTERM to every process (each drains: every accepted
+connection is answered, 503 with ``Connection: close`` once the drain began; nothing accepted is lost or closed
+unanswered), and if any process exits on its own the others are stopped and the supervisor exits non-zero, so that
+whatever restarts the server (Docker's restart policy, Kubernetes) sees the failure. Children run in their own
+session, so a Ctrl-C in a terminal reaches only the supervisor, and they stop by themselves if the supervisor dies
+(their stdin, a pipe from it, reaches end of file). Metrics from all processes are merged through
+prometheus-client's multiprocess mode (``service.metrics``).
 
 Exit status: 0 when every process drained cleanly after SIGTERM/SIGINT, 3 when start-up failed (invalid layer
 repository, devices missing, port in use), 1 otherwise.
@@ -42,6 +43,7 @@ from pathlib import Path
 from types import FrameType
 
 from service.config import Settings
+from service.http.listening import take_waiting
 from service.ipc.process import SERVING
 
 log = logging.getLogger("deconv.service")
@@ -92,23 +94,21 @@ class ConnectionDispatcher:
             self._thread.join()
 
     def stop_listening(self) -> None:
-        """Stop accepting, hand out every connection waiting in the backlog, and close the listener: from now on
-        clients are refused (closing it with connections waiting would reset them, after they sent a request)."""
+        """Stop accepting, stop taking new connections, hand out every connection waiting in the backlog, and close
+        the listener (``service.http.listening.take_waiting``): from now on clients are refused (closing it with
+        connections waiting would reset them, after they sent a request)."""
         self.stop()
         if self.listener.fileno() < 0:
             return
         try:
-            self.listener.setblocking(False)
-            while True:
-                try:
-                    conn, _ = self.listener.accept()
-                except OSError:  # nothing more waiting
-                    break
-                with conn:
-                    self._dispatch(conn)
+            take_waiting(self.listener, self._take)
         finally:
             self.listener.close()
         log.info("stopped listening: %d connection(s) answered here, none closed unanswered", self.refused)
+
+    def _take(self, conn: socket.socket) -> None:
+        with conn:  # this process's copy: the HTTP process that took it holds its own
+            self._dispatch(conn)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -129,8 +129,7 @@ class ConnectionDispatcher:
                 log.warning("accepting a connection failed: %s", exc)
                 time.sleep(0.01)
                 continue
-            with conn:  # this process's copy: the HTTP process that took it holds its own
-                self._dispatch(conn)
+            self._take(conn)
 
     def _dispatch(self, conn: socket.socket) -> None:
         """Hand ``conn`` to an HTTP process, or answer it 503 here when none takes it."""

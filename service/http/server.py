@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
 import socket
 from collections.abc import Callable, Iterable, Sequence
@@ -24,6 +23,7 @@ from service.engine.interface import Engine, wait_idle
 from service.errors import HeadersTooLargeError, NotReadyError, RequestTimeoutError, ServiceError
 from service.http.app import Companion, create_app
 from service.http.asgi import ANSWER_NOW, BODY_INTO, BODY_TIMED_OUT, ON_DISCONNECT, error_reply
+from service.http.listening import take_waiting
 from service.ipc.process import SERVING
 
 if TYPE_CHECKING:
@@ -470,21 +470,12 @@ class DrainingServer(uvicorn.Server):
         self._drain_connections()
 
     def _stop_listening(self) -> None:
-        """Close the listening sockets, after accepting every connection waiting in their backlog (closing a
-        listener resets those: a client that sent its request would see the reset, not an answer)."""
+        """Close the listening sockets once they take no new connection and every connection waiting in their
+        backlog is accepted (``service.http.listening.take_waiting``: closing a listener resets those, and a client
+        that sent its request would see the reset, not an answer); a client connecting meanwhile is refused."""
         for server in getattr(self, "servers", ()):  # (none yet when the signal came during start-up)
             for listening in server.sockets or ():
-                backlog = socket.socket(fileno=os.dup(listening.fileno()))
-                try:
-                    backlog.setblocking(False)
-                    while True:
-                        try:
-                            conn, _ = backlog.accept()
-                        except OSError:  # nothing more waiting (or the listener failed): stop
-                            break
-                        self._serve_connection(conn)
-                finally:
-                    backlog.close()
+                take_waiting(listening, self._serve_connection)
             server.close()
 
     def _drain_connections(self) -> None:
