@@ -36,10 +36,11 @@ PRECISIONS = ("fp32", "tf32")
 # kernel (few multiply-adds an output element: large strides, few input channels), the gemm kernel
 # (channel-heavy TF32 / bfloat16 / float16 layers on sm_90, reading the input channels-last), the narrow
 # kernel's tiled form (large narrow layers in float32 / bfloat16 / float16, up to 3 taps a phase per axis), the
-# shuffle kernel (bfloat16 / float16 layers whose kernel is their stride, NCHW tensors as they are, on sm_90) and the
-# fold kernel (few channels and a column stride of 8 or more, TF32 / bfloat16 / float16, either layout as it is).
+# shuffle kernel (bfloat16 / float16 layers whose kernel is their stride, NCHW tensors as they are, on sm_90), the
+# fold kernel (few channels, every precision but float64, either layout as it is) and the taps path (fp32 layers
+# with few output channels: the gemm kernel with every tap as a column, then the taps' sum).
 KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled",
-                6: "shuffle", 7: "fold"}
+                6: "shuffle", 7: "fold", 8: "taps"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
 FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
 # Split-K factors force_split takes: the halo kernel's blocks of a cluster sharing a tile (at most 8, kMaxSplit in
@@ -291,8 +292,9 @@ def forward_cuda(
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
     it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"``,
-    ``"sparse"``, ``"gemm"``, ``"narrow_tiled"``, ``"shuffle"`` or ``"fold"``) and ``force_config`` (a tile
-    configuration index of the tensor-core kernels, or of the gemm kernel with ``"gemm"``) override the kernel choice,
+    ``"sparse"``, ``"gemm"``, ``"narrow_tiled"``, ``"shuffle"``, ``"fold"`` or ``"taps"``) and ``force_config`` (a
+    tile configuration index of the tensor-core kernels, or of the gemm kernel with ``"gemm"`` or ``"taps"``) override
+    the kernel choice,
     for tests and tuning;
     a forced path other than ``"simt"`` that does not suit the problem falls back to the default choice (the
     returned name says which ran).

@@ -29,9 +29,11 @@ document at the end; bench/NOTES.md says which version used which.
   column-folded view (``fold_columns``: stride_w 1, C_out x stride_w output channels, the same output once the
   columns are unfolded), which tells what a GEMM whose columns are every column phase of a channel would cost.
   ``NCHW_LAYERS`` by default.
-- ``fold``: layers with a column stride of 8 or more, NCHW inputs, TF32 and BF16: the fold kernel forced, every other
-  family forced (the fastest that ran kept), the library call's default choice, and cuDNN in both layouts; warm and
-  cold microseconds. The zoo's fcn8s-up8 and layers from real models outside the zoo (``FOLD_LAYERS``).
+- ``fold``: layers with few output columns C_out x stride_w (at most ``FOLD_MAX_COLUMNS``) or a column stride of 8 or
+  more, exact fp32, TF32 and BF16, NCHW and channels-last inputs (``--layouts``): the fold kernel forced, every other
+  family forced (the taps path among them; the fastest that ran kept), the library call's default choice, and cuDNN in
+  both layouts; warm and cold microseconds. The zoo's and KernelBench's layers of that kind and layers from real
+  models outside the zoo (``FOLD_LAYERS``).
 
 - ``layouts``: the layout changes' bandwidth: the gemm kernel forced (configuration 0) on NCHW tensors with its
   output staged channels-last, each kernel's GPU time in launch order (the median of five calls), so that x's change
@@ -44,6 +46,7 @@ document at the end; bench/NOTES.md says which version used which.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import time
@@ -395,9 +398,15 @@ def shuffle(problems: Sequence[dict]) -> list[dict]:
     return rows
 
 
-# Real layers in the fold kernel's domain (a column stride of 8 or more, few channels) beside the zoo's fcn8s-up8:
-# (name, batch, C_in, C_out, kernel, stride, padding, H, W).
+# Real layers in the fold kernel's domain (few output columns C_out x stride_w, or a column stride of 8 or more and
+# few channels) beside the zoo's: (name, batch, C_in, C_out, kernel, stride, padding, H, W).
 FOLD_LAYERS = (
+    ("fsrcnn-x2", 16, 56, 1, 9, 2, 4, 64, 64),              # FSRCNN x2 (output padding 1 in the model; 0 here)
+    ("dcgan128-rgb", 32, 64, 3, 4, 2, 1, 64, 64),           # a 128 px generator's RGB output layer
+    ("pix2pix-rgb-b1", 1, 128, 3, 4, 2, 1, 128, 128),       # pix2pix's output layer for one image
+    ("unet-out-k2", 4, 64, 2, 2, 2, 0, 128, 128),           # a two-class U-Net head, 2 x 2 up-convolution
+    ("espcn-like-x4", 8, 32, 3, 8, 4, 2, 64, 64),           # an RGB x4 super-resolution output
+    ("keypoint-17", 100, 512, 17, 4, 2, 1, 14, 14),         # Mask R-CNN's keypoint head, 100 RoIs
     ("fcn8s-up8-b1", 1, 21, 21, 16, 8, 0, 68, 68),          # FCN-8s' upscore8 for one 500 x 500 image
     ("fcn16s-up16", 4, 21, 21, 32, 16, 0, 36, 36),          # FCN-16s' upscore16
     ("fcn32s-up32", 4, 21, 21, 64, 32, 0, 18, 18),          # FCN-32s' upscore32
@@ -407,62 +416,73 @@ FOLD_LAYERS = (
     ("feat-up8", 4, 32, 16, 16, 8, 4, 32, 32),              # 32 feature channels to 16
     ("ade-up8", 2, 150, 150, 16, 8, 4, 32, 32),             # ADE20K's 150 classes: too many for the fold kernel
 )
-FOLD_OTHERS = ("gemm", "tensor_core", "narrow_tiled", "narrow", "sparse")
+FOLD_OTHERS = ("taps", "gemm", "tensor_core", "narrow_tiled", "narrow", "sparse")
+
+
+FOLD_MAX_COLUMNS = 64  # C_out x stride_w: the probe's few-column layers (8 n8 tiles)
 
 
 def fold_problems() -> list[dict]:
-    """The zoo's and KernelBench's layers with a column stride of 8 or more, and ``FOLD_LAYERS``."""
-    mine = [p for p in zoo_problems() + kernelbench_problems() if p["stride"][1] >= 8]
+    """The zoo's and KernelBench's layers with few output columns or a column stride of 8 or more, one group, and
+    ``FOLD_LAYERS``."""
+    mine = [p for p in zoo_problems() + kernelbench_problems() if p["groups"] == 1
+            and (p["stride"][1] >= 8 or p["out_channels"] * p["stride"][1] <= FOLD_MAX_COLUMNS)]
     for name, n, c_in, c_out, k, st, pad, h, w in FOLD_LAYERS:
         mine.append(spec(name, "other", n, c_in, c_out, [k, k], [st, st], [pad, pad], [0, 0], 1, [1, 1], h, w, False))
     return mine
 
 
-def fold(problems: Sequence[dict]) -> list[dict]:
+FOLD_PRECISIONS = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fold(problems: Sequence[dict], layouts: Sequence[str] = ("nchw",)) -> list[dict]:
     """The fold kernel forced, every other family forced (each call says which ran: a family that cannot take the
     layer runs the rule's next family), the dispatcher's rule's pick (``rule_ran``), the library call (measured
-    choice; ``default_*``), and cuDNN in both layouts; NCHW inputs, TF32 and BF16, warm and cold microseconds."""
+    choice; ``default_*``), and cuDNN in both layouts; exact fp32, TF32 and BF16, our calls on x in each of
+    ``layouts`` (cuDNN in both layouts every time), warm and cold microseconds."""
     cold = ColdTimer()
     rows = []
-    for p in problems:
-        for precision, dtype in (("tf32", torch.float32), ("bf16", torch.bfloat16)):
-            x, w, b = zoo.inputs(p, dtype)
-            args = _args(p)
-            kw = conv_kwargs(p)
-            mode = "tf32" if dtype == torch.float32 else "fp32"
-            row = {**_layer_row(p, precision), "kernel": p["kernel_size"], "stride": p["stride"]}
-            xcl, wcl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
-            with torch.no_grad():
-                row["rule_ran"] = forward_cuda(x, w, b, args, mode)[1]  # the dispatcher's rule, unmeasured
-                row["fold_ran"] = forward_cuda(x, w, b, args, mode, force_path="fold")[1]
-                if row["fold_ran"] == "fold":
-                    fn = partial(forward_cuda, x, w, b, args, mode, force_path="fold")
-                    row["fold_warm_us"], row["fold_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
-                others = {}
-                for family in FOLD_OTHERS:
-                    ran = forward_cuda(x, w, b, args, mode, force_path=family)[1]
-                    if ran in others or ran == "fold":
-                        continue
-                    fn = partial(forward_cuda, x, w, b, args, mode, force_path=family)
-                    others[ran] = (round(warm_us(fn), 2), round(cold(fn), 2))
-                row["others_us"] = others  # family that ran: (warm, cold)
-                best = min(others, key=lambda k: others[k][1])
-                row["best_other"], row["best_other_warm_us"], row["best_other_cold_us"] = best, *others[best]
-                fn = partial(kernels.conv_transpose2d, x, w, b, precision=mode, **kw)
-                row["default_warm_us"], row["default_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
-                for name, fn in (("cudnn_nchw", partial(F.conv_transpose2d, x, w, b, **kw)),
-                                 ("cudnn_cl", partial(F.conv_transpose2d, xcl, wcl, b, **kw))):
-                    row[f"{name}_warm_us"] = round(cudnn_benchmark(warm_us, fn), 2)
-                    row[f"{name}_cold_us"] = round(cudnn_benchmark(cold, fn), 2)
-            best_cudnn = min(row["cudnn_nchw_cold_us"], row["cudnn_cl_cold_us"])
-            row["default_vs_cudnn_cold"] = round(best_cudnn / row["default_cold_us"], 3)
-            if "fold_cold_us" in row:
-                row["fold_vs_cudnn_cold"] = round(best_cudnn / row["fold_cold_us"], 3)
-                row["fold_vs_best_other_cold"] = round(row["best_other_cold_us"] / row["fold_cold_us"], 3)
-            rows.append(row)
-            print("fold", json.dumps(row), flush=True)
-            del x, w, b, xcl, wcl
-            torch.cuda.empty_cache()
+    for p, (precision, dtype), layout in itertools.product(problems, FOLD_PRECISIONS.items(), layouts):
+        x0, w, b = zoo.inputs(p, dtype)
+        args = _args(p)
+        kw = conv_kwargs(p)
+        mode = "fp32" if dtype != torch.float32 else precision
+        row = {**_layer_row(p, precision), "layout": layout, "kernel": p["kernel_size"], "stride": p["stride"]}
+        xcl, wcl = x0.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+        x = xcl if layout == "cl" else x0
+        torch.backends.cudnn.allow_tf32 = precision != "fp32"  # cuDNN's strict fp32 beside exact fp32
+        with torch.no_grad():
+            row["rule_ran"] = forward_cuda(x, w, b, args, mode)[1]  # the dispatcher's rule, unmeasured
+            row["fold_ran"] = forward_cuda(x, w, b, args, mode, force_path="fold")[1]
+            if row["fold_ran"] == "fold":
+                fn = partial(forward_cuda, x, w, b, args, mode, force_path="fold")
+                row["fold_warm_us"], row["fold_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
+            others = {}
+            for family in FOLD_OTHERS:
+                ran = forward_cuda(x, w, b, args, mode, force_path=family)[1]
+                if ran in others or ran == "fold":
+                    continue
+                fn = partial(forward_cuda, x, w, b, args, mode, force_path=family)
+                others[ran] = (round(warm_us(fn), 2), round(cold(fn), 2))
+            row["others_us"] = others  # family that ran: (warm, cold)
+            best = min(others, key=lambda k: others[k][1])
+            row["best_other"], row["best_other_warm_us"], row["best_other_cold_us"] = best, *others[best]
+            fn = partial(kernels.conv_transpose2d, x, w, b, precision=mode, **kw)
+            row["default_warm_us"], row["default_cold_us"] = round(warm_us(fn), 2), round(cold(fn), 2)
+            for name, fn in (("cudnn_nchw", partial(F.conv_transpose2d, x0, w, b, **kw)),
+                             ("cudnn_cl", partial(F.conv_transpose2d, xcl, wcl, b, **kw))):
+                row[f"{name}_warm_us"] = round(cudnn_benchmark(warm_us, fn), 2)
+                row[f"{name}_cold_us"] = round(cudnn_benchmark(cold, fn), 2)
+        best_cudnn = min(row["cudnn_nchw_cold_us"], row["cudnn_cl_cold_us"])
+        row["default_vs_cudnn_cold"] = round(best_cudnn / row["default_cold_us"], 3)
+        if "fold_cold_us" in row:
+            row["fold_vs_cudnn_cold"] = round(best_cudnn / row["fold_cold_us"], 3)
+            row["fold_vs_best_other_cold"] = round(row["best_other_cold_us"] / row["fold_cold_us"], 3)
+        rows.append(row)
+        print("fold", json.dumps(row), flush=True)
+        del x, x0, w, b, xcl, wcl
+        torch.cuda.empty_cache()
+    torch.backends.cudnn.allow_tf32 = True
     return rows
 
 
@@ -599,6 +619,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("probe", choices=("staging", "tf32", "host", "kernels", "weights", "narrow", "rounding",
                                       "shuffle", "fold", "nchw", "layouts"))
     ap.add_argument("--only", nargs="*", help="problem names (default: the probe's own set)")
+    ap.add_argument("--layouts", nargs="+", choices=("nchw", "cl"), default=["nchw"],
+                    help="the input layouts of our calls (the fold probe)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     every = zoo_problems() + kernelbench_problems()
@@ -623,8 +645,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         chosen = every
     rows = {"staging": staging, "tf32": tf32, "host": host, "kernels": kernel_times, "weights": weights,
-            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": fold, "nchw": nchw,
-            "layouts": layouts}[a.probe](chosen)
+            "narrow": narrow, "rounding": rounding, "shuffle": shuffle, "fold": partial(fold, layouts=a.layouts),
+            "nchw": nchw, "layouts": layouts}[a.probe](chosen)
     doc = {"probe": a.probe, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "rows": rows}
     if a.out:

@@ -144,9 +144,9 @@ struct Forced {
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
                     int64_t force_round) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 7,
+  TORCH_CHECK(force_path >= -1 && force_path <= 8,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
-              "(sparse), 4 (gemm), 5 (tiled narrow), 6 (shuffle) or 7 (fold), got ",
+              "(sparse), 4 (gemm), 5 (tiled narrow), 6 (shuffle), 7 (fold) or 8 (taps), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
@@ -443,7 +443,10 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   // (aligned) copy; it reads only the pointers' alignment.
   p.x_channels_last = true;
   p.x = x_cl ? x.data_ptr() : nullptr;
-  bool gemm = deconv::conv_transpose2d_plan(p).path == deconv::KernelPath::kGemm;
+  const deconv::KernelPath cl_path = deconv::conv_transpose2d_plan(p).path;
+  // The taps path runs the gemm kernel on x as the gemm path does, and writes y in either layout itself.
+  const bool taps = cl_path == deconv::KernelPath::kTaps;
+  bool gemm = cl_path == deconv::KernelPath::kGemm || taps;
   // With one group, input channels that do not fill whole 16-byte vectors (a DCGAN generator's 100 latent channels
   // in 16 bits) are padded for the gemm path where it would then run: a zero-padded channels-last copy of x, as an
   // NCHW x gets a channels-last one.
@@ -457,11 +460,11 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
       c.pitch = q.x_pitch;
     }
   }
-  // The caller gets y in x's layout (NCHW into `out`). The gemm kernel writes either layout; the others write NCHW,
-  // staged in scratch and converted for a channels-last y (not for one output channel: both layouts are then the
-  // same memory). The gemm kernel may stage an NCHW y channels-last too.
+  // The caller gets y in x's layout (NCHW into `out`). The gemm kernel and the taps path write either layout; the
+  // others write NCHW, staged in scratch and converted for a channels-last y (not for one output channel: both
+  // layouts are then the same memory). The gemm kernel may stage an NCHW y channels-last too (never the taps path).
   c.y_cl = x_cl && !has_out;
-  c.staged = gemm ? !c.y_cl && forced.staged == 1 : c.y_cl && pr.C_out > 1;
+  c.staged = taps ? false : gemm ? !c.y_cl && forced.staged == 1 : c.y_cl && pr.C_out > 1;
   p.x_channels_last = gemm;
   p.y_channels_last = gemm && (c.y_cl || c.staged);
   // The gemm kernel takes channels-last weights (reading 16-bit ones as they are, packing the others from that
@@ -660,7 +663,7 @@ std::shared_ptr<WeightPacks> call_packs(const torch::Tensor& x, const torch::Ten
 }
 
 // Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
-// narrow). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights). `torch_layout`: y in
+// narrow, 6 shuffle, 7 fold, 8 taps). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights). `torch_layout`: y in
 // PyTorch's layout (channels-last when x or the weight suggests it) rather than x's. `remember`: keep the call's
 // plan in the call cache, for fast_forward (a library call without `out`, whose choice follows kernels.tuning).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]

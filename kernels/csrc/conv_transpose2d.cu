@@ -213,13 +213,14 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
   return (p.C_in / p.groups >= 128 && cout_g >= 64) || (p.H_in == 1 && p.W_in == 1 && cout_g >= 64);
 }
 
-// force_path 0 runs the SIMT kernel; 1, 2, 3, 4, 5, 6 and 7 run the tensor-core, narrow, sparse, gemm, tiled
-// narrow, shuffle and fold kernels when eligible, else what -1 chooses: the fold kernel when preferred (either layout
-// as it is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors the others would
-// convert), then the tiled narrow kernel when eligible and preferred, then the narrow kernel when eligible,
-// then the sparse kernel when preferred (none of these when force_config asks for the tensor cores), then the gemm
-// kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT kernel. Only force_path -1
-// or 6 runs the shuffle kernel, and -1 or 7 the fold kernel: a forced family is timed as it runs on its own.
+// force_path 0 runs the SIMT kernel; 1-8 run the tensor-core, narrow, sparse, gemm, tiled narrow, shuffle and fold
+// kernels and the taps path when eligible, else what -1 chooses: the fold kernel when preferred (either layout as it
+// is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors the others would convert),
+// then the taps path when preferred, then the tiled narrow kernel when eligible and preferred, then the narrow
+// kernel when eligible, then the sparse kernel when preferred (none of these when force_config asks for the tensor
+// cores), then the gemm kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT
+// kernel. Only force_path -1 or 6 runs the shuffle kernel, -1 or 7 the fold kernel and -1 or 8 the taps path: a
+// forced family is timed as it runs on its own.
 KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
@@ -232,9 +233,11 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 5 && narrow_tiled_eligible(p)) return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
   if (p.force_path == 6 && shuffle_eligible(p)) return {KernelPath::kShuffle, -1};
   if (p.force_path == 7 && fold_eligible(p)) return {KernelPath::kFold, -1};
+  if (p.force_path == 8 && taps_eligible(p)) return {KernelPath::kTaps, taps_config(p)};
   if (p.force_path < 0 && p.force_config < 0 && fold_preferred(p)) return {KernelPath::kFold, -1};
   if (p.force_path < 0 && p.force_config < 0 && shuffle_eligible(p) && shuffle_preferred(p))
     return {KernelPath::kShuffle, -1};
+  if (p.force_path < 0 && p.force_config < 0 && taps_preferred(p)) return {KernelPath::kTaps, taps_config(p)};
   if (p.force_config < 0 && narrow_tiled_eligible(p) && narrow_tiled_preferred(p))
     return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
@@ -252,6 +255,7 @@ KernelPlan conv_transpose2d_plan(const ConvTranspose2dParams& p) { return choose
 
 size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p, const KernelPlan& c) {
   if (c.path == KernelPath::kGemm) return gemm_workspace_bytes(p, c.config);
+  if (c.path == KernelPath::kTaps) return taps_workspace_bytes(p, c.config);
   if (c.path == KernelPath::kShuffle) return shuffle_workspace_bytes(p);
   return c.path == KernelPath::kTensorCore && p.packed_weights == nullptr ? tensor_core_workspace_bytes(p, c.config)
                                                                            : 0;
@@ -259,6 +263,7 @@ size_t conv_transpose2d_workspace_bytes(const ConvTranspose2dParams& p, const Ke
 
 WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const KernelPlan& c) {
   if (c.path == KernelPath::kGemm) return gemm_packing(p, c.config);
+  if (c.path == KernelPath::kTaps) return taps_packing(p, c.config);
   if (c.path == KernelPath::kShuffle) return shuffle_packing(p);
   return c.path == KernelPath::kTensorCore ? tensor_core_packing(p, c.config) : WeightPacking{};
 }
@@ -266,15 +271,18 @@ WeightPacking conv_transpose2d_packing(const ConvTranspose2dParams& p, const Ker
 cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPlan& c, void* dst,
                                   cudaStream_t stream) {
   if (c.path == KernelPath::kGemm) return gemm_pack(p, dst, stream);
+  if (c.path == KernelPath::kTaps) return taps_pack(p, dst, stream);
   if (c.path == KernelPath::kShuffle) return shuffle_pack(p, dst, stream);
   return c.path == KernelPath::kTensorCore ? tensor_core_pack(p, c.config, dst, stream) : cudaSuccess;
 }
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& c, cudaStream_t stream) {
   if (c.path == KernelPath::kFold) return launch_fold(p, stream);  // either layout
-  if ((c.path == KernelPath::kGemm) != p.x_channels_last || p.y_channels_last && c.path != KernelPath::kGemm)
+  const bool reads_cl = c.path == KernelPath::kGemm || c.path == KernelPath::kTaps;
+  if (reads_cl != p.x_channels_last || p.y_channels_last && !reads_cl)
     return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)
   if (c.path == KernelPath::kGemm) return launch_gemm(p, c.config, stream);
+  if (c.path == KernelPath::kTaps) return launch_taps(p, c.config, stream);
   if (c.path == KernelPath::kShuffle) return launch_shuffle(p, stream);
   if (c.path == KernelPath::kTensorCore) {
     if (p.workspace == nullptr && p.packed_weights == nullptr) return cudaErrorInvalidValue;

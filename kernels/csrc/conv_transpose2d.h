@@ -40,13 +40,13 @@ struct ConvTranspose2dParams {
   // conv_transpose2d_packing says), or nullptr: the tensor-core kernels then pack them into the workspace first.
   const void* packed_weights;
   // Memory layouts: x is channels-last ([N, H_in, W_in, C_in] in memory) rather than NCHW, and so is y. Only the
-  // gemm path (which needs a channels-last x) and the fold kernel (either layout, as it is) read a channels-last x
-  // and write a channels-last y; the binding converts for the rest.
+  // gemm and taps paths (which need a channels-last x) and the fold kernel (either layout, as it is) read a
+  // channels-last x and write a channels-last y; the binding converts for the rest.
   bool x_channels_last;
   bool y_channels_last;
-  // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm path takes such weights (it reads
-  // 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout); the binding makes them
-  // NCHW-contiguous for the rest.
+  // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm and taps paths take such weights
+  // (the gemm kernel reads 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout); the
+  // binding makes them NCHW-contiguous for the rest.
   bool w_channels_last;
   // Elements from one position of a channels-last x to the next, when larger than C_in (0: C_in): an x whose rows of
   // channels the binding padded to whole 16-byte vectors for the gemm path (one group only; the padding is zeros).
@@ -55,14 +55,14 @@ struct ConvTranspose2dParams {
   // the gemm path's channels-last copy (convert_layout), and the gemm kernel then skips its own rounding of each
   // landed A stage. Rounding is idempotent: a kernel that rounds anyway gives the same numbers.
   bool x_tf32_rounded;
-  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle; 7: fold. A forced path that is not
-  // eligible for the problem falls back to the choice of -1.
+  // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle; 7: fold;
+  // 8: taps. A forced path that is not eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
-  // the gemm kernel's, or with force_path 5 the tiled narrow kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
+  // or 8 the gemm kernel's, or with force_path 5 the tiled narrow kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
   int force_config;
   // <= 0: choose; else the split-K factor: the halo kernel's (blocks of a cluster sharing a tile, at most 8; sm_90
-  // and newer, elsewhere 1) or with force_path 4 the gemm kernel's (at most 16). Tests and tuning.
+  // and newer, elsewhere 1) or with force_path 4 or 8 the gemm kernel's (at most 16). Tests and tuning.
   int force_split;
 };
 
@@ -75,7 +75,8 @@ enum class KernelPath : int {
   kGemm = 4,
   kNarrowTiled = 5,
   kShuffle = 6,
-  kFold = 7
+  kFold = 7,
+  kTaps = 8
 };
 
 // The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
@@ -196,16 +197,32 @@ size_t shuffle_workspace_bytes(const ConvTranspose2dParams& p);
 cudaError_t shuffle_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 cudaError_t launch_shuffle(const ConvTranspose2dParams& p, cudaStream_t stream);
 
-// Fold kernel (conv_transpose2d_fold.cu): layers with few channels and a stride of 8 or more on the columns (FCN's
-// score up-samplers): a row phase's GEMM with the stride's column phases folded into its columns (N = C_out
-// stride_w, K = the taps a phase has times C_in) on mma.sync TF32, stores straight from the accumulators. fp32 with
-// TF32 products, bf16 and fp16 (products exact, fp32 sums); x, w and y in either layout as they are, no packing.
-// Eligible on sm_80 and newer with one group, dilation 1, stride_w a multiple of 8, strides at most 64 and a row
-// phase's weights for up to 176 columns and a tile's input patch in 110 KiB of shared memory; preferred where
-// eligible with at most 24 input channels, unless the tiled narrow kernel is preferred.
+// Fold kernel (conv_transpose2d_fold.cu): layers with few channels (FCN's score up-samplers): a row phase's GEMM
+// with the stride's column phases folded into its columns (N = C_out stride_w padded to whole n8 tiles, K = the
+// taps a phase has times C_in) on mma.sync TF32, stores straight from the accumulators. Exact fp32 (3xTF32), fp32
+// with TF32 products, bf16 and fp16 (products exact, fp32 sums); x, w and y in either layout as they are, no
+// packing. Eligible on sm_80 and newer with one group, dilation 1, strides at most 64 and a row phase's weights for
+// up to 176 columns (64 in exact fp32) and a tile's input patch in 110 KiB of shared memory; preferred where
+// eligible with stride_w a multiple of 8 and at most 24 input channels, unless the tiled narrow kernel is preferred.
 bool fold_eligible(const ConvTranspose2dParams& p);
 bool fold_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream);
+
+// Taps path (conv_transpose2d_taps.cu): fp32 layers with few output channels: the gemm kernel on the 1x1 problem
+// whose columns are every (output channel, tap), Z channels-last in the workspace, then a kernel that sums each
+// output element's taps of Z and the bias. Reads a channels-last x (as the gemm path does) and the weights in either
+// layout as they are; writes y in either layout. Eligible with dilation 1, at most 4096 columns C_out kH kW, where
+// the gemm kernel takes the 1x1 problem (packed weights: gemm_packing of taps_view); preferred for at most 32 output
+// channels and at least 32 input channels a group, C_out kH kW <= 2 C_in and 2^14 input positions or more, unless
+// x is NCHW (planned with a null x) and the tiled narrow kernel is preferred.
+ConvTranspose2dParams taps_view(const ConvTranspose2dParams& p);  // the 1x1 problem the gemm kernel runs
+bool taps_eligible(const ConvTranspose2dParams& p);
+bool taps_preferred(const ConvTranspose2dParams& p);
+int taps_config(const ConvTranspose2dParams& p);  // the gemm kernel's configuration for taps_view(p)
+WeightPacking taps_packing(const ConvTranspose2dParams& p, int config);
+size_t taps_workspace_bytes(const ConvTranspose2dParams& p, int config);
+cudaError_t taps_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
+cudaError_t launch_taps(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
 // else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits, or with round_tf32 (4-byte elements

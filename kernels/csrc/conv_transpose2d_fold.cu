@@ -1,23 +1,28 @@
-// Layers with few channels and a wide stride: FCN's 8x, 16x and 32x score up-samplers (21 classes, kernel 2s,
-// stride s), other class-map and mask up-samplers. Every output pixel there takes only a few taps (ceil(kH / s_h)
-// x ceil(kW / s_w)), and each phase GEMM of the other kernels has few columns (C_out) and writes every s_w-th element
-// of a row: a 64-column tile then does a third of its work, and 8 tiles finish each 32-byte sector. This kernel folds
-// the stride's column phases into the GEMM's columns instead (docs/architecture.md, "Kernels"). For one row phase
-// py (output rows oy = a s_h + py - pad_h) and the positions (a, b) of a tile:
+// Layers with few output channels: FCN's 8x, 16x and 32x score up-samplers (21 classes, kernel 2s, stride s), RGB
+// and one-channel output layers (GAN generators, super-resolution), other class-map and mask up-samplers. The phase
+// GEMMs of the other kernels have C_out columns and write every s_w-th element of a row: a 64-column tile then does
+// a small part of its work, and with a wide stride 8 tiles finish each 32-byte sector. This kernel folds the
+// stride's column phases into the GEMM's columns instead (docs/architecture.md, "Kernels"). For one row phase py
+// (output rows oy = a s_h + py - pad_h) and the positions (a, b) of a tile:
 //   Y[(a, b), (co, px)] = sum over taps (t, u) and ci of x[n, ci, a - t, b - u] w[ci, co, py + t s_h, px + u s_w],
 //   y[n, co, a s_h + py - pad_h, b s_w + px - pad_w] = Y[(a, b), (co, px)] + bias[co],
-// one GEMM of M = positions, N = C_out s_w (every column phase px of every output channel), K = the taps a phase
-// has times C_in. An n8 tile of N is then 8 neighbouring output columns (NCHW y: 8 column phases of one channel;
-// channels-last y: 8 neighbouring (px, co) elements of one row), and an m16 tile is two rows of 8 positions b, so that
-// a warp's pair stores write 256 contiguous bytes of an NCHW row (s_w = 8), straight from the accumulators.
+// one GEMM of M = positions, N = C_out s_w (every column phase px of every output channel, padded with zero columns
+// to a multiple of 8), K = the taps a phase has times C_in. An n8 tile of N is then 8 neighbouring output columns
+// (NCHW y: column phases of one channel, or of neighbouring channels when s_w < 8; channels-last y: 8 neighbouring
+// (px, co) elements of one row), and an m16 tile is two rows of 8 positions b, so that with s_w = 8 a warp's pair
+// stores write 256 contiguous bytes of an NCHW row, straight from the accumulators.
 //
-// A block (256 threads, 8 warps) keeps one row phase's weights for a chunk of at most 22 n8 tiles in shared memory
-// (TF32 words) and computes 16 x 8 positions a tile (warps: 4 along a, 2 along N), persistent over a
+// A block (256 threads, 8 warps) keeps one row phase's weights for a chunk of at most 22 n8 tiles (8 in exact
+// fp32) in shared memory and computes 16 x 8 positions a tile (warps: 4 along a, 2 along N), persistent over a
 // contiguous run of tiles ordered (chunk, row phase, image, a, b) so that it loads the weights again only when its
-// run crosses into the next row phase. A tile's input patch (its rows and columns plus the taps' halo, every input
-// channel) is loaded into shared memory, converted to TF32 words, then the products run on mma.sync m16n8k8 TF32:
-// fp32 inputs rounded to TF32 as cuDNN's allow_tf32 does, bf16 and fp16 inputs exactly (both are TF32 values), all
-// summed in fp32. x, w and y are read and written in either layout as they are: one kernel a call, no packing.
+// run crosses into the next row phase. With a single n8 tile (N <= 8: RGB and one-channel layers) the two warps
+// along N take alternate k8 steps of it instead, and one adds the other's sums through shared memory. A tile's
+// input patch (its rows and columns plus the taps' halo, every input channel) is loaded into shared memory as fp32
+// words, then the products run on mma.sync m16n8k8 TF32: fp32 inputs rounded to TF32 as cuDNN's allow_tf32 does,
+// bf16 and fp16 inputs exactly (both are TF32 values), all summed in fp32. Exact fp32 splits each operand into a
+// TF32 part and a TF32 residual in registers (3xTF32, mma.cuh) and sums every 4 k8 steps' products into a fresh
+// partial sum added with fp32 adds. x, w and y are read and written in either layout as they are: one kernel a
+// call, no packing.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -40,8 +45,11 @@ constexpr int kFoldWarpsN = 2;      // warps along N: n8 tiles wn, wn + 2, ...
 constexpr int kFoldTilesM = 2;      // m16 tiles a warp
 constexpr int kFoldTileA = kFoldWarpsM * kFoldTilesM * 2;  // 16 rows a a tile
 constexpr int kFoldTileB = 8;                              // 8 positions b a tile
-constexpr int kFoldWarpTilesN = 11;                        // n8 tiles a warp, at most
-constexpr int kFoldChunkTilesN = kFoldWarpsN * kFoldWarpTilesN;  // 22 n8 tiles a chunk, at most
+// n8 tiles a warp, at most: 11 (a chunk of 22), or 4 (a chunk of 8) in exact fp32, whose partial sums double the
+// accumulators a thread holds.
+template <bool kExact>
+constexpr int kFoldWarpTilesN = kExact ? 4 : 11;
+constexpr int kFoldExactGroup = 4;  // exact fp32: k8 steps a warp sums into one partial sum
 // Shared memory a block may take: two blocks an SM on sm_90 (228 KiB) and sm_80 (164 KiB: one).
 constexpr size_t kFoldSmemLimit = 110 * 1024;
 constexpr int kFoldMaxStride = 64;
@@ -72,12 +80,13 @@ struct FoldArgs {
   int64_t ys_n, ys_c, ys_h, ys_w;
   int n, c_in, h_in, w_in, c_out, h_out, w_out, kh, kw, s_h, s_w, pad_h, pad_w;
   bool y_cl;      // N columns ordered (px, co) rather than (co, px)
-  bool round;     // fp32 inputs: round to TF32
+  bool round;     // fp32 inputs in TF32: round to TF32 (exact fp32 keeps every bit and splits in registers)
   // Geometry (fold_geometry).
   int th, tw;     // taps a phase per axis
   int cip;        // input channels padded to 8
   int ksteps;     // k8 steps: th tw cip / 8
-  int ntiles;     // n8 tiles of N: C_out s_w / 8
+  int ncols;      // N: C_out s_w
+  int ntiles;     // n8 tiles of N: ceil(C_out s_w / 8)
   int ntc;        // n8 tiles a chunk
   int pr, pc, pp; // patch rows, columns, words a channel plane
   int a_blocks, b_blocks;
@@ -124,8 +133,9 @@ __device__ __forceinline__ void fold_gather(uint32_t* dst, const T* __restrict__
   }
 }
 
-template <typename T>
+template <typename T, bool kExact>
 __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(const FoldArgs g) {
+  constexpr int kWarpTilesN = kFoldWarpTilesN<kExact>;
   extern __shared__ __align__(16) uint32_t smem[];
   const int kwords = g.ksteps * 8, cols = g.ntc * 8;
   // A row phase's weights for a chunk, [k8 step][column][k % 4][k / 4 % 2]: a lane's two B words (k and k + 4) are
@@ -156,6 +166,10 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
   // column gq.
   const int a_base = tq * g.pp + (wm * kFoldTilesM * 2) * g.pc + gq;
   const bool pairs_aligned = reinterpret_cast<uintptr_t>(y) % (2 * sizeof(T)) == 0;
+  // One n8 tile (block-uniform, as every chunk of such a layer has one): the warps along N split its k8 steps.
+  const bool ksplit = g.ntiles == 1;
+  const int wnt = ksplit ? 0 : wn;  // this warp's first n8 tile
+  const int s_first = ksplit ? wn : 0, s_step = ksplit ? kFoldWarpsN : 1;
 
   const int64_t per = g.tiles / gridDim.x, extra = g.tiles % gridDim.x;
   const int64_t first = blockIdx.x * per + (blockIdx.x < extra ? blockIdx.x : extra);
@@ -181,7 +195,7 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
         const int n = n0 + nl;
         const int q = g.by_inner(n), rem = n - q * (g.y_cl ? g.c_out : g.s_w);
         const int co = g.y_cl ? rem : q, px = g.y_cl ? q : rem;
-        const bool in = nl < ntc * 8;
+        const bool in = nl < ntc * 8 && n < g.ncols;
         col_at[nl] = in ? static_cast<int>(co * g.ys_c + px * g.ys_w) : 0;
         col_px[nl] = in ? px : -1;
         col_bias[nl] = in && bias != nullptr ? to_acc(bias[co]) : 0.f;
@@ -195,7 +209,7 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
         const int q = g.by_inner(n), rem = n - q * (g.y_cl ? g.c_out : g.s_w);
         const int co = g.y_cl ? rem : q, px = g.y_cl ? q : rem;
         const int kx = px + u * g.s_w;
-        from = ci < g.c_in && ky < g.kh && kx < g.kw && nl < ntc * 8
+        from = ci < g.c_in && ky < g.kh && kx < g.kw && nl < ntc * 8 && n < g.ncols
                    ? ci * g.ws_i + co * g.ws_o + ky * g.ws_h + kx * g.ws_w : -1;
         return (k >> 3) * cols * 8 + nl * 8 + (k & 3) * 2 + ((k >> 2) & 1);
       });
@@ -221,11 +235,11 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
     }
     __syncthreads();
 
-    float acc[kFoldTilesM][kFoldWarpTilesN][4];
-    tc::zero_tile(acc);
-    for (int s = 0; s < g.ksteps; ++s) {
+    // The products of k8 step s into sums: one TF32 product a pair of fragments, or three in exact fp32 (the
+    // residuals' products first: lo x hi, hi x lo, hi x hi).
+    auto step = [&](float (&sums)[kFoldTilesM][kWarpTilesN][4], int s) {
       const int ko = koff[s];
-      uint32_t a[kFoldTilesM][4];
+      uint32_t a[kFoldTilesM][4], alo[kFoldTilesM][4];
 #pragma unroll
       for (int i = 0; i < kFoldTilesM; ++i) {
         const uint32_t* pa = patch + a_base + i * 2 * g.pc + ko;
@@ -233,25 +247,79 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
         a[i][1] = pa[g.pc];
         a[i][2] = pa[4 * g.pp];
         a[i][3] = pa[4 * g.pp + g.pc];
+        if constexpr (kExact) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float v = __uint_as_float(a[i][e]);
+            a[i][e] = tc::to_tf32(v);
+            alo[i][e] = tc::tf32_residual(v, a[i][e]);
+          }
+        }
       }
       const uint2* pb = reinterpret_cast<const uint2*>(bs) + s * cols * 4 + gq * 4 + tq;
 #pragma unroll
-      for (int j = 0; j < kFoldWarpTilesN; ++j) {
-        const int nt = wn + j * kFoldWarpsN;
+      for (int j = 0; j < kWarpTilesN; ++j) {
+        const int nt = wnt + j * kFoldWarpsN;
         if (nt < ntc) {
           const uint2 bw = pb[nt * 32];
-          const uint32_t b[2] = {bw.x, bw.y};
+          uint32_t b[2] = {bw.x, bw.y};
+          if constexpr (kExact) {
+            uint32_t blo[2];
 #pragma unroll
-          for (int i = 0; i < kFoldTilesM; ++i) tc::mma<tc::MmaKind::kTF32>(acc[i][j], a[i], b);
+            for (int e = 0; e < 2; ++e) {
+              const float v = __uint_as_float(b[e]);
+              b[e] = tc::to_tf32(v);
+              blo[e] = tc::tf32_residual(v, b[e]);
+            }
+#pragma unroll
+            for (int i = 0; i < kFoldTilesM; ++i) {
+              tc::mma<tc::MmaKind::kTF32>(sums[i][j], alo[i], b);
+              tc::mma<tc::MmaKind::kTF32>(sums[i][j], a[i], blo);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kFoldTilesM; ++i) tc::mma<tc::MmaKind::kTF32>(sums[i][j], a[i], b);
         }
       }
+    };
+    float acc[kFoldTilesM][kWarpTilesN][4];
+    tc::zero_tile(acc);
+    if constexpr (kExact) {
+      // A fresh partial sum every kFoldExactGroup steps, added with fp32 adds (mma.cuh: the tensor cores' truncated
+      // accumulation would otherwise drift with K).
+      for (int s0 = s_first; s0 < g.ksteps; s0 += kFoldExactGroup * s_step) {
+        float part[kFoldTilesM][kWarpTilesN][4];
+        tc::zero_tile(part);
+        for (int q = 0, s = s0; q < kFoldExactGroup && s < g.ksteps; ++q, s += s_step) step(part, s);
+        tc::add_tile(acc, part);
+      }
+    } else {
+      for (int s = s_first; s < g.ksteps; s += s_step) step(acc, s);
+    }
+    if (ksplit) {  // the second warp along N hands its sums to the first through the patch's words
+      float* sums = reinterpret_cast<float*>(patch);  // 1024 words: the patch has at least 8 x 136
+      __syncthreads();  // every warp's products have read the patch
+      if (wn == 1) {
+#pragma unroll
+        for (int i = 0; i < kFoldTilesM; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sums[((wm * kFoldTilesM + i) * 4 + e) * 32 + lane] = acc[i][0][e];
+      }
+      __syncthreads();
+      if (wn == 1) continue;
+#pragma unroll
+      for (int i = 0; i < kFoldTilesM; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[i][0][e] = __fadd_rn(acc[i][0][e], sums[((wm * kFoldTilesM + i) * 4 + e) * 32 + lane]);
     }
 
     // Epilogue: bias, rounding to T, stores straight from the accumulators.
     const int b = b0 + gq;
     const int ox0 = b * g.s_w - g.pad_w;  // the output column of px = 0
     // A tile whose every row and column lands in y, pair stores aligned throughout: one vector store a pair with no
-    // checks (most tiles of a large layer). The others check each element.
+    // checks but N's end (most tiles of a large layer). The others check each element. Pairs start at even columns
+    // n and N is even where pairs_even holds, so a pair is wholly inside N or wholly past it.
     const bool inside = (a0 + kFoldTileA - 1) * g.s_h + py - g.pad_h < g.h_out && b0 * g.s_w - g.pad_w >= 0 &&
                         (b0 + kFoldTileB) * g.s_w - g.pad_w <= g.w_out;
     if (inside && g.pairs_even && pairs_aligned) {
@@ -262,10 +330,10 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
           const int oy = (a0 + (wm * kFoldTilesM + i) * 2 + rr) * g.s_h + py - g.pad_h;
           T* row = y + (img * g.ys_n + oy * g.ys_h + ox0 * g.ys_w);
 #pragma unroll
-          for (int j = 0; j < kFoldWarpTilesN; ++j) {
-            const int nt = wn + j * kFoldWarpsN;
-            if (nt < ntc) {
-              const int nl = nt * 8 + 2 * tq;
+          for (int j = 0; j < kWarpTilesN; ++j) {
+            const int nt = wnt + j * kFoldWarpsN;
+            const int nl = nt * 8 + 2 * tq;
+            if (nt < ntc && col_px[nl] >= 0) {
               const float2 bv = *reinterpret_cast<const float2*>(col_bias + nl);
               store_pair(row + col_at[nl], acc[i][j][2 * rr] + bv.x, acc[i][j][2 * rr + 1] + bv.y);
             }
@@ -275,16 +343,16 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
       continue;
     }
 #pragma unroll
-    for (int j = 0; j < kFoldWarpTilesN; ++j) {
-      const int nt = wn + j * kFoldWarpsN;
+    for (int j = 0; j < kWarpTilesN; ++j) {
+      const int nt = wnt + j * kFoldWarpsN;
       if (nt >= ntc) continue;
-      int64_t col[2];  // y offset of columns n, n + 1 within an image's row (-1: cropped)
+      int64_t col[2];  // y offset of columns n, n + 1 within an image's row (-1: cropped or past N)
       float bv[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int nl = nt * 8 + 2 * tq + h;
         const int ox = ox0 + col_px[nl];
-        col[h] = ox >= 0 && ox < g.w_out ? col_at[nl] + static_cast<int64_t>(ox0) * g.ys_w : -1;
+        col[h] = col_px[nl] >= 0 && ox >= 0 && ox < g.w_out ? col_at[nl] + static_cast<int64_t>(ox0) * g.ys_w : -1;
         bv[h] = col_bias[nl];
       }
       const bool pair = pairs_aligned && col[0] >= 0 && col[1] == col[0] + 1;
@@ -309,6 +377,11 @@ __global__ void __launch_bounds__(kFoldThreads, 2) conv_transpose2d_fold_kernel(
   }
 }
 
+// Exact fp32: 3xTF32 products (the kernel's kExact form).
+bool fold_exact(const ConvTranspose2dParams& p) {
+  return p.dtype == DType::kFloat32 && p.precision == Precision::kExactFp32;
+}
+
 // The kernel's geometry for `p`; tiles 0 when it cannot run it.
 FoldArgs fold_geometry(const ConvTranspose2dParams& p) {
   FoldArgs g{};
@@ -316,8 +389,10 @@ FoldArgs fold_geometry(const ConvTranspose2dParams& p) {
   g.tw = static_cast<int>(tc::div_up(p.kW, p.stride_w));
   g.cip = static_cast<int>(tc::div_up(p.C_in, 8) * 8);
   g.ksteps = g.th * g.tw * g.cip / 8;
-  g.ntiles = static_cast<int>(p.C_out * p.stride_w / 8);
-  const int chunks = static_cast<int>(tc::div_up(g.ntiles, kFoldChunkTilesN));
+  g.ncols = static_cast<int>(p.C_out * p.stride_w);
+  g.ntiles = static_cast<int>(tc::div_up(g.ncols, 8));
+  const int chunk_tiles = kFoldWarpsN * (fold_exact(p) ? kFoldWarpTilesN<true> : kFoldWarpTilesN<false>);
+  const int chunks = static_cast<int>(tc::div_up(g.ntiles, chunk_tiles));
   g.ntc = static_cast<int>(tc::div_up(g.ntiles, chunks));
   g.pr = kFoldTileA + g.th - 1;
   g.pc = kFoldTileB + g.tw - 1;
@@ -341,23 +416,23 @@ size_t fold_smem(const FoldArgs& g) {
   return static_cast<size_t>(g.ksteps * 8 * g.ntc * 8 + g.cip * g.pp + (g.ksteps + 1) / 2 * 2 + 3 * g.ntc * 8) * 4;
 }
 
-template <typename T>
+template <typename T, bool kExact = false>
 cudaError_t fold_launch_as(const ConvTranspose2dParams& p, FoldArgs g, cudaStream_t stream) {
-  const cudaError_t err = opt_in_shared_memory<conv_transpose2d_fold_kernel<T>>();
+  const cudaError_t err = opt_in_shared_memory<conv_transpose2d_fold_kernel<T, kExact>>();
   if (err != cudaSuccess) return err;
   const int sms = sm_count() > 0 ? sm_count() : 1;
   const int64_t blocks = g.tiles < 2 * sms ? g.tiles : 2 * sms;
-  conv_transpose2d_fold_kernel<T><<<static_cast<unsigned>(blocks), kFoldThreads, fold_smem(g), stream>>>(g);
+  conv_transpose2d_fold_kernel<T, kExact><<<static_cast<unsigned>(blocks), kFoldThreads, fold_smem(g), stream>>>(g);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 bool fold_eligible(const ConvTranspose2dParams& p) {
-  if (p.dtype == DType::kFloat64 || (p.dtype == DType::kFloat32 && p.precision != Precision::kTF32)) return false;
+  if (p.dtype == DType::kFloat64) return false;
   if (p.groups != 1 || p.x_pitch > 0) return false;
   if ((p.kH > 1 && p.dil_h != 1) || (p.kW > 1 && p.dil_w != 1)) return false;
-  if (p.stride_w % 8 != 0 || p.stride_w > kFoldMaxStride || p.stride_h > kFoldMaxStride) return false;
+  if (p.stride_w > kFoldMaxStride || p.stride_h > kFoldMaxStride) return false;
   if (p.N < 1 || p.C_in < 1 || p.C_out < 1) return false;
   // Every offset of x, y and w, and every count, fits a 32-bit int (offsets are formed in 64 bits).
   const int64_t lim = int64_t(1) << 30;
@@ -370,15 +445,18 @@ bool fold_eligible(const ConvTranspose2dParams& p) {
   return smem <= kFoldSmemLimit && smem <= max_dynamic_smem();
 }
 
-// Preferred where eligible for at most kFoldMaxPreferredCin input channels, unless the tiled narrow kernel is
-// preferred (at most 8 output channels over many pixels). The class-map up-samplers of FCN (19-21 channels, strides
-// 8-32) run 1.06-3.19x faster here than on any other kernel of ours, where the phase GEMMs leave most of a tile's
-// columns idle; but a one-channel mask up-sampler runs 1.7-2.4x faster on the tiled narrow kernel, and with 32 input
-// channels the gemm kernel is 1.02-1.13x faster (bench/NOTES.md v32, `probes fold`).
+// Preferred where eligible with a column stride that is a multiple of 8 and at most kFoldMaxPreferredCin input
+// channels, unless the tiled narrow kernel is preferred (at most 8 output channels over many pixels). The class-map
+// up-samplers of FCN (19-21 channels, strides 8-32) run 1.06-3.19x faster here than on any other kernel of ours,
+// where the phase GEMMs leave most of a tile's columns idle (1.44-1.62x in exact fp32); but a one-channel mask
+// up-sampler runs 1.7-2.4x faster on the tiled narrow kernel, and with 32 input channels the gemm kernel is
+// 1.02-1.13x faster (bench/NOTES.md v32 and v38, `probes fold`). With a narrower column stride the input patch a
+// tile loads serves few columns: RGB and one-channel output layers ran 2.9-3.6x slower here than on the tiled narrow
+// kernel (v38).
 constexpr int64_t kFoldMaxPreferredCin = 24;
 
 bool fold_preferred(const ConvTranspose2dParams& p) {
-  if (p.C_in > kFoldMaxPreferredCin) return false;
+  if (p.stride_w % 8 != 0 || p.C_in > kFoldMaxPreferredCin) return false;
   if (narrow_tiled_eligible(p) && narrow_tiled_preferred(p)) return false;
   return fold_eligible(p);
 }
@@ -412,7 +490,7 @@ cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream) {
   g.s_h = static_cast<int>(p.stride_h), g.s_w = static_cast<int>(p.stride_w);
   g.pad_h = static_cast<int>(p.pad_h), g.pad_w = static_cast<int>(p.pad_w);
   g.y_cl = p.y_channels_last;
-  g.round = p.dtype == DType::kFloat32;
+  g.round = p.dtype == DType::kFloat32 && !fold_exact(p);
   // Pair n, n + 1 (n even) starts at img ys_n + oy ys_h + (b s_w - pad_w) ys_w + [co ys_c + px ys_w]; the bracket
   // is n itself for a channels-last y (n = px C_out + co), and co ys_c + px with px even for an NCHW one (s_w even).
   g.pairs_even = g.ys_n % 2 == 0 && g.ys_h % 2 == 0 && (p.stride_w * g.ys_w) % 2 == 0 && (p.pad_w * g.ys_w) % 2 == 0 &&
@@ -426,7 +504,7 @@ cudaError_t launch_fold(const ConvTranspose2dParams& p, cudaStream_t stream) {
   g.by_cin.set(static_cast<uint32_t>(p.C_in));
   switch (p.dtype) {
     case DType::kFloat32:
-      return fold_launch_as<float>(p, g, stream);
+      return fold_exact(p) ? fold_launch_as<float, true>(p, g, stream) : fold_launch_as<float>(p, g, stream);
     case DType::kFloat16:
       return fold_launch_as<__half>(p, g, stream);
     case DType::kBFloat16:

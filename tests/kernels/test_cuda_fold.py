@@ -1,16 +1,17 @@
-"""GPU correctness of the fold kernel (kernels/csrc/conv_transpose2d_fold.cu) against float64: layers with few
-channels and a column stride of 8 or more (FCN's score up-samplers), TF32 / bfloat16 / float16, x, w and y in either
-layout as they are.
+"""GPU correctness of the fold kernel (kernels/csrc/conv_transpose2d_fold.cu) against float64: layers with few channels
+(FCN's score up-samplers, RGB and one-channel output layers), exact fp32 / TF32 / bfloat16 / float16, x, w and y in
+either layout as they are.
 
 Fresh random inputs, poisoned outputs, norm-wise relative error as in test_cuda.py. The parameters that change its
 indexing: input channels that leave a partial k8 step (21) or several steps a tap (40), kernels that are not a
 multiple of the stride (phases with fewer taps, a stride larger than the kernel on an axis), unequal strides (1, 4,
-8, 16, 32), padding and output padding that crop or extend the output (cropped first and last columns b), columns
-C_out s_w in one chunk, two chunks or one n8 tile, images and rows enough for many tiles a block (the weights
-loaded again at a row phase's change), tiles wholly inside y (unchecked pair stores) beside cropped ones, odd widths,
-odd padding and an output one element into its storage (element stores instead of pairs); x and the weights in both
-layouts, `out` or a new output, bias or none. Then the default choice, its fallbacks, and the kernels a steady call
-launches.
+8, 16, 32), column strides below 8 (1, 2, 3, 5) whose C_out s_w columns end inside an n8 tile (the zero columns past
+N: no store), columns C_out s_w in one chunk, several chunks (exact fp32 takes 8 n8 tiles a chunk, the others 22:
+fcn16s has 2 or 6) or one n8 tile (the two warps along N split its k8 steps), images and rows enough for many tiles
+a block (the weights loaded again at a row phase's change), tiles wholly inside y (unchecked pair stores) beside
+cropped ones, odd widths, odd padding and an output one element into its storage (element stores instead of pairs);
+x and the weights in both layouts, `out` or a new output, bias or none. Then the default choice, its fallbacks, and
+the kernels a steady call launches.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 import kernels
 from kernels.internal import forward_cuda, normalize_args, output_size
+from service.engine.ops import WeightPacks
 from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
 from tests.numerics import rel_err
@@ -49,21 +51,33 @@ PROBLEMS = {
     "inside_pad": dict(n=2, c_in=21, c_out=21, h=40, w=24, k=16, s=8, p=4),       # W_out 320
     "inside_odd_width": dict(n=1, c_in=5, c_out=3, h=36, w=20, k=17, s=8),        # W_out 169
     "inside_odd_pad": dict(n=1, c_in=6, c_out=4, h=36, w=20, k=16, s=8, p=3),     # W_out 162, pad_w 3
+    # Column strides below 8: N = C_out s_w padded to whole n8 tiles.
+    "rgb_s2": dict(n=2, c_in=20, c_out=3, h=18, w=13, k=4, s=2, p=1),             # N 6: one tile, split k8 steps
+    "one_s3": dict(n=2, c_in=10, c_out=1, h=19, w=12, k=9, s=3, p=4, op=2),       # N 3, 3 x 3 taps
+    "enet_s2": dict(n=1, c_in=16, c_out=20, h=20, w=17, k=3, s=2, p=1, op=1),     # N 40: 5 tiles, 2 x 2 taps
+    "s1": dict(n=2, c_in=12, c_out=5, h=18, w=11, k=3, s=1, p=1),                 # N 5, 3 x 3 taps, stride 1
+    "s5_odd": dict(n=1, c_in=9, c_out=7, h=17, w=9, k=(4, 7), s=(2, 5), p=(1, 2)),  # N 35: a tile's channels straddle
+    "inside_n6": dict(n=1, c_in=20, c_out=3, h=36, w=20, k=4, s=2),               # unchecked pairs, N 6 of 8
+    "deep_s2": dict(n=1, c_in=128, c_out=3, h=12, w=10, k=4, s=2, p=1),           # K 512 (pix2pix's RGB layer)
 }
 
 
 def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nchw", new_output: bool = False,
-        out_offset: int = 0, seed: int = 0, force: bool = True) -> tuple[float, float, str, torch.Tensor]:
-    """Run one problem into a poisoned NCHW ``out`` (``out_offset`` elements into its storage, between poisoned
-    margins that must stay so) or a new output over poisoned memory. Returns (rel_err, tol, path, y)."""
+        out_offset: int = 0, seed: int = 0, force_path: str | None = "fold",
+        packs: bool = False) -> tuple[float, float, str, torch.Tensor]:
+    """Run one problem (``g``: groups) into a poisoned NCHW ``out`` (``out_offset`` elements into its storage, between
+    poisoned margins that must stay so) or a new output over poisoned memory, with ``force_path`` (None: the
+    default choice) and, with ``packs``, the weights packed once (``WeightPacks``). Returns (rel_err, tol, path, y).
+    The taps path's tests run it too."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     kh, kw = (p["k"], p["k"]) if isinstance(p["k"], int) else p["k"]
-    args = normalize_args(p["s"], p.get("p", 0), p.get("op", 0), 1, 1)
+    groups = p.get("g", 1)
+    args = normalize_args(p["s"], p.get("p", 0), p.get("op", 0), groups, 1)
     dtype, precision, tol = MODES[mode]
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(n, c_in, h, w, device="cuda", generator=g).to(dtype)
-    wt = torch.randn(c_in, c_out, kh, kw, device="cuda", generator=g).to(dtype)
+    wt = torch.randn(c_in, c_out // groups, kh, kw, device="cuda", generator=g).to(dtype)
     b = torch.randn(c_out, device="cuda", generator=g).to(dtype) if p.get("bias", True) else None
     if x_layout == "cl":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -78,12 +92,13 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
     else:  # `out` inside a poisoned buffer whose margins must stay poisoned: no write outside y
         buffer = torch.full((margin + out_offset + size + margin,), float("nan"), device="cuda", dtype=dtype)
         out = buffer[margin + out_offset:margin + out_offset + size].view(n, c_out, ho, wo)
-    y, path = forward_cuda(x, wt, b, args, precision or "fp32", out=out,
-                           **(dict(force_path="fold") if force else {}))
+    y, path = forward_cuda(x, wt, b, args, precision or "fp32", out=out, force_path=force_path,
+                           packs=WeightPacks(wt) if packs else None)
     if out is not None:
         assert buffer[:margin + out_offset].isnan().all()
         assert buffer[margin + out_offset + size:].isnan().all()
-    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding)
+    ref = reference(x, wt, b, stride=args.stride, padding=args.padding, output_padding=args.output_padding,
+                    groups=groups)
     assert y.shape == ref.shape
     return rel_err(y, ref), tol, path, y
 
@@ -92,7 +107,7 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
 @pytest.mark.parametrize("new_output", [False, True])
 @pytest.mark.parametrize("w_layout", ["nchw", "cl"])
 @pytest.mark.parametrize("x_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_fold_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
     err, tol, path, y = run(PROBLEMS[problem], mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output)
@@ -105,8 +120,9 @@ def test_fold_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_
 
 
 @needs_sm80
-@pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
-@pytest.mark.parametrize("problem", ["fcn8s", "crop_asym", "odd_width", "one_channel", "inside_pad"])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("problem", ["fcn8s", "crop_asym", "odd_width", "one_channel", "inside_pad", "rgb_s2",
+                                     "inside_n6"])
 def test_fold_stores_elements_into_an_output_one_element_into_its_storage(problem: str, mode: str) -> None:
     err, tol, path, y = run(PROBLEMS[problem], mode, out_offset=1)
     assert path == "fold"
@@ -119,7 +135,7 @@ def test_fold_stores_elements_into_an_output_one_element_into_its_storage(proble
 @pytest.mark.parametrize("mode", ["tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("problem", ["fcn8s", "fcn16s", "crop", "partial_taps"])
 def test_fold_is_the_default_for_its_layers(problem: str, mode: str, x_layout: str) -> None:
-    err, tol, path, _ = run(PROBLEMS[problem], mode, x_layout=x_layout, new_output=True, force=False)
+    err, tol, path, _ = run(PROBLEMS[problem], mode, x_layout=x_layout, new_output=True, force_path=None)
     assert path == "fold"
     assert err <= tol
 
@@ -139,10 +155,10 @@ def test_fold_fallbacks() -> None:
     x = torch.randn(2, 21, 8, 8, device="cuda")
     w = torch.randn(21, 21, 16, 16, device="cuda")
     assert _default_path(x, w) == "fold"
-    # Exact fp32 and float64: not this kernel's products.
-    assert _default_path(x, w, "fp32") != "fold"
+    # Exact fp32 too (3xTF32); float64 is not this kernel's products.
+    assert _default_path(x, w, "fp32") == "fold"
     assert _default_path(x.double(), w.double(), "fp32") != "fold"
-    # A column stride that is not a multiple of 8, groups, dilation.
+    # A column stride that is not a multiple of 8 (eligible: forced above), groups, dilation.
     assert _default_path(x, w[:, :, :8, :8].contiguous(), stride=4) != "fold"
     assert _default_path(x[:, :20], w[:20, :10].contiguous(), groups=2) != "fold"
     assert _default_path(x, w[:, :, :8, :8].contiguous(), dilation=2) != "fold"
