@@ -475,12 +475,14 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   // layout change it needs, a channels-last one by a pass of its own. The kernel then skips rounding every A stage
   // (in registers or shared memory). Forced::round 2 has the kernel take x's fp32 values as they are, and the tensor
   // cores read their TF32 part (the low mantissa bits dropped: rounding toward zero; measured less accurate than
-  // cuDNN's TF32, bench/NOTES.md: for experiments only).
+  // cuDNN's TF32, bench/NOTES.md: for experiments only). A channels-last x bound for the taps path is never copied
+  // for rounding: taps_preferred tells an NCHW x by the null x it is planned with, and the final plan below must
+  // stay the taps path.
   const bool tf32_gemm =
       gemm && c.pitch == 0 && p.dtype == deconv::DType::kFloat32 && p.precision == deconv::Precision::kTF32;
   const bool moves = !x.is_contiguous(at::MemoryFormat::ChannelsLast);  // x needs a layout change
   c.round_x = tf32_gemm && (moves ? x.is_contiguous() && (forced.round == -1 || forced.round == 1)
-                                  : forced.round == 1 && x.numel() > 0);
+                                  : forced.round == 1 && !taps && x.numel() > 0);
   c.x_as_is = !c.round_x && c.pitch == 0 && x.is_contiguous(gemm ? at::MemoryFormat::ChannelsLast
                                                                   : at::MemoryFormat::Contiguous);
   p.x = c.x_as_is ? x.data_ptr() : nullptr;
@@ -663,9 +665,10 @@ std::shared_ptr<WeightPacks> call_packs(const torch::Tensor& x, const torch::Ten
 }
 
 // Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
-// narrow, 6 shuffle, 7 fold, 8 taps). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights). `torch_layout`: y in
-// PyTorch's layout (channels-last when x or the weight suggests it) rather than x's. `remember`: keep the call's
-// plan in the call cache, for fast_forward (a library call without `out`, whose choice follows kernels.tuning).
+// narrow, 6 shuffle, 7 fold, 8 taps). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights).
+// `torch_layout`: y in PyTorch's layout (channels-last when x or the weight suggests it) rather than x's.
+// `remember`: keep the call's plan in the call cache, for fast_forward (a library call without `out`, whose choice
+// follows kernels.tuning).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
                                            const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None

@@ -120,6 +120,19 @@ def test_taps_is_the_default_for_wide_fp32_layers_with_few_output_channels(mode:
 
 
 @needs_sm90
+def test_a_channels_last_tf32_input_asked_to_be_rounded_first_stays_on_the_taps_path() -> None:
+    """force_round asks for a rounding pass over a channels-last TF32 x bound for the gemm kernel; the taps path's
+    rule tells an NCHW x by the copy it is planned with, so it skips that pass and keeps its plan (a layer where,
+    with an NCHW x, the tiled narrow kernel would run)."""
+    x = torch.randn(2, 32, 128, 128, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 3, 4, 4, device="cuda")
+    args = normalize_args(2, 1, 0, 1, 1)
+    y, path = forward_cuda(x, w, None, args, "tf32", force_round=True)
+    assert path == "taps"
+    assert rel_err(y, reference(x, w, None, stride=2, padding=1)) <= MODES["tf32"][2]
+
+
+@needs_sm90
 @pytest.mark.parametrize("mode", ["fp32", "tf32"])
 def test_a_steady_call_launches_the_gemm_kernel_and_the_taps_sum(mode: str) -> None:
     x = torch.randn(2, 64, 24, 20, device="cuda").contiguous(memory_format=torch.channels_last)
