@@ -37,10 +37,12 @@ PRECISIONS = ("fp32", "tf32")
 # (channel-heavy TF32 / bfloat16 / float16 layers on sm_90, reading the input channels-last), the narrow
 # kernel's tiled form (large narrow layers in float32 / bfloat16 / float16, up to 3 taps a phase per axis), the
 # shuffle kernel (bfloat16 / float16 layers whose kernel is their stride, NCHW tensors as they are, on sm_90), the
-# fold kernel (few channels, every precision but float64, either layout as it is) and the taps path (fp32 layers
-# with few output channels: the gemm kernel with every tap as a column, then the taps' sum).
+# fold kernel (few channels, every precision but float64, either layout as it is), the taps path (fp32 layers
+# with few output channels: the gemm kernel with every tap as a column, then the taps' sum) and the fused taps
+# kernel (the same in one kernel, a tile's taps in shared memory; every precision but float64, either layout as it
+# is).
 KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled",
-                6: "shuffle", 7: "fold", 8: "taps"}
+                6: "shuffle", 7: "fold", 8: "taps", 9: "taps_fused"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.
 FORCE_PATHS = {None: -1, **{name: code for code, name in KERNEL_PATHS.items()}}
 # Split-K factors force_split takes: the halo kernel's blocks of a cluster sharing a tile (at most 8, kMaxSplit in
@@ -292,10 +294,9 @@ def forward_cuda(
 
     ``out``, when given, is a contiguous ``[N, C_out, H_out, W_out]`` tensor written in place (the tests poison
     it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"``,
-    ``"sparse"``, ``"gemm"``, ``"narrow_tiled"``, ``"shuffle"``, ``"fold"`` or ``"taps"``) and ``force_config`` (a
-    tile configuration index of the tensor-core kernels, or of the gemm kernel with ``"gemm"`` or ``"taps"``) override
-    the kernel choice,
-    for tests and tuning;
+    ``"sparse"``, ``"gemm"``, ``"narrow_tiled"``, ``"shuffle"``, ``"fold"``, ``"taps"`` or ``"taps_fused"``) and
+    ``force_config`` (a tile configuration index of the tensor-core kernels, or of the gemm kernel with ``"gemm"`` or
+    ``"taps"``) override the kernel choice, for tests and tuning;
     a forced path other than ``"simt"`` that does not suit the problem falls back to the default choice (the
     returned name says which ran).
     ``force_split`` (1 to 16) sets how many blocks share each tile, each over a part of K (split-K): blocks of a

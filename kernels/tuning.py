@@ -78,11 +78,11 @@ AGREE = {"fp32": 1e-4, "tf32": 5e-3, "16bit": 3e-2, "fp64": 1e-10}
 @dataclass(frozen=True)
 class KernelChoice:
     """A kernel asked of the dispatcher: ``path`` ("simt", "tensor_core", "narrow", "narrow_tiled", "sparse", "gemm",
-    "shuffle", "fold", "taps" or None to let it choose), ``config`` (a tile configuration of the tensor-core kernels,
-    or of the gemm kernel), ``split`` (the halo or gemm kernel's split-K factor), ``staged`` (the gemm kernel with an
-    NCHW output: True writes it channels-last into scratch and converts it, False stores it straight) and
-    ``rounded`` (the gemm kernel's TF32 products: True rounds the input to TF32 before the kernel, False has the
-    kernel round each stage)."""
+    "shuffle", "fold", "taps", "taps_fused" or None to let it choose), ``config`` (a tile configuration of the
+    tensor-core kernels, or of the gemm kernel), ``split`` (the halo or gemm kernel's split-K factor), ``staged`` (the
+    gemm kernel with an NCHW output: True writes it channels-last into scratch and converts it, False stores it
+    straight) and ``rounded`` (the gemm kernel's TF32 products: True rounds the input to TF32 before the kernel, False
+    has the kernel round each stage)."""
 
     path: str | None = None
     config: int | None = None
@@ -163,7 +163,7 @@ def candidates(num_configs: int, num_gemm_configs: int = 0, nchw_output: bool = 
     """Every first-pass candidate: the default, each kernel family, each tensor-core, tiled narrow and gemm
     configuration; for an NCHW output, each gemm configuration both staged and stored straight, and the shuffle
     kernel (it reads an NCHW input as it is)."""
-    out = [DEFAULT, KernelChoice("fold"), KernelChoice("taps"), KernelChoice("narrow")]
+    out = [DEFAULT, KernelChoice("fold"), KernelChoice("taps"), KernelChoice("taps_fused"), KernelChoice("narrow")]
     if nchw_output:
         out.append(KernelChoice("shuffle"))
     out += [KernelChoice("narrow_tiled", c) for c in range(num_narrow_tiled_configs)]

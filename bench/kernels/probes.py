@@ -416,7 +416,7 @@ FOLD_LAYERS = (
     ("feat-up8", 4, 32, 16, 16, 8, 4, 32, 32),              # 32 feature channels to 16
     ("ade-up8", 2, 150, 150, 16, 8, 4, 32, 32),             # ADE20K's 150 classes: too many for the fold kernel
 )
-FOLD_OTHERS = ("taps", "gemm", "tensor_core", "narrow_tiled", "narrow", "sparse")
+FOLD_OTHERS = ("taps_fused", "taps", "gemm", "tensor_core", "narrow_tiled", "narrow", "sparse")
 
 
 FOLD_MAX_COLUMNS = 64  # C_out x stride_w: the probe's few-column layers (8 n8 tiles)

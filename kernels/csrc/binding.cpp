@@ -144,9 +144,9 @@ struct Forced {
 
 Forced check_forced(int64_t force_path, int64_t force_config, int64_t force_split, int64_t force_staged,
                     int64_t force_round) {
-  TORCH_CHECK(force_path >= -1 && force_path <= 8,
+  TORCH_CHECK(force_path >= -1 && force_path <= 9,
               "conv_transpose2d: force_path must be -1 (choose), 0 (SIMT), 1 (tensor cores), 2 (narrow), 3 "
-              "(sparse), 4 (gemm), 5 (tiled narrow), 6 (shuffle), 7 (fold) or 8 (taps), got ",
+              "(sparse), 4 (gemm), 5 (tiled narrow), 6 (shuffle), 7 (fold), 8 (taps) or 9 (fused taps), got ",
               num(force_path), ".");
   TORCH_CHECK(force_config >= -1 && force_config < deconv::kNumTensorCoreConfigs,
               "conv_transpose2d: force_config must be -1 (choose) or 0 to ",
@@ -418,9 +418,10 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   // Families that read x as it is, so that nothing changes layout: the fold kernel (either layout; few channels, a
-  // stride of 8 or more on the columns), which writes y in x's layout (NCHW into `out`) and reads the weights in
-  // either layout unpacked, and the shuffle kernel (an NCHW x; 16-bit layers whose kernel is their stride), which
-  // writes an NCHW y and packs the weights from either layout.
+  // stride of 8 or more on the columns) and the fused taps kernel (either layout; few output channels), which write
+  // y in x's layout (NCHW into `out`) and read the weights in either layout unpacked, and the shuffle kernel (an
+  // NCHW x; 16-bit layers whose kernel is their stride), which writes an NCHW y and packs the weights from either
+  // layout.
   if (x_cl || x.is_contiguous()) {
     deconv::ConvTranspose2dParams q = p;
     q.x_channels_last = x_cl;
@@ -429,7 +430,8 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
     q.x = x.data_ptr();
     q.w = weight.data_ptr();
     const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
-    if (plan.path == deconv::KernelPath::kFold || plan.path == deconv::KernelPath::kShuffle) {
+    if (plan.path == deconv::KernelPath::kFold || plan.path == deconv::KernelPath::kTapsFused ||
+        plan.path == deconv::KernelPath::kShuffle) {
       p = q;
       p.x = p.w = nullptr;
       c.plan = plan;
@@ -665,8 +667,8 @@ std::shared_ptr<WeightPacks> call_packs(const torch::Tensor& x, const torch::Ten
 }
 
 // Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
-// narrow, 6 shuffle, 7 fold, 8 taps). `prepare`: without `packs`, use the weight's prepared packs (PreparedWeights).
-// `torch_layout`: y in PyTorch's layout (channels-last when x or the weight suggests it) rather than x's.
+// narrow, 6 shuffle, 7 fold, 8 taps, 9 fused taps). `prepare`: without `packs`, use the weight's prepared packs
+// (PreparedWeights). `torch_layout`: y in PyTorch's layout (channels-last when x or the weight suggests it) rather than x's.
 // `remember`: keep the call's plan in the call cache, for fast_forward (a library call without `out`, whose choice
 // follows kernels.tuning).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
@@ -1359,8 +1361,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   parameter_type = reinterpret_cast<PyTypeObject*>(py::module_::import("torch.nn").attr("Parameter").ptr());
   m.def("forward", &forward,
         "ConvTranspose2d forward. Returns (y, path); path 0 = SIMT kernel, 1 = tensor-core kernel, 2 = narrow kernel, "
-        "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel, 6 = shuffle kernel, 7 = fold kernel. "
-        "force_path: -1 chooses, 0-7 ask for that kernel; 1-7 fall back to the choice of -1 when not eligible. "
+        "3 = sparse kernel, 4 = gemm kernel, 5 = tiled narrow kernel, 6 = shuffle kernel, 7 = fold kernel, 8 = taps "
+        "path, 9 = fused taps kernel. "
+        "force_path: -1 chooses, 0-9 ask for that kernel; 1-9 fall back to the choice of -1 when not eligible. "
         "force_split: -1 chooses, 1-8 the halo kernel's split-K factor (sm_90 and newer), 1-16 the gemm kernel's. "
         "force_staged: -1 chooses, 1 has the gemm kernel write an NCHW output channels-last into scratch and "
         "convert it, 0 write it straight. "

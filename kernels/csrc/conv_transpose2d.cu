@@ -213,14 +213,15 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
   return (p.C_in / p.groups >= 128 && cout_g >= 64) || (p.H_in == 1 && p.W_in == 1 && cout_g >= 64);
 }
 
-// force_path 0 runs the SIMT kernel; 1-8 run the tensor-core, narrow, sparse, gemm, tiled narrow, shuffle and fold
-// kernels and the taps path when eligible, else what -1 chooses: the fold kernel when preferred (either layout as it
-// is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors the others would convert),
-// then the taps path when preferred, then the tiled narrow kernel when eligible and preferred, then the narrow
-// kernel when eligible, then the sparse kernel when preferred (none of these when force_config asks for the tensor
-// cores), then the gemm kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT
-// kernel. Only force_path -1 or 6 runs the shuffle kernel, -1 or 7 the fold kernel and -1 or 8 the taps path: a
-// forced family is timed as it runs on its own.
+// force_path 0 runs the SIMT kernel; 1-9 run the tensor-core, narrow, sparse, gemm, tiled narrow, shuffle and fold
+// kernels, the taps path and the fused taps kernel when eligible, else what -1 chooses: the fold kernel when
+// preferred (either layout as it is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors
+// the others would convert), then the taps path when preferred, then the tiled narrow kernel when eligible and
+// preferred, then the narrow kernel when eligible, then the sparse kernel when preferred (none of these when
+// force_config asks for the tensor cores), then the gemm kernel when eligible and preferred, then the tensor cores
+// when eligible, then the SIMT kernel. Only force_path -1 or 6 runs the shuffle kernel, -1 or 7 the fold kernel and
+// -1 or 8 the taps path; the fused taps kernel runs only when forced (9), measured choice's candidate. A forced
+// family is timed as it runs on its own.
 KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
@@ -234,6 +235,7 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 6 && shuffle_eligible(p)) return {KernelPath::kShuffle, -1};
   if (p.force_path == 7 && fold_eligible(p)) return {KernelPath::kFold, -1};
   if (p.force_path == 8 && taps_eligible(p)) return {KernelPath::kTaps, taps_config(p)};
+  if (p.force_path == 9 && taps_fused_eligible(p)) return {KernelPath::kTapsFused, -1};
   if (p.force_path < 0 && p.force_config < 0 && fold_preferred(p)) return {KernelPath::kFold, -1};
   if (p.force_path < 0 && p.force_config < 0 && shuffle_eligible(p) && shuffle_preferred(p))
     return {KernelPath::kShuffle, -1};
@@ -278,6 +280,7 @@ cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPl
 
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& c, cudaStream_t stream) {
   if (c.path == KernelPath::kFold) return launch_fold(p, stream);  // either layout
+  if (c.path == KernelPath::kTapsFused) return launch_taps_fused(p, stream);  // either layout
   const bool reads_cl = c.path == KernelPath::kGemm || c.path == KernelPath::kTaps;
   if (reads_cl != p.x_channels_last || p.y_channels_last && !reads_cl)
     return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)

@@ -56,7 +56,7 @@ struct ConvTranspose2dParams {
   // landed A stage. Rounding is idempotent: a kernel that rounds anyway gives the same numbers.
   bool x_tf32_rounded;
   // -1: choose; 0: SIMT; 1: tensor cores; 2: narrow; 3: sparse; 4: gemm; 5: tiled narrow; 6: shuffle; 7: fold;
-  // 8: taps. A forced path that is not eligible for the problem falls back to the choice of -1.
+  // 8: taps; 9: fused taps. A forced path that is not eligible for the problem falls back to the choice of -1.
   int force_path;
   // -1: choose; else a tile configuration index (tests and tuning): the tensor-core kernels', or with force_path 4
   // or 8 the gemm kernel's, or with force_path 5 the tiled narrow kernel's. With force_path -1 it asks for the tensor cores, which then run ahead of the narrow kernel.
@@ -76,7 +76,8 @@ enum class KernelPath : int {
   kNarrowTiled = 5,
   kShuffle = 6,
   kFold = 7,
-  kTaps = 8
+  kTaps = 8,
+  kTapsFused = 9
 };
 
 // The kernel that runs a problem: its family and tile configuration (-1 for families without one). Chosen from the
@@ -223,6 +224,15 @@ WeightPacking taps_packing(const ConvTranspose2dParams& p, int config);
 size_t taps_workspace_bytes(const ConvTranspose2dParams& p, int config);
 cudaError_t taps_pack(const ConvTranspose2dParams& p, void* dst, cudaStream_t stream);
 cudaError_t launch_taps(const ConvTranspose2dParams& p, int config, cudaStream_t stream);
+
+// Fused taps kernel (conv_transpose2d_taps_fused.cu): the taps path in one kernel, Z in shared memory. A block runs
+// the GEMM of every (output channel, tap) column on a tile of 128 input positions (mma.sync TF32; exact fp32 as
+// 3xTF32, bf16 and fp16 exact products; fp32 sums), then sums the taps of the outputs the tile completes. x, w and
+// y in either layout as they are, no packing, no workspace. Eligible on sm_80 and newer with one group, dilation 1,
+// at most 96 taps kH kW, and a tile that completes some output (ceil(k / s) - 1 < 16 rows or columns). Never the
+// rule's choice: forced, or measured choice's where it is fastest (bench/NOTES.md v39).
+bool taps_fused_eligible(const ConvTranspose2dParams& p);
+cudaError_t launch_taps_fused(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,
 // else channels-last -> NCHW; elements of 2, 4 or 8 bytes moved as bits, or with round_tf32 (4-byte elements

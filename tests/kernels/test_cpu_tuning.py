@@ -75,8 +75,8 @@ def test_choices_are_hashable_values() -> None:
 def test_candidates_cover_every_family_and_tile_once() -> None:
     cands = tuning.candidates(NUM_CONFIGS)
     assert cands[0] == DEFAULT
-    assert len(cands) == len(set(cands)) == 1 + 5 + NUM_CONFIGS
-    assert {c.path for c in cands} == {None, "fold", "taps", "narrow", "sparse", "simt", "tensor_core"}
+    assert len(cands) == len(set(cands)) == 1 + 6 + NUM_CONFIGS
+    assert {c.path for c in cands} == {None, "fold", "taps", "taps_fused", "narrow", "sparse", "simt", "tensor_core"}
     tiled = tuning.candidates(NUM_CONFIGS, num_narrow_tiled_configs=2)
     assert [c for c in tiled if c.path == "narrow_tiled"] == [KernelChoice("narrow_tiled", 0),
                                                               KernelChoice("narrow_tiled", 1)]

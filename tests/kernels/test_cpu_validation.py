@@ -209,7 +209,7 @@ def test_empty_batch_keeps_autograd():
 @pytest.mark.parametrize("force_path", ["fast", "SIMT", "tensor-core", "", 2, ["narrow"]])
 def test_unknown_force_path_is_a_clear_error(monkeypatch, force_path):
     monkeypatch.setattr(ops, "load_extension", lambda: pytest.fail("the extension must not be loaded"))
-    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled', 'shuffle', 'fold', 'taps'"
+    names = "'simt', 'tensor_core', 'narrow', 'sparse', 'gemm', 'narrow_tiled', 'shuffle', 'fold', 'taps', 'taps_fused'"
     with pytest.raises(ConvTranspose2dArgumentError, match=rf"force_path must be None or one of {names}, got "):
         ops.forward_cuda(x4(), w4(), None, normalize_args(), "fp32", force_path=force_path)
 
@@ -245,7 +245,7 @@ def test_force_split_staged_and_round_reach_the_extension(monkeypatch, force_spl
     ("force_path", "code", "ran"),
     [(None, -1, "tensor_core"), ("simt", 0, "simt"), ("tensor_core", 1, "tensor_core"), ("narrow", 2, "narrow"),
      ("sparse", 3, "sparse"), ("narrow_tiled", 5, "narrow_tiled"), ("shuffle", 6, "shuffle"), ("fold", 7, "fold"),
-     ("taps", 8, "taps")],
+     ("taps", 8, "taps"), ("taps_fused", 9, "taps_fused")],
 )
 def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran):
     calls = []
@@ -268,6 +268,6 @@ def test_force_path_names_reach_the_extension(monkeypatch, force_path, code, ran
 
 def test_kernel_path_names_cover_every_force_path_name():
     assert kf.KERNEL_PATHS == {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled",
-                               6: "shuffle", 7: "fold", 8: "taps"}
+                               6: "shuffle", 7: "fold", 8: "taps", 9: "taps_fused"}
     assert kf.FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
-                              "narrow_tiled": 5, "shuffle": 6, "fold": 7, "taps": 8}
+                              "narrow_tiled": 5, "shuffle": 6, "fold": 7, "taps": 8, "taps_fused": 9}

@@ -248,7 +248,7 @@ def test_extension_checks_raise_with_their_numbers() -> None:
     base = dict(stride=[1, 1], padding=[1, 1], output_padding=[0, 0], dilation=[1, 1], groups=1, precision="tf32")
     cases = [
         (w, dict(force_split=0), r"force_split must be -1 \(choose\) or 1 to 16, got 0\."),
-        (w, dict(force_path=9), r"force_path must be .* got 9\."),
+        (w, dict(force_path=10), r"force_path must be .* got 10\."),
         (w, dict(groups=3), r"input channels \(16\) must be a positive multiple of groups \(3\)"),
         (w, dict(out=torch.empty(2, 16, 8, 32, device="cuda")), r"out must be a contiguous \[1, 16, 8, 32\] tensor"),
         (w, dict(stride=[1]), r"stride as 2 values \(height, width\), got 1\."),
@@ -844,7 +844,7 @@ def test_direct_parts_into_places(family: str, mode: str, pinned: bool) -> None:
     with torch.cuda.stream(stream):
         path = conv_transpose2d_direct(parts, outs, x.shape, wt, b, args, precision)
     assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled", "shuffle", "fold",
-                    "taps")
+                    "taps", "taps_fused")
     y = torch.cat([torch.frombuffer(o, dtype=torch.uint8).clone().view(dtype) for o in outs]).view(ref.shape)
     assert rel_err(y.cuda(), ref) <= tol  # complete when the call returned: no synchronisation here
     for i in range(len(outs) - 1):  # the gaps between places untouched
@@ -889,7 +889,7 @@ def test_placed_parts_into_places(family: str, mode: str, where: str) -> None:
     with torch.cuda.stream(stream):
         path = conv_transpose2d_placed(parts, outs, x.shape, wt, b, args, precision)
     assert path in ("simt", "tensor_core", "narrow", "sparse", "gemm", "narrow_tiled", "shuffle", "fold",
-                    "taps")
+                    "taps", "taps_fused")
     memory = out_memory.cpu()  # complete when the call returned: no synchronisation before this copy's own
     y = torch.cat([memory[a - out_memory.data_ptr():a - out_memory.data_ptr() + n].view(dtype) for a, n in outs])
     assert rel_err(y.view(ref.shape).cuda(), ref) <= tol

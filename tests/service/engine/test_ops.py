@@ -42,7 +42,7 @@ def test_forced_maps_a_choice_to_the_extension_arguments(choice: KernelChoice,
 
 def test_force_paths_match_the_extension_codes() -> None:
     assert FORCE_PATHS == {None: -1, "simt": 0, "tensor_core": 1, "narrow": 2, "sparse": 3, "gemm": 4,
-                           "narrow_tiled": 5, "shuffle": 6, "fold": 7, "taps": 8}
+                           "narrow_tiled": 5, "shuffle": 6, "fold": 7, "taps": 8, "taps_fused": 9}
     for c in tuning.candidates(NUM_CONFIGS, 3, nchw_output=True):
         path, config, split, staged, rounded = c.forced()
         assert path == FORCE_PATHS[c.path]
