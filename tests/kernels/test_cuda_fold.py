@@ -103,6 +103,19 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
     return rel_err(y, ref), tol, path, y
 
 
+def check_forced(problem: dict, mode: str, family: str, *, x_layout: str, w_layout: str, new_output: bool) -> None:
+    """``run`` with ``family`` forced: that family ran, wrote every element, returned y in x's layout as PyTorch
+    does (an `out` is NCHW; a one-channel x is both layouts, read as NCHW) and is within the mode's tolerance. The
+    forced tests of the fold kernel, the taps path and the fused taps kernel."""
+    err, tol, path, y = run(problem, mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output,
+                            force_path=family)
+    assert path == family
+    assert not torch.isnan(y).any()
+    cl = x_layout == "cl" and new_output and y.shape[1] > 1 and problem["c_in"] > 1
+    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    assert err <= tol, f"{family}/{mode}: rel err {err:.3e} > {tol:.0e}"
+
+
 @needs_sm80
 @pytest.mark.parametrize("new_output", [False, True])
 @pytest.mark.parametrize("w_layout", ["nchw", "cl"])
@@ -110,13 +123,7 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_fold_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
-    err, tol, path, y = run(PROBLEMS[problem], mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output)
-    assert path == "fold"
-    assert not torch.isnan(y).any()
-    # y in x's layout, as PyTorch returns it (an `out` is NCHW).
-    cl = x_layout == "cl" and new_output and y.shape[1] > 1
-    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-    assert err <= tol, f"{problem}/{mode}: rel err {err:.3e} > {tol:.0e}"
+    check_forced(PROBLEMS[problem], mode, "fold", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 
 
 @needs_sm80

@@ -20,6 +20,7 @@ from kernels.internal import forward_cuda, normalize_args
 from service.engine.ops import WeightPacks
 from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
+from tests.kernels.test_cuda_fold import check_forced
 from tests.kernels.test_cuda_fold import run as run_problem
 from tests.numerics import rel_err
 
@@ -56,13 +57,7 @@ def run(problem: dict, mode: str, *, x_layout: str = "cl", force: bool = True,
 @pytest.mark.parametrize("mode", ["fp32", "tf32"])
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_taps_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
-    err, tol, path, y = run(PROBLEMS[problem], mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output)
-    assert path == "taps"
-    assert not torch.isnan(y).any()
-    # y in x's layout, as PyTorch returns it (an `out` is NCHW).
-    cl = x_layout == "cl" and new_output and y.shape[1] > 1
-    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-    assert err <= tol, f"{problem}/{mode}: rel err {err:.3e} > {tol:.0e}"
+    check_forced(PROBLEMS[problem], mode, "taps", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 
 
 @needs_sm90

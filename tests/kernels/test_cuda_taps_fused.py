@@ -20,6 +20,7 @@ import torch
 from kernels.internal import forward_cuda, normalize_args
 from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
+from tests.kernels.test_cuda_fold import check_forced
 from tests.kernels.test_cuda_fold import run as run_problem
 from tests.numerics import rel_err
 
@@ -43,6 +44,7 @@ PROBLEMS = {
     "one_channel_in": dict(n=2, c_in=1, c_out=2, h=9, w=9, k=4, s=2, p=1),
     "tall": dict(n=1, c_in=16, c_out=3, h=70, w=4, k=4, s=2, p=1),                    # 8-position tiles
     "wide": dict(n=1, c_in=16, c_out=3, h=2, w=100, k=4, s=2, p=1),                   # 32-position tiles
+    "wide_56": dict(n=1, c_in=16, c_out=1, h=3, w=60, k=(2, 28), s=(2, 14)),          # 32 wide, 56 columns
     "many_tiles": dict(n=4, c_in=40, c_out=3, h=45, w=39, k=4, s=2, p=1, op=1),
 }
 
@@ -59,13 +61,7 @@ def run(problem: dict, mode: str, **kw: object) -> tuple[float, float, str, torc
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_taps_fused_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
-    err, tol, path, y = run(PROBLEMS[problem], mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output)
-    assert path == "taps_fused"
-    assert not torch.isnan(y).any()
-    # y in x's layout, as PyTorch returns it (an `out` is NCHW; a one-channel x is both layouts, read as NCHW).
-    cl = x_layout == "cl" and new_output and y.shape[1] > 1 and PROBLEMS[problem]["c_in"] > 1
-    assert y.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-    assert err <= tol, f"{problem}/{mode}: rel err {err:.3e} > {tol:.0e}"
+    check_forced(PROBLEMS[problem], mode, "taps_fused", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 
 
 @needs_sm80
