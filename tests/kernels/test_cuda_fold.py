@@ -16,6 +16,8 @@ the kernels a steady call launches.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import pytest
 import torch
 
@@ -116,12 +118,18 @@ def check_forced(problem: dict, mode: str, family: str, *, x_layout: str, w_layo
     assert err <= tol, f"{family}/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
+def forced_cases(problems: Sequence[str], modes: Sequence[str]) -> Callable[[Callable], Callable]:
+    """The forced tests' cases: every problem and mode, x and the weights in both layouts, `out` or a new output."""
+    def mark(test: Callable) -> Callable:
+        for name, values in (("problem", list(problems)), ("mode", list(modes)), ("x_layout", ["nchw", "cl"]),
+                             ("w_layout", ["nchw", "cl"]), ("new_output", [False, True])):
+            test = pytest.mark.parametrize(name, values)(test)
+        return test
+    return mark
+
+
 @needs_sm80
-@pytest.mark.parametrize("new_output", [False, True])
-@pytest.mark.parametrize("w_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@forced_cases(PROBLEMS, ["fp32", "tf32", "bf16", "fp16"])
 def test_fold_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
     check_forced(PROBLEMS[problem], mode, "fold", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 

@@ -20,7 +20,7 @@ from kernels.internal import forward_cuda, normalize_args
 from service.engine.ops import WeightPacks
 from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
-from tests.kernels.test_cuda_fold import check_forced
+from tests.kernels.test_cuda_fold import check_forced, forced_cases
 from tests.kernels.test_cuda_fold import run as run_problem
 from tests.numerics import rel_err
 
@@ -51,11 +51,7 @@ def run(problem: dict, mode: str, *, x_layout: str = "cl", force: bool = True,
 
 
 @needs_sm90
-@pytest.mark.parametrize("new_output", [False, True])
-@pytest.mark.parametrize("w_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("mode", ["fp32", "tf32"])
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@forced_cases(PROBLEMS, ["fp32", "tf32"])
 def test_taps_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
     check_forced(PROBLEMS[problem], mode, "taps", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 

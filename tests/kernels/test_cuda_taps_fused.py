@@ -20,7 +20,7 @@ import torch
 from kernels.internal import forward_cuda, normalize_args
 from tests.kernels.launches import kernels_launched
 from tests.kernels.test_cuda import MODES, reference
-from tests.kernels.test_cuda_fold import check_forced
+from tests.kernels.test_cuda_fold import check_forced, forced_cases
 from tests.kernels.test_cuda_fold import run as run_problem
 from tests.numerics import rel_err
 
@@ -55,11 +55,7 @@ def run(problem: dict, mode: str, **kw: object) -> tuple[float, float, str, torc
 
 
 @needs_sm80
-@pytest.mark.parametrize("new_output", [False, True])
-@pytest.mark.parametrize("w_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
-@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16"])
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@forced_cases(PROBLEMS, ["fp32", "tf32", "bf16", "fp16"])
 def test_taps_fused_forced(problem: str, mode: str, x_layout: str, w_layout: str, new_output: bool) -> None:
     check_forced(PROBLEMS[problem], mode, "taps_fused", x_layout=x_layout, w_layout=w_layout, new_output=new_output)
 
