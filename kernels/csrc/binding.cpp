@@ -668,9 +668,9 @@ std::shared_ptr<WeightPacks> call_packs(const torch::Tensor& x, const torch::Ten
 
 // Returns (y, path): path is the KernelPath that ran (0 SIMT, 1 tensor cores, 2 narrow, 3 sparse, 4 gemm, 5 tiled
 // narrow, 6 shuffle, 7 fold, 8 taps, 9 fused taps). `prepare`: without `packs`, use the weight's prepared packs
-// (PreparedWeights). `torch_layout`: y in PyTorch's layout (channels-last when x or the weight suggests it) rather than x's.
-// `remember`: keep the call's plan in the call cache, for fast_forward (a library call without `out`, whose choice
-// follows kernels.tuning).
+// (PreparedWeights). `torch_layout`: y in PyTorch's layout (channels-last when x or the weight suggests it) rather
+// than x's. `remember`: keep the call's plan in the call cache, for fast_forward (a library call without `out`, whose
+// choice follows kernels.tuning).
 std::tuple<torch::Tensor, int64_t> forward(const torch::Tensor& x,       // x: [N, C_in, H_in, W_in]
                                            const torch::Tensor& weight,  // weight: [C_in, C_out/groups, kH, kW]
                                            const c10::optional<torch::Tensor>& bias,  // bias: [C_out] or None

@@ -109,7 +109,7 @@ __device__ __forceinline__ TfUnit tf_unit(const TapsFusedArgs& a, int64_t u) {
 }
 
 // Two blocks an SM, but one for exact fp32 with 6 n8 tiles a warp: its partial sums double the 48 accumulators a
-// thread holds, and at 128 registers ptxas spills 184 bytes a thread.
+// thread holds (187 registers), and held to 128 ptxas spills 256 bytes a thread.
 template <typename T, tc::MmaKind K, int kNT>
 __global__ void __launch_bounds__(kTfThreads, K == tc::MmaKind::k3xTF32 && kNT == 6 ? 1 : 2)
     conv_transpose2d_taps_fused_kernel(const TapsFusedArgs a) {
@@ -343,7 +343,8 @@ cudaError_t taps_fused_launch_as(const TapsFusedArgs& a, cudaStream_t stream) {
 
 template <typename T, tc::MmaKind K>
 cudaError_t taps_fused_launch_kind(const TapsFusedArgs& a, cudaStream_t stream) {
-  return taps_fused_tiles_n(a) == 3 ? taps_fused_launch_as<T, K, 3>(a, stream) : taps_fused_launch_as<T, K, 6>(a, stream);
+  return taps_fused_tiles_n(a) == 3 ? taps_fused_launch_as<T, K, 3>(a, stream)
+                                     : taps_fused_launch_as<T, K, 6>(a, stream);
 }
 
 }  // namespace
