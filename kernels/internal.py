@@ -296,7 +296,8 @@ def forward_cuda(
     it first to catch unwritten elements). ``force_path`` (``"simt"``, ``"tensor_core"``, ``"narrow"``,
     ``"sparse"``, ``"gemm"``, ``"narrow_tiled"``, ``"shuffle"``, ``"fold"``, ``"taps"`` or ``"taps_fused"``) and
     ``force_config`` (a tile configuration index of the tensor-core kernels, or of the gemm kernel with ``"gemm"`` or
-    ``"taps"``) override the kernel choice, for tests and tuning;
+    ``"taps"``, or with ``"narrow_tiled"`` 0 or 1 for one or two columns a thread, 2 for the staged form) override the
+    kernel choice, for tests and tuning;
     a forced path other than ``"simt"`` that does not suit the problem falls back to the default choice (the
     returned name says which ran).
     ``force_split`` (1 to 16) sets how many blocks share each tile, each over a part of K (split-K): blocks of a

@@ -13,9 +13,9 @@ document at the end; bench/NOTES.md says which version used which.
 - ``weights``: the gemm kernel on a channels-last input with NCHW weights (packed every call, and packed once and
   kept: the kernel alone with K-major B) against channels-last weights (16-bit: read as they are, B N-major; TF32:
   packed from that layout every call), every tile configuration.
-- ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread), the default
-  choice and cuDNN's best layout, on the zoo and KernelBench layers of at most 32 output channels a group, NCHW and
-  channels-last inputs, every precision.
+- ``narrow``: the narrow kernels forced (per-pixel; tiled with one and with two columns a thread, and staged), the
+  default choice and cuDNN's best layout, on the zoo and KernelBench layers of at most 32 output channels a group,
+  NCHW and channels-last inputs, every precision.
 - ``rounding``: the gemm kernel's TF32 products with x rounded to TF32 before the kernel (``force_round``: an NCHW
   x by its layout change, a channels-last one by a pass of its own) against the kernel rounding each landed A stage
   (in its multipliers' registers since v33; at 256 columns in shared memory), whole calls, both input layouts, every

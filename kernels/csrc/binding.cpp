@@ -1436,7 +1436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("num_tensor_core_configs") = deconv::kNumTensorCoreConfigs;
   // Tile configurations of the gemm kernel (force_path 4): [0, num_gemm_configs).
   m.attr("num_gemm_configs") = deconv::kNumGemmConfigs;
-  // Configurations of the tiled narrow kernel (force_path 5): [0, num_narrow_tiled_configs), columns a thread - 1.
+  // Configurations of the tiled narrow kernel (force_path 5): [0, num_narrow_tiled_configs); 0 and 1 are columns a
+  // thread - 1, 2 the staged form (at most 4 output channels a group).
   m.attr("num_narrow_tiled_configs") = deconv::kNumNarrowTiledConfigs;
   // Host places below this many bytes are staged by forward_direct (one copy a run of them).
   m.attr("stage_below_bytes") = kStageBelow;

@@ -26,6 +26,8 @@
 
 #include "conv_transpose2d.h"
 #include "convert.cuh"
+#include "halo.cuh"
+#include "launch.cuh"
 #include "phase.cuh"
 
 namespace deconv {
@@ -582,6 +584,398 @@ cudaError_t tiled_launch_taps(const ConvTranspose2dParams& p, const NarrowGeom& 
   }
 }
 
+NarrowGeom make_narrow_geom(const ConvTranspose2dParams& p);
+
+// ---------------------------------------------------------------------------------------------------------
+// The staged form (configuration 2), for up to 4 output channels a group and 4 to 9 phases. The forms above read x
+// from global memory for every window row, column and horizontal tap: with one output channel (fsrcnn-x3, 56 -> 1,
+// k9 s3) a load feeds kT FMAs, and the loads, not the FMAs, set the speed (68-71 us against an FMA floor of 9 us).
+// Here a block takes a region of 16 x 32 positions q of every phase (of one image and group): warp w computes phase
+// w's positions, each thread 4 x 4 of them. Every phase of a region reads nearly the same input window (phase
+// bases differ by a position or so), so the block stages one window for all of them in shared memory as fp32,
+// up to kNsCC input channels a stage, with the stage's weights of every phase beside it. A stage's values are fetched
+// into registers while the block multiplies the stage before (two buffers, one barrier a stage), which serves fp32
+// and 16-bit inputs alike. Per channel a thread reads its window of 4 + kT - 1 rows with two or three 16-byte loads
+// a row and uses each value for up to kT x kT taps and kCo output channels: 144 FMAs for 12-18 vector loads with one
+// output channel and 3 x 3 taps. Staged column 0 is a multiple of 4, so with W_in % 4 == 0 and x aligned a staged
+// row is whole vectors of x; a phase's window then starts kD = 0-3 columns into a vector, a template parameter of
+// the channel loop (a warp-uniform switch), so that the window's values sit in registers.
+
+constexpr int kNsPix = 4;        // positions a thread along each axis
+constexpr int kNsTileW = 32;     // a region's positions along a row: 8 threads of 4
+constexpr int kNsTileH = 16;     // and along a column: 4 threads of 4
+constexpr int kNsCC = 4;         // most input channels a stage (StagedGeom::cc)
+constexpr int kNsMaxVecs = 4;    // most x vectors a thread fetches a stage
+constexpr int kNsMaxWts = 3;     // most weights a thread fetches a stage
+constexpr int kNsMaxCout = 4;
+constexpr int kNsMinPhases = 4;  // fewer warps than that would fetch more than kNsMaxVecs vectors each
+// 288 threads at most: up to 224 registers a thread (with 512, capped at 128, the kernels spilled up to 1 KB).
+constexpr int kNsMaxPhases = 9;
+
+// Output channels the staged kernel computes for a group's 1-4: 1, 3 (for 2 or 3; a lane of zero weights, its
+// outputs not stored) or 4.
+int staged_cout(const ConvTranspose2dParams& p) {
+  const int64_t c = p.C_out / p.groups;
+  return c <= 1 ? 1 : c <= 3 ? 3 : 4;
+}
+
+// The staged window's shape, the same for every region (made on the host).
+struct StagedGeom {
+  int phases;          // stride_h x stride_w: a warp each
+  int cc;              // input channels a stage: 4, 2 or 1, the most whose values the threads fetch
+  int base_h, base_w;  // the least phase base on each axis
+  int rows, pitch;     // staged rows; floats a staged row (a multiple of 4)
+  int x_floats;        // floats of one stage's window: cc x rows x pitch
+  int w_floats;        // floats of one stage's weights: cc x phases x tiled_w_stride
+  int tiles_h, tiles_w;
+};
+
+StagedGeom make_staged_geom(const ConvTranspose2dParams& p, const NarrowGeom& g) {
+  StagedGeom s{};
+  const int taps = tiled_taps(p);
+  s.phases = static_cast<int>(p.stride_h * p.stride_w);
+  // The bases of the phases with taps (a phase without taps on an axis reads nothing; its warp writes the bias).
+  const auto bases = [](const AxisPhase32* a, int64_t stride, int& least, int& most) {
+    least = INT32_MAX;
+    most = INT32_MIN;
+    for (int r = 0; r < stride; ++r) {
+      if (a[r].taps == 0) continue;
+      least = std::min(least, a[r].base);
+      most = std::max(most, a[r].base);
+    }
+    if (least > most) least = most = 0;
+  };
+  int max_h = 0, max_w = 0;
+  bases(g.h, p.stride_h, s.base_h, max_h);
+  bases(g.w, p.stride_w, s.base_w, max_w);
+  s.rows = kNsTileH + taps - 1 + (max_h - s.base_h);
+  // A phase's window starts e = base_w - least base + (the region's first window column mod 4) columns in, at most
+  // 3 + the bases' spread; a thread reads from column 4 (tx + e / 4) two or three vectors (three when e % 4 == 3).
+  const int e_max = 3 + (max_w - s.base_w);
+  s.pitch = 4 * (kNsTileW / 4 - 1 + e_max / 4 + 3);
+  // Fetched values sit in registers through a stage's products: at most kNsMaxVecs vectors and kNsMaxWts weights a
+  // thread (16-19 registers); fewer phases (threads) stage fewer channels.
+  const int threads = 32 * s.phases;
+  const int per_channel_w = s.phases * tiled_w_stride(taps, staged_cout(p));
+  s.cc = kNsCC;
+  while (s.cc > 1 && (s.cc * s.rows * s.pitch / 4 > kNsMaxVecs * threads || s.cc * per_channel_w > kNsMaxWts * threads))
+    s.cc /= 2;
+  s.x_floats = s.cc * s.rows * s.pitch;
+  s.w_floats = s.cc * per_channel_w;
+  s.tiles_h = (g.rows + kNsTileH - 1) / kNsTileH;
+  s.tiles_w = (g.cols + kNsTileW - 1) / kNsTileW;
+  return s;
+}
+
+size_t staged_smem_bytes(const StagedGeom& s) { return 2 * sizeof(float) * (s.x_floats + s.w_floats); }
+
+// The element type is a kernel argument, not a template parameter: one kernel serves fp32, fp16 and bf16 tensors
+// (values are fp32 from the stage on), which keeps the build's time down. Element i of `base`, as fp32.
+enum : int { kNsF32 = 0, kNsF16 = 1, kNsBF16 = 2 };
+__device__ __forceinline__ float staged_load(const void* base, int64_t i, int dt) {
+  if (dt == kNsF32) return __ldg(static_cast<const float*>(base) + i);
+  if (dt == kNsF16) return to_acc(__ldg(static_cast<const __half*>(base) + i));
+  return to_acc(__ldg(static_cast<const __nv_bfloat16*>(base) + i));
+}
+__device__ __forceinline__ void staged_store(void* base, int64_t i, float v, int dt) {
+  if (dt == kNsF32) {
+    static_cast<float*>(base)[i] = v;
+  } else if (dt == kNsF16) {
+    static_cast<__half*>(base)[i] = from_acc<__half>(v);
+  } else {
+    static_cast<__nv_bfloat16*>(base)[i] = from_acc<__nv_bfloat16>(v);
+  }
+}
+
+// x values wi .. wi + 3 of the row at element `row` of `x` as fp32: one 16- or 8-byte load where rows are whole
+// vectors (`vec`), else element by element; zeros outside the row.
+__device__ __forceinline__ float4 staged_fetch4(const void* x, int64_t row, int wi, int w_in, bool vec, int dt) {
+  if (vec) {
+    if (dt == kNsF32) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(x) + row + wi));
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(x) + row + wi));
+    if (dt == kNsF16) {
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+      return make_float4(a.x, a.y, b.x, b.y);
+    }
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  float f[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) f[k] = wi + k >= 0 && wi + k < w_in ? staged_load(x, row + wi + k, dt) : 0.f;
+  return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+// vec: W_in % 4 == 0 and x aligned to 4 values (staged rows are whole vectors of x); dt: the element type.
+template <int kCo, int kT>
+__global__ void __launch_bounds__(kNsMaxPhases * 32)
+    conv_transpose2d_narrow_staged_kernel(const ConvTranspose2dParams p, const NarrowGeom g, const StagedGeom sg,
+                                          int vec, int dt) {
+  constexpr int kWs = tiled_w_stride(kT, kCo);
+  constexpr int kWin = kNsPix + kT - 1;  // window rows a thread reads a channel
+  extern __shared__ __align__(16) unsigned char narrow_smem[];
+  float* const smem = reinterpret_cast<float*>(narrow_smem);  // two stages of [x window][weights]
+
+  const int threads = blockDim.x;  // 32 x phases
+  const int tid = threadIdx.x;
+  const int ph = tid >> 5, lane = tid & 31;
+  const int tx = lane & 7, ty = lane >> 3;
+  const int cin = g.cin, cout = g.cout;
+  const int groups = static_cast<int>(p.groups);
+  const int stride_w = static_cast<int>(p.stride_w);
+  const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
+  const int64_t hw_in = p.H_in * p.W_in;
+  const int64_t hw_out = p.H_out * p.W_out;
+  const int stages = (cin + sg.cc - 1) / sg.cc;
+  const int vecs_row = sg.pitch / 4;
+  const int x_vecs = sg.cc * sg.rows * vecs_row;  // <= kNsMaxVecs x threads (staged_fits)
+  const int w_elems = sg.w_floats;               // <= kNsMaxWts x threads
+  const int stage = sg.x_floats + sg.w_floats;
+
+  // This warp's phase.
+  const AxisPhase32& ah = g.h[ph / stride_w];
+  const AxisPhase32& aw = g.w[ph % stride_w];
+  const int taps_h = ah.taps, taps_w = aw.taps;
+  const bool any = taps_h > 0 && taps_w > 0;  // a phase without taps on an axis writes the bias alone
+  const bool full = taps_h == kT && taps_w == kT;
+
+  // Regions are numbered (n, tile row, tile column, group), group fastest.
+  const int64_t units = p.N * static_cast<int64_t>(sg.tiles_h) * sg.tiles_w * groups;
+  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+    const int grp = static_cast<int>(u % groups);
+    const int64_t tile = u / groups;
+    const int tc = static_cast<int>(tile % sg.tiles_w);
+    const int64_t rest = tile / sg.tiles_w;
+    const int tr = static_cast<int>(rest % sg.tiles_h);
+    const int64_t n = rest / sg.tiles_h;
+    const int q_r0 = tr * kNsTileH, q_c0 = tc * kNsTileW;
+    // Position (qh, qw) of a phase and tap (th, tw) read x[qh + base_h - th][qw + base_w - tw] (per-tap step 1).
+    // Staged row 0 is input row x_r0; staged column 0 is input column x_c0, a multiple of 4 at or left of every
+    // phase's first window column.
+    const int x_r0 = q_r0 + sg.base_h - (kT - 1);
+    const int x_c0 = (q_c0 + sg.base_w - (kT - 1)) & ~3;
+    const int e = q_c0 + aw.base - (kT - 1) - x_c0;  // this phase's first window column, staged
+    const int kd = e & 3;
+    const int64_t x_img = (n * p.C_in + static_cast<int64_t>(grp) * cin) * hw_in;  // the image's group, elements
+
+    float4 xf[kNsMaxVecs];
+    float wf[kNsMaxWts];
+    // Stage s's window and weights into registers: zeros outside x, past the group's channels and at the taps a
+    // phase lacks.
+    const auto fetch = [&](int s) {
+      const int c0 = s * sg.cc;
+#pragma unroll
+      for (int k = 0; k < kNsMaxVecs; ++k) {
+        const int v = tid + k * threads;
+        xf[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (v >= x_vecs) continue;
+        const int cv = v % vecs_row;
+        const int cr = v / vecs_row;
+        const int r = cr % sg.rows, c = cr / sg.rows;
+        const int hi = x_r0 + r, wi = x_c0 + 4 * cv;
+        if (c0 + c < cin && hi >= 0 && hi < h_in && wi < w_in && wi + 3 >= 0)
+          xf[k] = staged_fetch4(p.x, x_img + (c0 + c) * hw_in + static_cast<int64_t>(hi) * w_in, wi, w_in, vec != 0,
+                                dt);
+      }
+#pragma unroll
+      for (int k = 0; k < kNsMaxWts; ++k) {
+        const int i = tid + k * threads;
+        wf[k] = 0.f;
+        if (i >= w_elems) continue;
+        const int kk = i % kWs;
+        const int cp = i / kWs;  // channel x phases + phase
+        const int q = cp % sg.phases, ci = c0 + cp / sg.phases;
+        const int co = kk % kCo;
+        const int tw = (kk / kCo) % kT;
+        const int th = kk / (kCo * kT);  // >= kT in the padding
+        const AxisPhase32& bh = g.h[q / stride_w];
+        const AxisPhase32& bw = g.w[q % stride_w];
+        if (ci < cin && th < bh.taps && tw < bw.taps && co < cout) {
+          const int a = bh.a0 + th * bh.step;
+          const int b = bw.a0 + tw * bw.step;
+          wf[k] = staged_load(p.w, ((static_cast<int64_t>(grp) * cin + ci) * cout + co) * (p.kH * p.kW) + a * p.kW + b,
+                              dt);
+        }
+      }
+    };
+    const auto put = [&](float* dst) {
+#pragma unroll
+      for (int k = 0; k < kNsMaxVecs; ++k) {
+        const int v = tid + k * threads;
+        if (v < x_vecs) *reinterpret_cast<float4*>(dst + 4 * v) = xf[k];
+      }
+#pragma unroll
+      for (int k = 0; k < kNsMaxWts; ++k) {
+        const int i = tid + k * threads;
+        if (i < w_elems) dst[sg.x_floats + i] = wf[k];
+      }
+    };
+
+    float acc[kNsPix][kNsPix][kCo];
+#pragma unroll
+    for (int i = 0; i < kNsPix; ++i)
+#pragma unroll
+      for (int j = 0; j < kNsPix; ++j)
+#pragma unroll
+        for (int co = 0; co < kCo; ++co) acc[i][j][co] = 0.f;
+
+    // The channels of one stage, the window starting kD columns into the thread's first vector. kFull: every tap of
+    // kT x kT is the phase's. Otherwise the taps past the phase's counts are skipped: their weights are 0, but
+    // 0 * inf is not.
+    const auto channels = [&](const float* xb, const float* wb, int nc, auto kd_tag, auto full_tag) {
+      constexpr int kD = decltype(kd_tag)::value;
+      constexpr bool kFull = decltype(full_tag)::value;
+      constexpr int kVecs = (kD + kT + 2) / 4 + 1;  // vectors covering columns kD .. kD + kNsPix + kT - 2
+#pragma unroll
+      for (int c = 0; c < kNsCC; ++c) {
+        if (c >= nc) break;
+        const float* xc = xb + c * (sg.rows * sg.pitch);
+        float wv[kWs];
+#pragma unroll
+        for (int v = 0; v < kWs; v += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(wb + c * sg.phases * kWs + v);
+          wv[v] = q.x;
+          wv[v + 1] = q.y;
+          wv[v + 2] = q.z;
+          wv[v + 3] = q.w;
+        }
+#pragma unroll
+        for (int r = 0; r < kWin; ++r) {
+          float xr[4 * kVecs];
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) {
+            const float4 q = *reinterpret_cast<const float4*>(xc + r * sg.pitch + 4 * v);
+            xr[4 * v] = q.x;
+            xr[4 * v + 1] = q.y;
+            xr[4 * v + 2] = q.z;
+            xr[4 * v + 3] = q.w;
+          }
+#pragma unroll
+          for (int th = 0; th < kT; ++th) {
+            const int i = r + th - (kT - 1);  // the thread's row that window row r serves through tap th
+            if (i < 0 || i >= kNsPix) continue;
+            if (!kFull && th >= taps_h) continue;
+#pragma unroll
+            for (int tw = 0; tw < kT; ++tw) {
+              if (!kFull && tw >= taps_w) continue;
+#pragma unroll
+              for (int j = 0; j < kNsPix; ++j)
+#pragma unroll
+                for (int co = 0; co < kCo; ++co)
+                  acc[i][j][co] = fmaf(xr[kD + j + kT - 1 - tw], wv[(th * kT + tw) * kCo + co], acc[i][j][co]);
+            }
+          }
+        }
+      }
+    };
+    const auto run = [&](const float* buf, int nc, auto full_tag) {
+      // The thread's window: staged row (base_h - least base) + 4 ty, the vector holding staged column e + 4 tx.
+      const float* xb = buf + (ah.base - sg.base_h + kNsPix * ty) * sg.pitch + 4 * (e >> 2) + kNsPix * tx;
+      const float* wb = buf + sg.x_floats + ph * kWs;
+      switch (kd) {
+        case 0:
+          channels(xb, wb, nc, std::integral_constant<int, 0>{}, full_tag);
+          break;
+        case 1:
+          channels(xb, wb, nc, std::integral_constant<int, 1>{}, full_tag);
+          break;
+        case 2:
+          channels(xb, wb, nc, std::integral_constant<int, 2>{}, full_tag);
+          break;
+        default:
+          channels(xb, wb, nc, std::integral_constant<int, 3>{}, full_tag);
+          break;
+      }
+    };
+
+    __syncthreads();  // every thread is done with the previous region's buffers
+    fetch(0);
+    put(smem);
+    __syncthreads();
+    for (int s = 0; s < stages; ++s) {
+      if (s + 1 < stages) fetch(s + 1);  // in flight while this stage multiplies
+      if (any) {
+        const float* buf = smem + (s & 1) * stage;
+        const int nc = min(sg.cc, cin - s * sg.cc);
+        if (full) {
+          run(buf, nc, std::integral_constant<bool, true>{});
+        } else {
+          run(buf, nc, std::integral_constant<bool, false>{});
+        }
+      }
+      if (s + 1 < stages) put(smem + ((s + 1) & 1) * stage);  // that buffer's stage (s - 1) is done everywhere
+      __syncthreads();
+    }
+
+    // Epilogue: bias, convert, NCHW stores at (ho, wo) = (o0_h + qh * stride_h, o0_w + qw * stride_w).
+    const int64_t y_img = (n * p.C_out + static_cast<int64_t>(grp) * cout) * hw_out;
+#pragma unroll
+    for (int co = 0; co < kCo; ++co) {
+      if (co >= cout) continue;
+      const float b = p.bias != nullptr ? staged_load(p.bias, grp * cout + co, dt) : 0.f;
+#pragma unroll
+      for (int i = 0; i < kNsPix; ++i) {
+        const int qh = q_r0 + kNsPix * ty + i;
+        if (qh >= ah.count) continue;
+        const int64_t ho = ah.o0 + static_cast<int64_t>(qh) * p.stride_h;
+#pragma unroll
+        for (int j = 0; j < kNsPix; ++j) {
+          const int qw = q_c0 + kNsPix * tx + j;
+          if (qw >= aw.count) continue;
+          staged_store(p.y, y_img + co * hw_out + ho * p.W_out + aw.o0 + static_cast<int64_t>(qw) * p.stride_w,
+                       acc[i][j][co] + b, dt);
+        }
+      }
+    }
+  }
+}
+
+template <int kCo, int kT>
+cudaError_t staged_launch_shape(const ConvTranspose2dParams& p, const NarrowGeom& g, const StagedGeom& sg,
+                                cudaStream_t stream) {
+  constexpr auto kKernel = conv_transpose2d_narrow_staged_kernel<kCo, kT>;
+  const cudaError_t err = opt_in_shared_memory<kKernel>();
+  if (err != cudaSuccess) return err;
+  const int64_t units = p.N * static_cast<int64_t>(sg.tiles_h) * sg.tiles_w * p.groups;
+  const int dt = p.dtype == DType::kFloat32 ? kNsF32 : p.dtype == DType::kFloat16 ? kNsF16 : kNsBF16;
+  const size_t bytes = dt == kNsF32 ? 4 : 2;
+  const bool vec = p.W_in % 4 == 0 && reinterpret_cast<uintptr_t>(p.x) % (4 * bytes) == 0;
+  // The kernel loops over regions past the grid's limit: clamping costs parallelism only.
+  const dim3 grid(static_cast<unsigned>(units < 0x7fffffff ? units : 0x7fffffff));
+  kKernel<<<grid, 32 * sg.phases, staged_smem_bytes(sg), stream>>>(p, g, sg, vec ? 1 : 0, dt);
+  return cudaGetLastError();
+}
+
+// fp32, fp16 or bf16 (staged_fits).
+cudaError_t launch_staged(const ConvTranspose2dParams& p, const NarrowGeom& g, cudaStream_t stream) {
+  const StagedGeom sg = make_staged_geom(p, g);
+  const bool three = tiled_taps(p) == 3;
+  switch (staged_cout(p)) {
+    case 1:
+      return three ? staged_launch_shape<1, 3>(p, g, sg, stream) : staged_launch_shape<1, 2>(p, g, sg, stream);
+    case 3:
+      return three ? staged_launch_shape<3, 3>(p, g, sg, stream) : staged_launch_shape<3, 2>(p, g, sg, stream);
+    default:
+      return three ? staged_launch_shape<4, 3>(p, g, sg, stream) : staged_launch_shape<4, 2>(p, g, sg, stream);
+  }
+}
+
+// Whether the staged form takes a problem the tiled form takes: at most 4 output channels a group, 4 to 9 phases
+// (a warp each), a stage's values within what the block's threads fetch, both buffers within the device's shared
+// memory.
+bool staged_fits(const ConvTranspose2dParams& p) {
+  const int64_t phases = p.stride_h * p.stride_w;
+  if (p.dtype == DType::kFloat64 || p.C_out / p.groups > kNsMaxCout || phases < kNsMinPhases ||
+      phases > kNsMaxPhases)
+    return false;
+  const StagedGeom sg = make_staged_geom(p, make_narrow_geom(p));
+  const int threads = 32 * sg.phases;
+  return sg.x_floats / 4 <= kNsMaxVecs * threads && sg.w_floats <= kNsMaxWts * threads &&
+         staged_smem_bytes(sg) <= max_dynamic_smem();
+}
+
 template <typename T>
 cudaError_t tiled_launch_dtype(const ConvTranspose2dParams& p, int config, const NarrowGeom& g,
                                cudaStream_t stream) {
@@ -644,17 +1038,26 @@ bool narrow_tiled_preferred(const ConvTranspose2dParams& p) {
   return p.C_out / p.groups <= 8 && p.N * p.H_out * p.W_out * p.groups >= kTiledMinPixels;
 }
 
-// One column a thread for 3 taps a phase (the 6-row, 3-tap window of a column takes the registers a second column
-// would: 95 against 127, so more warps an SM; fsrcnn-x3 0.070 against 0.094 ms), two otherwise (dcgan64-rgb,
-// pix2pix-rgb and the depthwise dla layers 1.1-1.9x faster with two). bench/NOTES.md v21, `probes.py narrow`.
+// The default: one column a thread for 3 taps a phase (the 6-row, 3-tap window of a column takes the registers a
+// second column would: 95 against 127, so more warps an SM; fsrcnn-x3 0.070 against 0.094 ms), two otherwise
+// (dcgan64-rgb, pix2pix-rgb and the depthwise dla layers 1.1-1.9x faster with two; bench/NOTES.md v21, `probes.py
+// narrow`); but the staged form for fp32 layers with 3 taps a phase that it takes, with at least 4 input channels a
+// group (fsrcnn-x3: 61 against 68 us; slower than configuration 0 in 16 bits, 77 against 71, and than configuration 1
+// on every 2-tap layer measured, pix2pix-rgb 359 against 192 us: bench/NOTES.md v40). Configuration 2 forced where the
+// staged form does not fit runs the default.
 int narrow_tiled_config(const ConvTranspose2dParams& p) {
-  if (p.force_config >= 0 && p.force_config < kNumNarrowTiledConfigs) return p.force_config;
-  return tiled_taps(p) >= 3 ? 0 : 1;
+  const bool staged = staged_fits(p);
+  if (p.force_config >= 0 && p.force_config < kNumNarrowTiledConfigs && (p.force_config != 2 || staged))
+    return p.force_config;
+  if (tiled_taps(p) >= 3) return staged && p.dtype == DType::kFloat32 && p.C_in / p.groups >= 4 ? 2 : 0;
+  return 1;
 }
 
 cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
   if (!narrow_tiled_eligible(p) || config < 0 || config >= kNumNarrowTiledConfigs) return cudaErrorInvalidValue;
+  if (config == 2 && !staged_fits(p)) return cudaErrorInvalidValue;
   const NarrowGeom g = make_narrow_geom(p);
+  if (config == 2) return launch_staged(p, g, stream);
   switch (p.dtype) {
     case DType::kFloat32:
       return tiled_launch_dtype<float>(p, config, g, stream);

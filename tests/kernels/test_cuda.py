@@ -29,6 +29,7 @@ from service.engine.ops import (
     conv_transpose2d_placed,
     conv_transpose2d_staged,
 )
+from tests.kernels.launches import kernels_launched
 from tests.numerics import rel_err
 
 pytestmark = pytest.mark.cuda
@@ -234,7 +235,7 @@ def test_split_is_deterministic_and_matches_no_split(mode: str) -> None:
 def test_every_tile_configuration_is_forced_above() -> None:
     """The forced-path tests cover every configuration the extension has (a new tile is not left out)."""
     assert int(load_extension().num_tensor_core_configs) == NUM_TC_CONFIGS
-    assert int(load_extension().num_narrow_tiled_configs) == 2
+    assert int(load_extension().num_narrow_tiled_configs) == 3
 
 
 def test_extension_checks_raise_with_their_numbers() -> None:
@@ -378,6 +379,15 @@ NARROW_TILED_FAMILIES = {
     "cout12_groups2_k3s2": dict(n=2, c_in=8, c_out=24, h=10, w=20, k=3, stride=2, padding=1, output_padding=1,
                                 groups=2),
     "cout24_k9s3": dict(n=1, c_in=3, c_out=24, h=12, w=14, k=9, stride=3, padding=4, output_padding=2),
+    # The staged form (configuration 2, 4-9 phases): W_in % 4 == 0 stages whole vectors; regions of 16 x 32
+    # positions, several along each axis; channel counts that leave a partial stage (19, 6) or one (2); 6 phases;
+    # 16 phases, which it does not take.
+    "staged_vec_rgb": dict(n=2, c_in=19, c_out=3, h=45, w=68, k=4, stride=2, padding=1),
+    "staged_vec_k9s3": dict(n=1, c_in=6, c_out=1, h=40, w=72, k=9, stride=3, padding=4, output_padding=2),
+    "staged_vec_k9s4": dict(n=1, c_in=5, c_out=1, h=20, w=36, k=9, stride=4, padding=4, output_padding=3),
+    "staged_s2x3": dict(n=2, c_in=9, c_out=3, h=21, w=44, k=(4, 6), stride=(2, 3), padding=(1, 2)),
+    "staged_vec_mixed_taps": dict(n=2, c_in=2, c_out=2, h=70, w=36, k=3, stride=2, padding=1, output_padding=1),
+    "staged_vec_zero_taps": dict(n=1, c_in=7, c_out=4, h=33, w=40, k=3, stride=2, dilation=2, padding=2),
 }
 
 
@@ -404,12 +414,14 @@ def tiled_eligible(cfg: dict, mode: str) -> bool:
     return cout <= 32 and taps <= 3 and cfg["c_in"] // groups * per_channel <= 48 * 1024
 
 
-@pytest.mark.parametrize("config", [0, 1])
+@pytest.mark.parametrize("config", [0, 1, 2])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("problem", [*NARROW_TILED_FAMILIES, *NARROW_PROBLEMS])
 def test_narrow_tiled_forced(problem: str, mode: str, config: int) -> None:
-    """The tiled narrow kernel, forced with one and two columns a thread, on its own families and on every narrow
-    problem: it runs where eligible and the default choice runs elsewhere, with the right answer either way."""
+    """The tiled narrow kernel, forced with one and two columns a thread and in its staged form, on its own families
+    and on every narrow problem: it runs where eligible (the staged form where a group has at most 4 output
+    channels and the layer 4-9 phases, its default configuration elsewhere) and the default choice runs
+    elsewhere, with the right answer either way."""
     cfg = NARROW_TILED_FAMILIES.get(problem) or NARROW_PROBLEMS[problem]
     err, tol, path = run_case(**cfg, mode=mode, force_path="narrow_tiled", force_config=config,
                               seed=zlib.crc32(problem.encode()) % 9_999)
@@ -420,14 +432,15 @@ def test_narrow_tiled_forced(problem: str, mode: str, config: int) -> None:
     assert err <= tol, f"{problem}/narrow_tiled/{mode}: rel err {err:.3e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("config", [0, 1])
+@pytest.mark.parametrize("width", [34, 36])
+@pytest.mark.parametrize("config", [0, 1, 2])
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str, config: int) -> None:
+def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str, config: int, width: int) -> None:
     """Phases with fewer taps than the kernel's tile skip the missing taps instead of multiplying by a zero weight:
-    an infinite input reaches exactly the outputs PyTorch's reaches."""
+    an infinite input reaches exactly the outputs PyTorch's reaches (36 columns: the staged form's whole vectors)."""
     dtype = MODES[mode][0]
     g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(2, 6, 21, 34, device="cuda", generator=g).to(dtype)
+    x = torch.randn(2, 6, 21, width, device="cuda", generator=g).to(dtype)
     x[0, 2, 7, 11] = float("inf")
     x[1, 5, 0, 0] = float("-inf")
     x[1, 0, 20, 33] = float("inf")
@@ -441,6 +454,21 @@ def test_narrow_tiled_infinite_inputs_reach_only_their_taps(mode: str, config: i
     assert torch.equal(torch.isinf(y), torch.isinf(ref))
     finite = torch.isfinite(ref)
     assert rel_err(y[finite], ref[finite]) <= MODES[mode][2]
+
+
+@pytest.mark.parametrize(("c_out", "stride"), [(1, 3), (4, 2), (8, 3), (2, 1), (1, 4)])
+def test_narrow_tiled_staged_form_runs_where_it_fits(c_out: int, stride: int) -> None:
+    """Configuration 2 launches the staged kernel for at most 4 output channels a group and 4-9 phases; elsewhere,
+    forcing it runs the default configuration's kernel."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 8, 20, 24, device="cuda", generator=g)
+    w = torch.randn(8, c_out, 3, 3, device="cuda", generator=g)
+    args = normalize_args(stride=stride)
+    names = kernels_launched(lambda: forward_cuda(x, w, None, args, "fp32", force_path="narrow_tiled", force_config=2))
+    staged = [n for n in names if "narrow_staged_kernel" in n]
+    tiled = [n for n in names if "narrow_tiled_kernel" in n]
+    fits = c_out <= 4 and 1 < stride < 4
+    assert (len(staged), len(tiled)) == ((1, 0) if fits else (0, 1)), names
 
 
 def test_narrow_tiled_is_the_default_for_large_narrow_layers() -> None:

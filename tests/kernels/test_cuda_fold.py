@@ -65,12 +65,12 @@ PROBLEMS = {
 
 
 def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nchw", new_output: bool = False,
-        out_offset: int = 0, seed: int = 0, force_path: str | None = "fold",
+        out_offset: int = 0, seed: int = 0, force_path: str | None = "fold", force_config: int | None = None,
         packs: bool = False) -> tuple[float, float, str, torch.Tensor]:
     """Run one problem (``g``: groups) into a poisoned NCHW ``out`` (``out_offset`` elements into its storage, between
     poisoned margins that must stay so) or a new output over poisoned memory, with ``force_path`` (None: the
-    default choice) and, with ``packs``, the weights packed once (``WeightPacks``). Returns (rel_err, tol, path, y).
-    The taps path's tests run it too."""
+    default choice) and ``force_config`` and, with ``packs``, the weights packed once (``WeightPacks``). Returns
+    (rel_err, tol, path, y). The taps path's and the staged narrow form's tests run it too."""
     p = dict(problem)
     n, c_in, c_out, h, w = p.pop("n"), p.pop("c_in"), p.pop("c_out"), p.pop("h"), p.pop("w")
     kh, kw = (p["k"], p["k"]) if isinstance(p["k"], int) else p["k"]
@@ -95,7 +95,7 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
         buffer = torch.full((margin + out_offset + size + margin,), float("nan"), device="cuda", dtype=dtype)
         out = buffer[margin + out_offset:margin + out_offset + size].view(n, c_out, ho, wo)
     y, path = forward_cuda(x, wt, b, args, precision or "fp32", out=out, force_path=force_path,
-                           packs=WeightPacks(wt) if packs else None)
+                           force_config=force_config, packs=WeightPacks(wt) if packs else None)
     if out is not None:
         assert buffer[:margin + out_offset].isnan().all()
         assert buffer[margin + out_offset + size:].isnan().all()
@@ -105,12 +105,14 @@ def run(problem: dict, mode: str, *, x_layout: str = "nchw", w_layout: str = "nc
     return rel_err(y, ref), tol, path, y
 
 
-def check_forced(problem: dict, mode: str, family: str, *, x_layout: str, w_layout: str, new_output: bool) -> None:
-    """``run`` with ``family`` forced: that family ran, wrote every element, returned y in x's layout as PyTorch
-    does (an `out` is NCHW; a one-channel x is both layouts, read as NCHW) and is within the mode's tolerance. The
-    forced tests of the fold kernel, the taps path and the fused taps kernel."""
+def check_forced(problem: dict, mode: str, family: str, *, x_layout: str, w_layout: str, new_output: bool,
+                 config: int | None = None) -> None:
+    """``run`` with ``family`` (and ``config``) forced: that family ran, wrote every element, returned y in x's layout
+    as PyTorch does (an `out` is NCHW; a one-channel x is both layouts, read as NCHW) and is within the mode's
+    tolerance. The forced tests of the fold kernel, the taps path, the fused taps kernel and the staged narrow
+    form."""
     err, tol, path, y = run(problem, mode, x_layout=x_layout, w_layout=w_layout, new_output=new_output,
-                            force_path=family)
+                            force_path=family, force_config=config)
     assert path == family
     assert not torch.isnan(y).any()
     cl = x_layout == "cl" and new_output and y.shape[1] > 1 and problem["c_in"] > 1
