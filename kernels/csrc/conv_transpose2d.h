@@ -141,10 +141,10 @@ bool narrow_eligible(const ConvTranspose2dParams& p);
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
 // Its tiled form: a thread owns 1-4 rows x 1 or 2 columns (configuration 0 or 1) of a phase and reuses each loaded
 // input value for every vertical tap that reads it; configuration 2 (at most 4 output channels a group) stages a
-// tile's input window in shared memory and gives a thread 4 x 4 positions. fp32/fp16/bf16; eligible for up to 32 output channels a group
-// when the per-tap input step is 1 on both axes (dilation divides stride), no phase has more than 3 taps on an
-// axis, its weights fit in 48 KiB and sizes leave room for 32-bit positions; preferred for at most 8 output
-// channels a group from 2^17 output pixels (times groups) up.
+// region's input window in shared memory and gives a thread 4 x 4 positions. fp32/fp16/bf16; eligible for up to 32
+// output channels a group when the per-tap input step is 1 on both axes (dilation divides stride), no phase has more
+// than 3 taps on an axis, its weights fit in 48 KiB and sizes leave room for 32-bit positions; preferred for at most
+// 8 output channels a group from 2^17 output pixels (times groups) up.
 constexpr int kNumNarrowTiledConfigs = 3;
 bool narrow_tiled_eligible(const ConvTranspose2dParams& p);
 bool narrow_tiled_preferred(const ConvTranspose2dParams& p);

@@ -1046,11 +1046,10 @@ bool narrow_tiled_preferred(const ConvTranspose2dParams& p) {
 // on every 2-tap layer measured, pix2pix-rgb 359 against 192 us: bench/NOTES.md v40). Configuration 2 forced where the
 // staged form does not fit runs the default.
 int narrow_tiled_config(const ConvTranspose2dParams& p) {
-  const bool staged = staged_fits(p);
-  if (p.force_config >= 0 && p.force_config < kNumNarrowTiledConfigs && (p.force_config != 2 || staged))
-    return p.force_config;
-  if (tiled_taps(p) >= 3) return staged && p.dtype == DType::kFloat32 && p.C_in / p.groups >= 4 ? 2 : 0;
-  return 1;
+  const int forced = p.force_config;
+  if (forced >= 0 && forced < kNumNarrowTiledConfigs && (forced != 2 || staged_fits(p))) return forced;
+  if (tiled_taps(p) < 3) return 1;
+  return p.dtype == DType::kFloat32 && p.C_in / p.groups >= 4 && staged_fits(p) ? 2 : 0;
 }
 
 cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
