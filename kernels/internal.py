@@ -31,16 +31,15 @@ IntPair = int | Sequence[int]
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 PRECISIONS = ("fp32", "tf32")
 
-# Which kernel family ran, as the extension reports it: the SIMT kernel (any problem), the tensor-core kernels
-# (dense float32 / bfloat16 / float16 layers), the narrow kernel (C_out / groups <= 8, every dtype), the sparse
-# kernel (few multiply-adds an output element: large strides, few input channels), the gemm kernel
-# (channel-heavy TF32 / bfloat16 / float16 layers on sm_90, reading the input channels-last), the narrow
-# kernel's tiled form (large narrow layers in float32 / bfloat16 / float16, up to 3 taps a phase per axis), the
-# shuffle kernel (bfloat16 / float16 layers whose kernel is their stride, NCHW tensors as they are, on sm_90), the
-# fold kernel (few channels, every precision but float64, either layout as it is), the taps path (fp32 layers
-# with few output channels: the gemm kernel with every tap as a column, then the taps' sum) and the fused taps
-# kernel (the same in one kernel, a tile's taps in shared memory; every precision but float64, either layout as it
-# is).
+# Which kernel family ran, as the extension reports it: the SIMT kernel (any problem), the tensor-core kernels (dense
+# float32 / bfloat16 / float16 layers), the narrow kernel (C_out / groups <= 8, every dtype), the sparse kernel (few
+# multiply-adds an output element: large strides, few input channels), the gemm kernel (channel-heavy TF32 / bfloat16 /
+# float16 layers on sm_90, reading the input channels-last), the narrow kernel's tiled form (large narrow layers in
+# float32 / bfloat16 / float16, up to 3 taps a phase per axis; its staged configuration reads either layout as it is),
+# the shuffle kernel (bfloat16 / float16 layers whose kernel is their stride, NCHW tensors as they are, on sm_90), the
+# fold kernel (few channels, every precision but float64, either layout as it is), the taps path (fp32 layers with few
+# output channels: the gemm kernel with every tap as a column, then the taps' sum) and the fused taps kernel (the same
+# in one kernel, a tile's taps in shared memory; every precision but float64, either layout as it is).
 KERNEL_PATHS = {0: "simt", 1: "tensor_core", 2: "narrow", 3: "sparse", 4: "gemm", 5: "narrow_tiled",
                 6: "shuffle", 7: "fold", 8: "taps", 9: "taps_fused"}
 # force_path names (tests and tuning) -> the extension's force_path argument; None lets the dispatcher choose.

@@ -418,10 +418,10 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
   c.torch_cl = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   // Families that read x as it is, so that nothing changes layout: the fold kernel (either layout; few channels, a
-  // stride of 8 or more on the columns) and the fused taps kernel (either layout; few output channels), which write
-  // y in x's layout (NCHW into `out`) and read the weights in either layout unpacked, and the shuffle kernel (an
-  // NCHW x; 16-bit layers whose kernel is their stride), which writes an NCHW y and packs the weights from either
-  // layout.
+  // stride of 8 or more on the columns), the fused taps kernel (either layout; few output channels) and the tiled
+  // narrow kernel's staged form (configuration 2, either layout; up to 4 output channels a group), which write y in
+  // x's layout (NCHW into `out`) and read the weights in either layout unpacked, and the shuffle kernel (an NCHW x;
+  // 16-bit layers whose kernel is their stride), which writes an NCHW y and packs the weights from either layout.
   if (x_cl || x.is_contiguous()) {
     deconv::ConvTranspose2dParams q = p;
     q.x_channels_last = x_cl;
@@ -431,7 +431,8 @@ CallPlan plan_call(const torch::Tensor& x, const torch::Tensor& weight, const c1
     q.w = weight.data_ptr();
     const deconv::KernelPlan plan = deconv::conv_transpose2d_plan(q);
     if (plan.path == deconv::KernelPath::kFold || plan.path == deconv::KernelPath::kTapsFused ||
-        plan.path == deconv::KernelPath::kShuffle) {
+        plan.path == deconv::KernelPath::kShuffle ||
+        (plan.path == deconv::KernelPath::kNarrowTiled && plan.config == 2)) {
       p = q;
       p.x = p.w = nullptr;
       c.plan = plan;

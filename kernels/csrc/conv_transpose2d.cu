@@ -281,6 +281,7 @@ cudaError_t conv_transpose2d_pack(const ConvTranspose2dParams& p, const KernelPl
 cudaError_t conv_transpose2d_forward(const ConvTranspose2dParams& p, const KernelPlan& c, cudaStream_t stream) {
   if (c.path == KernelPath::kFold) return launch_fold(p, stream);  // either layout
   if (c.path == KernelPath::kTapsFused) return launch_taps_fused(p, stream);  // either layout
+  if (c.path == KernelPath::kNarrowTiled && c.config == 2) return launch_narrow_tiled(p, 2, stream);  // either layout
   const bool reads_cl = c.path == KernelPath::kGemm || c.path == KernelPath::kTaps;
   if (reads_cl != p.x_channels_last || p.y_channels_last && !reads_cl)
     return cudaErrorInvalidValue;  // the binding lays x and y out for the path (conv_transpose2d_path)

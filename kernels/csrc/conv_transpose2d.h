@@ -40,13 +40,14 @@ struct ConvTranspose2dParams {
   // conv_transpose2d_packing says), or nullptr: the tensor-core kernels then pack them into the workspace first.
   const void* packed_weights;
   // Memory layouts: x is channels-last ([N, H_in, W_in, C_in] in memory) rather than NCHW, and so is y. Only the
-  // gemm and taps paths (which need a channels-last x) and the fold kernel (either layout, as it is) read a
-  // channels-last x and write a channels-last y; the binding converts for the rest.
+  // gemm and taps paths (which need a channels-last x), the fold and fused taps kernels and the tiled narrow
+  // kernel's staged form (configuration 2; these three take either layout as it is) read a channels-last x and
+  // write a channels-last y; the binding converts for the rest.
   bool x_channels_last;
   bool y_channels_last;
-  // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm and taps paths take such weights
-  // (the gemm kernel reads 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout); the
-  // binding makes them NCHW-contiguous for the rest.
+  // w is channels-last ([C_in][kH][kW][C_out / groups] in memory). Only the gemm and taps paths (the gemm kernel
+  // reads 16-bit ones as they are, gemm_reads_weights, and packs the others from that layout) and the families that
+  // take either layout of x take such weights; the binding makes them NCHW-contiguous for the rest.
   bool w_channels_last;
   // Elements from one position of a channels-last x to the next, when larger than C_in (0: C_in): an x whose rows of
   // channels the binding padded to whole 16-byte vectors for the gemm path (one group only; the padding is zeros).
@@ -141,10 +142,11 @@ bool narrow_eligible(const ConvTranspose2dParams& p);
 cudaError_t launch_narrow(const ConvTranspose2dParams& p, cudaStream_t stream);
 // Its tiled form: a thread owns 1-4 rows x 1 or 2 columns (configuration 0 or 1) of a phase and reuses each loaded
 // input value for every vertical tap that reads it; configuration 2 (at most 4 output channels a group) stages a
-// region's input window in shared memory and gives a thread 4 x 4 positions. fp32/fp16/bf16; eligible for up to 32
-// output channels a group when the per-tap input step is 1 on both axes (dilation divides stride), no phase has more
-// than 3 taps on an axis, its weights fit in 48 KiB and sizes leave room for 32-bit positions; preferred for at most
-// 8 output channels a group from 2^17 output pixels (times groups) up.
+// region's input window in shared memory, gives a thread 4 x 4 positions and reads x and the weights and writes y in
+// either layout (configurations 0 and 1: NCHW only). fp32/fp16/bf16; eligible for up to 32 output channels a group
+// when the per-tap input step is 1 on both axes (dilation divides stride), no phase has more than 3 taps on an axis,
+// its weights fit in 48 KiB and sizes leave room for 32-bit positions; preferred for at most 8 output channels a group
+// from 2^17 output pixels (times groups) up.
 constexpr int kNumNarrowTiledConfigs = 3;
 bool narrow_tiled_eligible(const ConvTranspose2dParams& p);
 bool narrow_tiled_preferred(const ConvTranspose2dParams& p);

@@ -600,16 +600,27 @@ NarrowGeom make_narrow_geom(const ConvTranspose2dParams& p);
 // output channel and 3 x 3 taps. Staged column 0 is a multiple of 4, so with W_in % 4 == 0 and x aligned a staged
 // row is whole vectors of x; a phase's window then starts kD = 0-3 columns into a vector, a template parameter of
 // the channel loop (a warp-uniform switch), so that the window's values sit in registers.
+// Unlike the forms above, it reads x and the weights in either layout and writes y in either (p's *_channels_last),
+// so that a channels-last caller needs no layout change: only the fetch of a stage and the epilogue's stores differ.
+// A channels-last x is fetched as the stage's channels of one or more positions a vector (a 16- or 8-byte load of 4
+// channels of a position where they are whole, aligned vectors), and put into the same staged [channel][row][column]
+// window.
+// With one output channel a group (kCo 1: a thread's accumulators and window take 114 registers, so that one block
+// of 9 warps fills an SM's registers; fsrcnn-x3's 128 regions then leave each scheduler 2.2 warps, 0.5 of them
+// eligible: bench/NOTES.md v41), two warps take each phase: each multiplies alternate channels of every stage over the
+// same positions, with half the fetches and registers, and the second adds its sums into the first's through shared
+// memory at the end of the region (a fixed order: the result does not depend on timing).
 
 constexpr int kNsPix = 4;        // positions a thread along each axis
 constexpr int kNsTileW = 32;     // a region's positions along a row: 8 threads of 4
 constexpr int kNsTileH = 16;     // and along a column: 4 threads of 4
 constexpr int kNsCC = 4;         // most input channels a stage (StagedGeom::cc)
-constexpr int kNsMaxVecs = 4;    // most x vectors a thread fetches a stage
-constexpr int kNsMaxWts = 3;     // most weights a thread fetches a stage
+constexpr int kNsMaxVecs = 4;    // most x vectors a thread fetches a stage (with one warp a phase; half with two)
+constexpr int kNsMaxWts = 3;     // most weights a thread fetches a stage (with one warp a phase; 2 with two)
 constexpr int kNsMaxCout = 4;
 constexpr int kNsMinPhases = 4;  // fewer warps than that would fetch more than kNsMaxVecs vectors each
-// 288 threads at most: up to 224 registers a thread (with 512, capped at 128, the kernels spilled up to 1 KB).
+// 288 threads at most with one warp a phase: up to 224 registers a thread (with 512, capped at 128, the kernels
+// spilled up to 1 KB); 576 with two (one output channel: at most 112 registers).
 constexpr int kNsMaxPhases = 9;
 
 // Output channels the staged kernel computes for a group's 1-4: 1, 3 (for 2 or 3; a lane of zero weights, its
@@ -621,7 +632,8 @@ int staged_cout(const ConvTranspose2dParams& p) {
 
 // The staged window's shape, the same for every region (made on the host).
 struct StagedGeom {
-  int phases;          // stride_h x stride_w: a warp each
+  int phases;          // stride_h x stride_w: `halves` warps each
+  int halves;          // warps a phase: 2 with one output channel a group (their sums added at the end), else 1
   int cc;              // input channels a stage: 4, 2 or 1, the most whose values the threads fetch
   int base_h, base_w;  // the least phase base on each axis
   int rows, pitch;     // staged rows; floats a staged row (a multiple of 4)
@@ -634,6 +646,7 @@ StagedGeom make_staged_geom(const ConvTranspose2dParams& p, const NarrowGeom& g)
   StagedGeom s{};
   const int taps = tiled_taps(p);
   s.phases = static_cast<int>(p.stride_h * p.stride_w);
+  s.halves = staged_cout(p) == 1 ? 2 : 1;
   // The bases of the phases with taps (a phase without taps on an axis reads nothing; its warp writes the bias).
   const auto bases = [](const AxisPhase32* a, int64_t stride, int& least, int& most) {
     least = INT32_MAX;
@@ -654,7 +667,8 @@ StagedGeom make_staged_geom(const ConvTranspose2dParams& p, const NarrowGeom& g)
   const int e_max = 3 + (max_w - s.base_w);
   s.pitch = 4 * (kNsTileW / 4 - 1 + e_max / 4 + 3);
   // Fetched values sit in registers through a stage's products: at most kNsMaxVecs vectors and kNsMaxWts weights a
-  // thread (16-19 registers); fewer phases (threads) stage fewer channels.
+  // warp's thread (16-19 registers; with two warps a phase, each thread fetches half as many); fewer phases
+  // (threads) stage fewer channels.
   const int threads = 32 * s.phases;
   const int per_channel_w = s.phases * tiled_w_stride(taps, staged_cout(p));
   s.cc = kNsCC;
@@ -667,7 +681,11 @@ StagedGeom make_staged_geom(const ConvTranspose2dParams& p, const NarrowGeom& g)
   return s;
 }
 
-size_t staged_smem_bytes(const StagedGeom& s) { return 2 * sizeof(float) * (s.x_floats + s.w_floats); }
+// Two stages' buffers; with two warps a phase, at least the second warps' sums at the region's end (16 a thread).
+size_t staged_smem_bytes(const StagedGeom& s) {
+  const size_t sums = s.halves == 2 ? static_cast<size_t>(kNsPix * kNsPix) * 32 * s.phases : 0;
+  return sizeof(float) * std::max(2 * static_cast<size_t>(s.x_floats + s.w_floats), sums);
+}
 
 // The element type is a kernel argument, not a template parameter: one kernel serves fp32, fp16 and bf16 tensors
 // (values are fp32 from the stage on), which keeps the build's time down. Element i of `base`, as fp32.
@@ -687,20 +705,24 @@ __device__ __forceinline__ void staged_store(void* base, int64_t i, float v, int
   }
 }
 
+// Four 16-bit values (fp16 or bf16, dt) as fp32.
+__device__ __forceinline__ float4 unpack4(uint2 v, int dt) {
+  if (dt == kNsF16) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // x values wi .. wi + 3 of the row at element `row` of `x` as fp32: one 16- or 8-byte load where rows are whole
 // vectors (`vec`), else element by element; zeros outside the row.
 __device__ __forceinline__ float4 staged_fetch4(const void* x, int64_t row, int wi, int w_in, bool vec, int dt) {
   if (vec) {
     if (dt == kNsF32) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(x) + row + wi));
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(x) + row + wi));
-    if (dt == kNsF16) {
-      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
-      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
-      return make_float4(a.x, a.y, b.x, b.y);
-    }
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
-    return make_float4(a.x, a.y, b.x, b.y);
+    return unpack4(__ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(x) + row + wi)), dt);
   }
   float f[4];
 #pragma unroll
@@ -708,19 +730,71 @@ __device__ __forceinline__ float4 staged_fetch4(const void* x, int64_t row, int 
   return make_float4(f[0], f[1], f[2], f[3]);
 }
 
-// vec: W_in % 4 == 0 and x aligned to 4 values (staged rows are whole vectors of x); dt: the element type.
-template <int kCo, int kT>
-__global__ void __launch_bounds__(kNsMaxPhases * 32)
+// A channels-last x's stage: its values run [row][column][channel] over the cc channels, so vector v holds 4 / cc
+// consecutive columns of one staged row, cc channels each. x_grp: the image's group's first channel at position 0
+// plus the stage's first channel (c0); left: the group's channels from c0 on. Zeros outside x and past the group's
+// channels.
+__device__ __forceinline__ float4 staged_fetch_cl(const void* x, int64_t x_grp, int v, int left, const StagedGeom& sg,
+                                                  int x_r0, int x_c0, int h_in, int w_in, int64_t c_in, bool vec,
+                                                  int dt) {
+  const int e = 4 * v;  // the vector's first value: channel e % cc of staged position e / cc
+  const int pos = e / sg.cc;
+  const int r = pos / sg.pitch, col = pos % sg.pitch;
+  const int hi = x_r0 + r;
+  if (hi < 0 || hi >= h_in) return make_float4(0.f, 0.f, 0.f, 0.f);
+  const int64_t row = x_grp + static_cast<int64_t>(hi) * w_in * c_in;
+  if (sg.cc == 4 && vec && left >= 4) {  // 4 channels of one position, one load
+    const int wi = x_c0 + col;
+    if (wi < 0 || wi >= w_in) return make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t i = row + wi * c_in;
+    if (dt == kNsF32) return __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(x) + i));
+    return unpack4(__ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned short*>(x) + i)), dt);
+  }
+  float f[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int c = (e + k) % sg.cc;
+    const int wi = x_c0 + col + (e + k) / sg.cc - pos;
+    f[k] = c < left && wi >= 0 && wi < w_in ? staged_load(x, row + wi * c_in + c, dt) : 0.f;
+  }
+  return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+// Puts a channels-last vector (staged_fetch_cl) into the staged [channel][row][column] window: 4 columns of one
+// channel (cc 1, the NCHW form's vector), 2 columns of 2 channels, or 4 channels of one column.
+__device__ __forceinline__ void staged_put_cl(float* dst, int v, float4 q, const StagedGeom& sg) {
+  const int plane = sg.rows * sg.pitch;
+  if (sg.cc == 1) {
+    *reinterpret_cast<float4*>(dst + 4 * v) = q;
+  } else if (sg.cc == 2) {
+    *reinterpret_cast<float2*>(dst + 2 * v) = make_float2(q.x, q.z);
+    *reinterpret_cast<float2*>(dst + plane + 2 * v) = make_float2(q.y, q.w);
+  } else {
+    dst[v] = q.x;
+    dst[plane + v] = q.y;
+    dst[2 * plane + v] = q.z;
+    dst[3 * plane + v] = q.w;
+  }
+}
+
+// vec: a vector of a stage is 4 aligned, consecutive values of x: for an NCHW x W_in % 4 == 0 (staged rows are
+// whole vectors of x), for a channels-last one C_in / groups % 4 == 0 with 4 channels a stage; x aligned to 4
+// values in both. dt: the element type.
+template <int kCo, int kT, int kHalves>
+__global__ void __launch_bounds__(kNsMaxPhases * 32 * kHalves)
     conv_transpose2d_narrow_staged_kernel(const ConvTranspose2dParams p, const NarrowGeom g, const StagedGeom sg,
                                           int vec, int dt) {
   constexpr int kWs = tiled_w_stride(kT, kCo);
   constexpr int kWin = kNsPix + kT - 1;  // window rows a thread reads a channel
+  constexpr int kFetchVecs = kNsMaxVecs / kHalves;                // x vectors a thread fetches a stage, at most
+  constexpr int kFetchWts = (kNsMaxWts + kHalves - 1) / kHalves;  // and weights
   extern __shared__ __align__(16) unsigned char narrow_smem[];
   float* const smem = reinterpret_cast<float*>(narrow_smem);  // two stages of [x window][weights]
 
-  const int threads = blockDim.x;  // 32 x phases
+  const int threads = blockDim.x;  // 32 x phases x kHalves
   const int tid = threadIdx.x;
-  const int ph = tid >> 5, lane = tid & 31;
+  const int half = (tid >> 5) / sg.phases;  // the second warps of the phases take the odd channels
+  const int ph = (tid >> 5) - half * sg.phases, lane = tid & 31;
   const int tx = lane & 7, ty = lane >> 3;
   const int cin = g.cin, cout = g.cout;
   const int groups = static_cast<int>(p.groups);
@@ -728,10 +802,11 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
   const int h_in = static_cast<int>(p.H_in), w_in = static_cast<int>(p.W_in);
   const int64_t hw_in = p.H_in * p.W_in;
   const int64_t hw_out = p.H_out * p.W_out;
+  const bool x_cl = p.x_channels_last, w_cl = p.w_channels_last, y_cl = p.y_channels_last;
   const int stages = (cin + sg.cc - 1) / sg.cc;
   const int vecs_row = sg.pitch / 4;
-  const int x_vecs = sg.cc * sg.rows * vecs_row;  // <= kNsMaxVecs x threads (staged_fits)
-  const int w_elems = sg.w_floats;               // <= kNsMaxWts x threads
+  const int x_vecs = sg.cc * sg.rows * vecs_row;  // <= kFetchVecs x threads (staged_fits)
+  const int w_elems = sg.w_floats;               // <= kFetchWts x threads
   const int stage = sg.x_floats + sg.w_floats;
 
   // This warp's phase.
@@ -758,29 +833,35 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
     const int x_c0 = (q_c0 + sg.base_w - (kT - 1)) & ~3;
     const int e = q_c0 + aw.base - (kT - 1) - x_c0;  // this phase's first window column, staged
     const int kd = e & 3;
-    const int64_t x_img = (n * p.C_in + static_cast<int64_t>(grp) * cin) * hw_in;  // the image's group, elements
+    // The image's group, elements: its first channel's plane (NCHW), or its first channel at position 0.
+    const int64_t x_img = x_cl ? n * hw_in * p.C_in + static_cast<int64_t>(grp) * cin
+                               : (n * p.C_in + static_cast<int64_t>(grp) * cin) * hw_in;
 
-    float4 xf[kNsMaxVecs];
-    float wf[kNsMaxWts];
+    float4 xf[kFetchVecs];
+    float wf[kFetchWts];
     // Stage s's window and weights into registers: zeros outside x, past the group's channels and at the taps a
     // phase lacks.
     const auto fetch = [&](int s) {
       const int c0 = s * sg.cc;
 #pragma unroll
-      for (int k = 0; k < kNsMaxVecs; ++k) {
+      for (int k = 0; k < kFetchVecs; ++k) {
         const int v = tid + k * threads;
         xf[k] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (v >= x_vecs) continue;
-        const int cv = v % vecs_row;
-        const int cr = v / vecs_row;
-        const int r = cr % sg.rows, c = cr / sg.rows;
-        const int hi = x_r0 + r, wi = x_c0 + 4 * cv;
-        if (c0 + c < cin && hi >= 0 && hi < h_in && wi < w_in && wi + 3 >= 0)
-          xf[k] = staged_fetch4(p.x, x_img + (c0 + c) * hw_in + static_cast<int64_t>(hi) * w_in, wi, w_in, vec != 0,
-                                dt);
+        if (x_cl) {
+          xf[k] = staged_fetch_cl(p.x, x_img + c0, v, cin - c0, sg, x_r0, x_c0, h_in, w_in, p.C_in, vec != 0, dt);
+        } else {
+          const int cv = v % vecs_row;
+          const int cr = v / vecs_row;
+          const int r = cr % sg.rows, c = cr / sg.rows;
+          const int hi = x_r0 + r, wi = x_c0 + 4 * cv;
+          if (c0 + c < cin && hi >= 0 && hi < h_in && wi < w_in && wi + 3 >= 0)
+            xf[k] = staged_fetch4(p.x, x_img + (c0 + c) * hw_in + static_cast<int64_t>(hi) * w_in, wi, w_in,
+                                  vec != 0, dt);
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kNsMaxWts; ++k) {
+      for (int k = 0; k < kFetchWts; ++k) {
         const int i = tid + k * threads;
         wf[k] = 0.f;
         if (i >= w_elems) continue;
@@ -795,19 +876,26 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
         if (ci < cin && th < bh.taps && tw < bw.taps && co < cout) {
           const int a = bh.a0 + th * bh.step;
           const int b = bw.a0 + tw * bw.step;
-          wf[k] = staged_load(p.w, ((static_cast<int64_t>(grp) * cin + ci) * cout + co) * (p.kH * p.kW) + a * p.kW + b,
+          const int64_t wc = static_cast<int64_t>(grp) * cin + ci;  // the weight's input channel
+          wf[k] = staged_load(p.w, w_cl ? ((wc * p.kH + a) * p.kW + b) * cout + co
+                                        : (wc * cout + co) * (p.kH * p.kW) + a * p.kW + b,
                               dt);
         }
       }
     };
     const auto put = [&](float* dst) {
 #pragma unroll
-      for (int k = 0; k < kNsMaxVecs; ++k) {
+      for (int k = 0; k < kFetchVecs; ++k) {
         const int v = tid + k * threads;
-        if (v < x_vecs) *reinterpret_cast<float4*>(dst + 4 * v) = xf[k];
+        if (v >= x_vecs) continue;
+        if (x_cl) {
+          staged_put_cl(dst, v, xf[k], sg);
+        } else {
+          *reinterpret_cast<float4*>(dst + 4 * v) = xf[k];
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kNsMaxWts; ++k) {
+      for (int k = 0; k < kFetchWts; ++k) {
         const int i = tid + k * threads;
         if (i < w_elems) dst[sg.x_floats + i] = wf[k];
       }
@@ -821,16 +909,17 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
 #pragma unroll
         for (int co = 0; co < kCo; ++co) acc[i][j][co] = 0.f;
 
-    // The channels of one stage, the window starting kD columns into the thread's first vector. kFull: every tap of
-    // kT x kT is the phase's. Otherwise the taps past the phase's counts are skipped: their weights are 0, but
-    // 0 * inf is not.
-    const auto channels = [&](const float* xb, const float* wb, int nc, auto kd_tag, auto full_tag) {
+    // The channels of one stage (with two warps a phase, those of parity `par`), the window starting kD columns
+    // into the thread's first vector. kFull: every tap of kT x kT is the phase's. Otherwise the taps past the phase's
+    // counts are skipped: their weights are 0, but 0 * inf is not.
+    const auto channels = [&](const float* xb, const float* wb, int nc, int par, auto kd_tag, auto full_tag) {
       constexpr int kD = decltype(kd_tag)::value;
       constexpr bool kFull = decltype(full_tag)::value;
       constexpr int kVecs = (kD + kT + 2) / 4 + 1;  // vectors covering columns kD .. kD + kNsPix + kT - 2
 #pragma unroll
       for (int c = 0; c < kNsCC; ++c) {
         if (c >= nc) break;
+        if (kHalves == 2 && (c & 1) != par) continue;
         const float* xc = xb + c * (sg.rows * sg.pitch);
         float wv[kWs];
 #pragma unroll
@@ -870,22 +959,22 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
         }
       }
     };
-    const auto run = [&](const float* buf, int nc, auto full_tag) {
+    const auto run = [&](const float* buf, int nc, int par, auto full_tag) {
       // The thread's window: staged row (base_h - least base) + 4 ty, the vector holding staged column e + 4 tx.
       const float* xb = buf + (ah.base - sg.base_h + kNsPix * ty) * sg.pitch + 4 * (e >> 2) + kNsPix * tx;
       const float* wb = buf + sg.x_floats + ph * kWs;
       switch (kd) {
         case 0:
-          channels(xb, wb, nc, std::integral_constant<int, 0>{}, full_tag);
+          channels(xb, wb, nc, par, std::integral_constant<int, 0>{}, full_tag);
           break;
         case 1:
-          channels(xb, wb, nc, std::integral_constant<int, 1>{}, full_tag);
+          channels(xb, wb, nc, par, std::integral_constant<int, 1>{}, full_tag);
           break;
         case 2:
-          channels(xb, wb, nc, std::integral_constant<int, 2>{}, full_tag);
+          channels(xb, wb, nc, par, std::integral_constant<int, 2>{}, full_tag);
           break;
         default:
-          channels(xb, wb, nc, std::integral_constant<int, 3>{}, full_tag);
+          channels(xb, wb, nc, par, std::integral_constant<int, 3>{}, full_tag);
           break;
       }
     };
@@ -899,18 +988,36 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
       if (any) {
         const float* buf = smem + (s & 1) * stage;
         const int nc = min(sg.cc, cin - s * sg.cc);
+        const int par = (half + s * sg.cc) & 1;  // this warp's channels s cc + c: those of its half's parity
         if (full) {
-          run(buf, nc, std::integral_constant<bool, true>{});
+          run(buf, nc, par, std::integral_constant<bool, true>{});
         } else {
-          run(buf, nc, std::integral_constant<bool, false>{});
+          run(buf, nc, par, std::integral_constant<bool, false>{});
         }
       }
       if (s + 1 < stages) put(smem + ((s + 1) & 1) * stage);  // that buffer's stage (s - 1) is done everywhere
       __syncthreads();
     }
+    if (kHalves == 2) {  // the second warps' sums into the first's, through the idle stage buffers
+      const int t = tid - half * 32 * sg.phases;  // the thread's place in its half
+      const int n_t = 32 * sg.phases;
+#pragma unroll
+      for (int i = 0; i < kNsPix; ++i)
+#pragma unroll
+        for (int j = 0; j < kNsPix; ++j)
+          if (half == 1) smem[(i * kNsPix + j) * n_t + t] = acc[i][j][0];
+      __syncthreads();
+      if (half == 1) continue;  // the next region's first barrier waits for the first warps' reads
+#pragma unroll
+      for (int i = 0; i < kNsPix; ++i)
+#pragma unroll
+        for (int j = 0; j < kNsPix; ++j) acc[i][j][0] += smem[(i * kNsPix + j) * n_t + t];
+    }
 
-    // Epilogue: bias, convert, NCHW stores at (ho, wo) = (o0_h + qh * stride_h, o0_w + qw * stride_w).
-    const int64_t y_img = (n * p.C_out + static_cast<int64_t>(grp) * cout) * hw_out;
+    // Epilogue: bias, convert, stores at (ho, wo) = (o0_h + qh * stride_h, o0_w + qw * stride_w), NCHW or
+    // channels-last.
+    const int64_t y_img = y_cl ? n * hw_out * p.C_out + static_cast<int64_t>(grp) * cout
+                               : (n * p.C_out + static_cast<int64_t>(grp) * cout) * hw_out;
 #pragma unroll
     for (int co = 0; co < kCo; ++co) {
       if (co >= cout) continue;
@@ -924,8 +1031,8 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
         for (int j = 0; j < kNsPix; ++j) {
           const int qw = q_c0 + kNsPix * tx + j;
           if (qw >= aw.count) continue;
-          staged_store(p.y, y_img + co * hw_out + ho * p.W_out + aw.o0 + static_cast<int64_t>(qw) * p.stride_w,
-                       acc[i][j][co] + b, dt);
+          const int64_t pos = ho * p.W_out + aw.o0 + static_cast<int64_t>(qw) * p.stride_w;
+          staged_store(p.y, y_cl ? y_img + pos * p.C_out + co : y_img + co * hw_out + pos, acc[i][j][co] + b, dt);
         }
       }
     }
@@ -935,16 +1042,19 @@ __global__ void __launch_bounds__(kNsMaxPhases * 32)
 template <int kCo, int kT>
 cudaError_t staged_launch_shape(const ConvTranspose2dParams& p, const NarrowGeom& g, const StagedGeom& sg,
                                 cudaStream_t stream) {
-  constexpr auto kKernel = conv_transpose2d_narrow_staged_kernel<kCo, kT>;
+  constexpr int kHalves = kCo == 1 ? 2 : 1;  // sg.halves
+  constexpr auto kKernel = conv_transpose2d_narrow_staged_kernel<kCo, kT, kHalves>;
   const cudaError_t err = opt_in_shared_memory<kKernel>();
   if (err != cudaSuccess) return err;
   const int64_t units = p.N * static_cast<int64_t>(sg.tiles_h) * sg.tiles_w * p.groups;
   const int dt = p.dtype == DType::kFloat32 ? kNsF32 : p.dtype == DType::kFloat16 ? kNsF16 : kNsBF16;
   const size_t bytes = dt == kNsF32 ? 4 : 2;
-  const bool vec = p.W_in % 4 == 0 && reinterpret_cast<uintptr_t>(p.x) % (4 * bytes) == 0;
+  // Whole, aligned vectors of 4 values: along a row (NCHW) or over 4 channels of a stage (channels-last, cc 4).
+  const bool whole = p.x_channels_last ? sg.cc == 4 && (p.C_in / p.groups) % 4 == 0 : p.W_in % 4 == 0;
+  const bool vec = whole && reinterpret_cast<uintptr_t>(p.x) % (4 * bytes) == 0;
   // The kernel loops over regions past the grid's limit: clamping costs parallelism only.
   const dim3 grid(static_cast<unsigned>(units < 0x7fffffff ? units : 0x7fffffff));
-  kKernel<<<grid, 32 * sg.phases, staged_smem_bytes(sg), stream>>>(p, g, sg, vec ? 1 : 0, dt);
+  kKernel<<<grid, 32 * sg.phases * kHalves, staged_smem_bytes(sg), stream>>>(p, g, sg, vec ? 1 : 0, dt);
   return cudaGetLastError();
 }
 
@@ -1038,25 +1148,48 @@ bool narrow_tiled_preferred(const ConvTranspose2dParams& p) {
   return p.C_out / p.groups <= 8 && p.N * p.H_out * p.W_out * p.groups >= kTiledMinPixels;
 }
 
+namespace {
+
+// Where the staged form is the default: one output channel a group (two warps a phase), 9 phases of 3 taps (18 warps
+// a block, one block an SM), at least 4 input channels a group, and regions that fill their waves of one block an SM
+// to at least 85%; in 16 bits one wave at most. Measured (bench/NOTES.md v41, cold us against the better of
+// configurations 0 and 1): fsrcnn-x3, 128 regions on 132 SMs, 52.6 against 68.1 in fp32 and 60.3 against 71.6 in
+// BF16; 960 x 540 frames, 1020 regions in 7.7 waves, 362 against 373 in fp32 but 426 against 389 in BF16; slower
+// with 150 regions (2 waves: 94.7 against 87.8), 8 regions (49.5 against 33.8), 4 phases (118 against 87) and 3
+// output channels (one warp a phase, 168 registers: 127 against 116, 293 against 107 with 4 phases).
+bool staged_preferred(const ConvTranspose2dParams& p) {
+  if (p.C_out / p.groups != 1 || p.stride_h != 3 || p.stride_w != 3 || tiled_taps(p) != 3 || p.C_in / p.groups < 4 ||
+      !staged_fits(p))
+    return false;
+  const StagedGeom sg = make_staged_geom(p, make_narrow_geom(p));
+  const int64_t regions = p.N * static_cast<int64_t>(sg.tiles_h) * sg.tiles_w * p.groups;
+  const int64_t sms = sm_count() > 0 ? sm_count() : 132;
+  const int64_t waves = (regions + sms - 1) / sms;
+  if (p.dtype != DType::kFloat32 && waves > 1) return false;
+  return regions * 100 >= 85 * waves * sms;
+}
+
+}  // namespace
+
 // The default: one column a thread for 3 taps a phase (the 6-row, 3-tap window of a column takes the registers a
 // second column would: 95 against 127, so more warps an SM; fsrcnn-x3 0.070 against 0.094 ms), two otherwise
 // (dcgan64-rgb, pix2pix-rgb and the depthwise dla layers 1.1-1.9x faster with two; bench/NOTES.md v21, `probes.py
-// narrow`); but the staged form for fp32 layers with 3 taps a phase that it takes, with at least 4 input channels a
-// group (fsrcnn-x3: 61 against 68 us; slower than configuration 0 in 16 bits, 77 against 71, and than configuration 1
-// on every 2-tap layer measured, pix2pix-rgb 359 against 192 us: bench/NOTES.md v40). Configuration 2 forced where the
-// staged form does not fit runs the default.
+// narrow`); but the staged form where staged_preferred says (slower than configuration 1 on every 2-tap layer
+// measured, pix2pix-rgb 370 against 192 us: bench/NOTES.md v40-v41). Configuration 2 forced where the staged form
+// does not fit runs the default.
 int narrow_tiled_config(const ConvTranspose2dParams& p) {
   const int forced = p.force_config;
   if (forced >= 0 && forced < kNumNarrowTiledConfigs && (forced != 2 || staged_fits(p))) return forced;
   if (tiled_taps(p) < 3) return 1;
-  return p.dtype == DType::kFloat32 && p.C_in / p.groups >= 4 && staged_fits(p) ? 2 : 0;
+  return staged_preferred(p) ? 2 : 0;
 }
 
 cudaError_t launch_narrow_tiled(const ConvTranspose2dParams& p, int config, cudaStream_t stream) {
   if (!narrow_tiled_eligible(p) || config < 0 || config >= kNumNarrowTiledConfigs) return cudaErrorInvalidValue;
   if (config == 2 && !staged_fits(p)) return cudaErrorInvalidValue;
   const NarrowGeom g = make_narrow_geom(p);
-  if (config == 2) return launch_staged(p, g, stream);
+  if (config == 2) return launch_staged(p, g, stream);  // either layout of x, the weights and y
+  if (p.x_channels_last || p.w_channels_last || p.y_channels_last) return cudaErrorInvalidValue;  // NCHW only
   switch (p.dtype) {
     case DType::kFloat32:
       return tiled_launch_dtype<float>(p, config, g, stream);

@@ -112,12 +112,15 @@ bool taps_eligible(const ConvTranspose2dParams& p) {
 // for the SMs): RGB, one-channel and keypoint output layers, whose phase GEMMs leave most of a tile's columns idle
 // and whose narrow kernels run FFMA (bench/NOTES.md v38, `probes fold`). An NCHW x (planned with a null x: the
 // binding makes a channels-last copy) pays for its layout change first; the tiled narrow kernel reads it as it is
-// and stays the choice where it is preferred.
+// and stays the choice where it is preferred. In exact fp32 its staged form (configuration 2) reads a channels-last x
+// as it is too, and stays the choice where it is the tiled kernel's (fsrcnn-x3: bench/NOTES.md v41).
 bool taps_preferred(const ConvTranspose2dParams& p) {
   const int64_t cin_g = p.C_in / p.groups, cout_g = p.C_out / p.groups;
   if (cout_g > 32 || cin_g < 32 || p.C_out * p.kH * p.kW > 2 * p.C_in || p.N * p.H_in * p.W_in < (int64_t(1) << 14))
     return false;
-  if (p.x == nullptr && narrow_tiled_eligible(p) && narrow_tiled_preferred(p)) return false;
+  if (narrow_tiled_eligible(p) && narrow_tiled_preferred(p) &&
+      (p.x == nullptr || (p.precision == Precision::kExactFp32 && narrow_tiled_config(p) == 2)))
+    return false;
   return taps_eligible(p);
 }
 
