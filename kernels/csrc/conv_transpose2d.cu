@@ -217,11 +217,11 @@ bool gemm_preferred(const ConvTranspose2dParams& p) {
 // kernels, the taps path and the fused taps kernel when eligible, else what -1 chooses: the fold kernel when
 // preferred (either layout as it is), then the shuffle kernel when eligible and preferred (it takes the NCHW tensors
 // the others would convert), then the taps path when preferred, then the tiled narrow kernel when eligible and
-// preferred, then the narrow kernel when eligible, then the sparse kernel when preferred (none of these when
-// force_config asks for the tensor cores), then the gemm kernel when eligible and preferred, then the tensor cores
-// when eligible, then the SIMT kernel. Only force_path -1 or 6 runs the shuffle kernel, -1 or 7 the fold kernel and
-// -1 or 8 the taps path; the fused taps kernel runs only when forced (9), measured choice's candidate. A forced
-// family is timed as it runs on its own.
+// preferred, then the fused taps kernel when preferred (small layers of few output channels), then the narrow
+// kernel when eligible, then the sparse kernel when preferred (none of these when force_config asks for the tensor
+// cores), then the gemm kernel when eligible and preferred, then the tensor cores when eligible, then the SIMT
+// kernel. Only force_path -1 or 6 runs the shuffle kernel, -1 or 7 the fold kernel, -1 or 8 the taps path and -1 or
+// 9 the fused taps kernel (also measured choice's candidate). A forced family is timed as it runs on its own.
 KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path == 0) return {KernelPath::kSimt, -1};
   if (p.force_path == 4 && gemm_eligible(p)) return {KernelPath::kGemm, gemm_config(p)};
@@ -242,6 +242,7 @@ KernelPlan choose_kernel(const ConvTranspose2dParams& p) {
   if (p.force_path < 0 && p.force_config < 0 && taps_preferred(p)) return {KernelPath::kTaps, taps_config(p)};
   if (p.force_config < 0 && narrow_tiled_eligible(p) && narrow_tiled_preferred(p))
     return {KernelPath::kNarrowTiled, narrow_tiled_config(p)};
+  if (p.force_path < 0 && p.force_config < 0 && taps_fused_preferred(p)) return {KernelPath::kTapsFused, -1};
   if (p.force_config < 0 && narrow_eligible(p)) return {KernelPath::kNarrow, -1};
   if (p.force_config < 0 && sparse_preferred(p)) return {KernelPath::kSparse, -1};
   if (p.force_config < 0 && gemm_preferred(p) && gemm_default_ready() && gemm_eligible(p))

@@ -232,9 +232,11 @@ cudaError_t launch_taps(const ConvTranspose2dParams& p, int config, cudaStream_t
 // the GEMM of every (output channel, tap) column on a tile of 128 input positions (mma.sync TF32; exact fp32 as
 // 3xTF32, bf16 and fp16 exact products; fp32 sums), then sums the taps of the outputs the tile completes. x, w and
 // y in either layout as they are, no packing, no workspace. Eligible on sm_80 and newer with one group, dilation 1,
-// at most 96 taps kH kW, and a tile that completes some output (ceil(k / s) - 1 < 16 rows or columns). Never the
-// rule's choice: forced, or measured choice's where it is fastest (bench/NOTES.md v39).
+// at most 96 taps kH kW, and a tile that completes some output (ceil(k / s) - 1 < 16 rows or columns). The rule's
+// choice for small layers of few output channels with many input channels (taps_fused_preferred); elsewhere forced,
+// or measured choice's where it is fastest (bench/NOTES.md v39, v42).
 bool taps_fused_eligible(const ConvTranspose2dParams& p);
+bool taps_fused_preferred(const ConvTranspose2dParams& p);
 cudaError_t launch_taps_fused(const ConvTranspose2dParams& p, cudaStream_t stream);
 
 // Layout change (layout.cu): N images of C channels x HW positions, NCHW -> channels-last when to_channels_last,

@@ -362,6 +362,14 @@ bool taps_fused_eligible(const ConvTranspose2dParams& p) {
   return a.units > 0 && a.units < (int64_t(1) << 40) && TfShape<6>::kSmemBytes <= max_dynamic_smem();
 }
 
+// Preferred for small layers of at most 8 output channels (below the tiled narrow kernel's 2^17 output pixels, where
+// the per-pixel narrow kernel would run) with one group and at least 32 input channels: there the per-pixel kernel
+// loads an input value for every (pixel, tap, channel), while this kernel's GEMM takes the channels as K on tensor
+// cores (fsrcnn-x3 on one 64 x 64 frame: 15.9 against 71.2 us in exact fp32, cuDNN 18.3; bench/NOTES.md v42).
+bool taps_fused_preferred(const ConvTranspose2dParams& p) {
+  return p.C_out <= 8 && p.C_in >= 32 && p.groups == 1 && !narrow_tiled_preferred(p) && taps_fused_eligible(p);
+}
+
 cudaError_t launch_taps_fused(const ConvTranspose2dParams& p, cudaStream_t stream) {
   if (!taps_fused_eligible(p)) return cudaErrorInvalidValue;
   TapsFusedArgs a = taps_fused_args(p);

@@ -306,10 +306,12 @@ def test_default_path_choice() -> None:
 
 
 def test_narrow_falls_back_when_not_eligible() -> None:
-    """Forcing the narrow kernel where it does not apply runs the default choice (and the right answer)."""
-    # Weights of the largest phase beyond 48 KiB of shared memory: 1024 channels x 9 taps x 4 lanes x 4 bytes.
+    """Forcing the narrow kernel where it does not apply runs the default choice but for the families that run only
+    by default or when forced themselves (and the right answer)."""
+    # Weights of the largest phase beyond 48 KiB of shared memory: 1024 channels x 9 taps x 4 lanes x 4 bytes. By
+    # default a small layer of few output channels and many input channels: the fused taps kernel.
     big = dict(n=1, c_in=1024, c_out=3, h=4, w=4, k=3)
-    assert _path("fp32", **big) == "simt"
+    assert _path("fp32", **big) == "taps_fused"
     assert run_case(**big, mode="fp32", force_path="narrow")[2] == "simt"
     # A stride beyond the narrow kernel's phase table (32 per axis).
     assert run_case(n=2, c_in=4, c_out=3, h=3, w=3, k=2, stride=(33, 1), mode="bf16", force_path="narrow")[2] == "simt"
@@ -474,12 +476,13 @@ def test_narrow_tiled_staged_form_runs_where_it_fits(c_out: int, stride: int) ->
 def test_narrow_tiled_is_the_default_for_large_narrow_layers() -> None:
     """From 2^17 output pixels a narrow layer the tiled kernel takes runs it by default with NCHW tensors (a
     channels-last fp32 x of 32 channels or more: the taps path, test_cuda_taps.py); below, or in float64, or with 4
-    taps a phase, the per-pixel kernel."""
+    taps a phase, the per-pixel kernel (below 2^17 pixels with 32 input channels or more: the fused taps kernel,
+    test_cuda_taps_fused.py)."""
     rgb = dict(n=2, c_in=32, c_out=3, h=128, w=128, k=4, stride=2, padding=1)  # 2 x 256 x 256 pixels
     for mode in ("fp32", "tf32", "bf16", "fp16"):
         assert _path(mode, **rgb) == "narrow_tiled", mode
     assert _path("fp64", **rgb) == "narrow"
-    assert _path("bf16", **{**rgb, "h": 16, "w": 16}) == "narrow"  # 2 x 32 x 32 pixels
+    assert _path("bf16", **{**rgb, "c_in": 16, "h": 16, "w": 16}) == "narrow"  # 2 x 32 x 32 pixels
     assert _path("bf16", **{**rgb, "k": 8, "stride": 2, "padding": 3}) == "narrow"  # 4 taps a phase
 
 

@@ -97,9 +97,10 @@ def _default_path(mode: str, n: int, c_in: int, c_out: int, h: int, w: int, k: i
 def test_taps_is_the_default_for_wide_fp32_layers_with_few_output_channels(mode: str, x_layout: str) -> None:
     """The rule (taps_preferred): at most 32 output and at least 32 input channels, C_out kH kW <= 2 C_in and at
     least 2^14 input positions; with an NCHW x, not where the tiled narrow kernel is preferred (2^17 output pixels
-    of at most 8 channels), which reads it as it is."""
+    of at most 8 channels) nor below it, where the fused taps kernel is (test_cuda_taps_fused.py): both read it as
+    it is."""
     rgb = dict(n=1, c_in=32, c_out=3, h=128, w=128, k=4, s=2, p=1)  # 2^14 positions, 48 columns, 2^16 pixels
-    assert _default_path(mode, **rgb, x_layout=x_layout) == "taps"
+    assert _default_path(mode, **rgb, x_layout=x_layout) == ("taps" if x_layout == "cl" else "taps_fused")
     big = _default_path(mode, **{**rgb, "n": 2}, x_layout=x_layout)  # 2^17 output pixels
     assert big == ("taps" if x_layout == "cl" else "narrow_tiled")
     assert _default_path(mode, **{**rgb, "c_out": 32, "c_in": 256, "h": 64, "w": 256}) == "taps"  # 512 columns

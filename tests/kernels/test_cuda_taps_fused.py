@@ -8,8 +8,8 @@ positions (a stride above the kernel, stride 1, k9 s2), outputs cropped by paddi
 padding, unequal kernels and strides, input channels that leave a partial stage (1, 20, 56) or take several (64,
 128), column chunks of whole output channels (one chunk of 96 or 81 columns, 17 channels in 3 chunks, 7 in 2 of
 unequal size), one output channel, images and tiles enough for the grid to loop; x and the weights in both
-layouts, `out` (also one element into its storage) or a new output, bias or none. Then the fallbacks and the
-kernels a steady call launches.
+layouts, `out` (also one element into its storage) or a new output, bias or none. Then the fallbacks, the default
+choice for small layers and the kernels a steady call launches.
 """
 
 from __future__ import annotations
@@ -110,3 +110,32 @@ def test_a_steady_call_launches_only_the_fused_taps_kernel(dtype: torch.dtype, x
     y = outputs[-1]
     assert y.is_contiguous(memory_format=torch.channels_last if x_layout == "cl" else torch.contiguous_format)
     assert rel_err(y, reference(x, w, b, stride=2, padding=1)) <= MODES["tf32" if dtype == torch.float32 else "bf16"][2]
+
+
+@needs_sm80
+@pytest.mark.parametrize("x_layout", ["nchw", "cl"])
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16"])
+def test_taps_fused_is_the_default_for_small_layers_of_many_input_channels(mode: str, x_layout: str) -> None:
+    """The rule (taps_fused_preferred): at most 8 output channels, one group, at least 32 input channels, below the
+    tiled narrow kernel's 2^17 output pixels (where the per-pixel narrow kernel ran): one kernel a call, in either
+    layout. With 16 input channels, with two groups, or from 2^17 output pixels, not."""
+    one = dict(n=1, c_in=56, c_out=1, h=64, w=64, k=9, s=3, p=4, op=2)  # fsrcnn-x3 on one 64 x 64 frame
+    err, tol, path, _ = run_problem(one, mode, x_layout=x_layout, new_output=True, force_path=None)
+    assert path == "taps_fused"
+    assert err <= tol
+    rgb = dict(n=2, c_in=32, c_out=3, h=32, w=32, k=4, s=2, p=1)  # 2 x 64 x 64 output pixels
+    assert run_problem(rgb, mode, x_layout=x_layout, force_path=None)[2] == "taps_fused"
+    for other in ({**rgb, "c_in": 16}, {**rgb, "c_out": 4, "g": 2}, {**rgb, "n": 32}):
+        err, tol, path, _ = run_problem(other, mode, x_layout=x_layout, force_path=None)
+        assert path != "taps_fused", other
+        assert err <= tol
+    dtype = MODES[mode][0]
+    x = torch.randn(1, 56, 64, 64, device="cuda").to(dtype)
+    if x_layout == "cl":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(56, 1, 9, 9, device="cuda").to(dtype)
+    args = normalize_args(3, 4, 2, 1, 1)
+    with torch.no_grad():
+        launched = kernels_launched(lambda: forward_cuda(x, w, None, args, "tf32" if mode == "tf32" else "fp32"))
+    assert len(launched) == 1, launched
+    assert "conv_transpose2d_taps_fused_kernel" in launched[0], launched
